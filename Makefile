@@ -1,0 +1,36 @@
+# Two quickstart targets; each sets up .venv by itself on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch is pinned for the CPU machines this project is developed on; override with TORCH_SPEC=torch.
+TORCH_SPEC ?= torch==2.13.0
+
+$(VENV)/.core:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.core
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+.PHONY: setup dev train test sft grpo bench report
+setup: $(VENV)/.core
+dev: $(VENV)/.dev
+
+train: $(VENV)/.core
+	$(VENV)/bin/lmforge pretrain --config configs/debug.toml
+
+test: $(VENV)/.dev
+	$(PY) -m pytest -q tests
+
+sft: $(VENV)/.core
+	$(VENV)/bin/lmforge sft --config configs/sft_debug.toml
+
+grpo: $(VENV)/.core
+	$(VENV)/bin/lmforge grpo --config configs/grpo_debug.toml
+
+bench: $(VENV)/.dev
+	$(PY) bench/throughput.py
