@@ -1,0 +1,152 @@
+"""Training samples, batches, and the packed pretraining dataset.
+
+A :class:`Sample` is one fixed-length sequence with its targets already aligned
+(``labels[t]`` is the target for ``input_ids[t]``), so the loss never shifts anything and
+every trainer (pretraining, SFT, RL) can share the same model step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+import torch
+
+from lmforge.errors import UserError
+
+__all__ = ["IGNORE_INDEX", "Sample", "Batch", "collate", "SampleDataset", "PackedTokenDataset"]
+
+IGNORE_INDEX = -100  # matches torch.nn.functional.cross_entropy's default ignore_index
+
+
+@dataclass
+class Sample:
+    """One training sequence of length T. ``labels`` uses IGNORE_INDEX where there is no loss.
+
+    ``position_ids``/``document_ids`` are set only when several documents share a sequence and
+    must not attend to each other (e.g. packed SFT); ``None`` means plain causal attention.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    document_ids: torch.Tensor | None = None
+
+
+@dataclass
+class Batch:
+    """Samples stacked to ``[B, T]``."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    document_ids: torch.Tensor | None = None
+
+    def _map(self, fn) -> "Batch":
+        return Batch(
+            input_ids=fn(self.input_ids),
+            labels=fn(self.labels),
+            position_ids=None if self.position_ids is None else fn(self.position_ids),
+            document_ids=None if self.document_ids is None else fn(self.document_ids),
+        )
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "Batch":
+        """Page-locked copy, so the host-to-GPU copy can overlap with compute."""
+        return self._map(lambda t: t.pin_memory())
+
+    @property
+    def num_targets(self) -> torch.Tensor:
+        """Number of positions that carry loss, kept on-device to avoid a host sync."""
+        return (self.labels != IGNORE_INDEX).sum()
+
+
+def _stack_optional(samples: Sequence[Sample], field: str) -> torch.Tensor | None:
+    values = [getattr(s, field) for s in samples]
+    present = sum(v is not None for v in values)
+    if present == 0:
+        return None
+    if present != len(values):
+        raise ValueError(f"collate: {field} is set on some samples but not on others")
+    return torch.stack(values)
+
+
+def collate(samples: list[Sample]) -> Batch:
+    """Stack equal-length samples into a batch."""
+    if not samples:
+        raise ValueError("collate: no samples")
+    return Batch(
+        input_ids=torch.stack([s.input_ids for s in samples]),
+        labels=torch.stack([s.labels for s in samples]),
+        position_ids=_stack_optional(samples, "position_ids"),
+        document_ids=_stack_optional(samples, "document_ids"),
+    )
+
+
+class SampleDataset(Protocol):
+    """Anything indexable that yields samples; the loader only needs these two methods."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> Sample: ...
+
+
+def _tokenize_all(documents: Sequence[str], tokenizer) -> list[list[int]]:
+    batch = getattr(tokenizer, "encode_batch", None)
+    if callable(batch):
+        return batch(documents)
+    return [tokenizer.encode(d) for d in documents]
+
+
+class PackedTokenDataset:
+    """Pretraining data: all documents as one token stream, cut into fixed windows.
+
+    Each document is followed by EOS, then everything is concatenated. Sample ``i`` covers
+    stream tokens ``[i*T, i*T + T + 1)``: inputs are the first T, labels the last T. Windows
+    overlap by one token so that every token in the stream is a target exactly once. The
+    trailing tokens that do not fill a window are dropped. No position or document ids:
+    attention runs causally across document boundaries, as is standard for pretraining, and
+    EOS tells the model where a new document starts.
+
+    The stream is a single int32 numpy array (4 bytes per token, no per-sample objects).
+    """
+
+    def __init__(self, documents: list[str], tokenizer, seq_len: int) -> None:
+        if seq_len < 1:
+            raise UserError(f"seq_len must be at least 1, got {seq_len}")
+        if tokenizer.vocab_size > np.iinfo(np.int32).max:
+            raise UserError(f"vocab_size {tokenizer.vocab_size} does not fit in int32")
+        eos = tokenizer.eos_id
+        pieces: list[np.ndarray] = []
+        for ids in _tokenize_all(documents, tokenizer):
+            pieces.append(np.asarray(ids, dtype=np.int32))
+            pieces.append(np.asarray([eos], dtype=np.int32))
+        self.tokens: np.ndarray = (
+            np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+        )
+        self.seq_len = seq_len
+        self._num_samples = max(0, (len(self.tokens) - 1) // seq_len)
+        if self._num_samples == 0:
+            raise UserError(
+                f"not enough data: {len(self.tokens)} tokens from {len(documents)} documents, "
+                f"need at least seq_len + 1 = {seq_len + 1}"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def __len__(self) -> int:
+        return self._num_samples
+
+    def __getitem__(self, i: int) -> Sample:
+        if i < 0:
+            i += self._num_samples
+        if not 0 <= i < self._num_samples:
+            raise IndexError(f"sample {i} out of range [0, {self._num_samples})")
+        start = i * self.seq_len
+        window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+        return Sample(input_ids=window[:-1], labels=window[1:])

@@ -1,0 +1,178 @@
+"""Reading user data files into documents or records.
+
+Supported inputs:
+
+* ``.txt`` - documents are separated by one or more blank lines; a file without blank lines
+  is a single document. Blocks are stripped of surrounding whitespace.
+* ``.jsonl`` - one JSON object per line; the document is the string under ``text_field``.
+  Blank lines are skipped.
+* ``.parquet`` - the string column ``text_field`` (needs ``pyarrow``: ``pip install
+  lmforge[data]``). Null values are skipped.
+* a directory - every file above, found recursively, read in sorted path order.
+
+Every problem is a :class:`~lmforge.errors.UserError` naming the file, and the line where
+there is one, so a bad row in a large file can be found without a debugger. Empty documents
+are dropped since they would only add stray EOS tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+from lmforge.errors import UserError
+
+__all__ = ["read_documents", "read_jsonl_records", "SUPPORTED_SUFFIXES"]
+
+SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+
+def _read_bytes(path: Path) -> bytes:
+    if not path.exists():
+        raise UserError(f"data file not found: {path}")
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror or e})") from e
+
+
+def _decode(path: Path, data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise UserError(f"{path}:{line}: not valid UTF-8 (byte 0x{data[e.start]:02x})") from e
+
+
+def _lines(text: str) -> list[str]:
+    """Split on newlines only: ``str.splitlines`` also splits on U+2028 and friends, which may
+    legally appear inside a JSON string and would shift reported line numbers."""
+    return [line.rstrip("\r") for line in text.split("\n")]
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, Any]]:
+    """Yields (line number, parsed value) for every non-blank line."""
+    text = _decode(path, _read_bytes(path))
+    for lineno, line in enumerate(_lines(text), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
+
+
+def _read_txt(path: Path) -> list[str]:
+    text = _decode(path, _read_bytes(path))
+    docs: list[str] = []
+    block: list[str] = []
+    for line in _lines(text):
+        if line.strip():
+            block.append(line)
+        elif block:
+            docs.append("\n".join(block).strip())
+            block = []
+    if block:
+        docs.append("\n".join(block).strip())
+    return docs
+
+
+def _read_jsonl(path: Path, text_field: str) -> list[str]:
+    docs: list[str] = []
+    for lineno, obj in _jsonl_lines(path):
+        if not isinstance(obj, dict):
+            raise UserError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+        if text_field not in obj:
+            raise UserError(f"{path}:{lineno}: missing field {text_field!r}")
+        value = obj[text_field]
+        if not isinstance(value, str):
+            raise UserError(
+                f"{path}:{lineno}: field {text_field!r} must be a string, "
+                f"got {type(value).__name__}"
+            )
+        if value:
+            docs.append(value)
+    return docs
+
+
+def _read_parquet(path: Path, text_field: str) -> list[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise UserError(
+            f"{path}: reading .parquet needs pyarrow (pip install 'lmforge[data]')"
+        ) from e
+    if not path.exists():
+        raise UserError(f"data file not found: {path}")
+    try:
+        schema = pq.read_schema(path)
+    except Exception as e:  # pyarrow raises several types for corrupt files
+        raise UserError(f"{path}: not a readable parquet file ({e})") from e
+    if text_field not in schema.names:
+        raise UserError(f"{path}: no column {text_field!r} (columns: {', '.join(schema.names)})")
+    column = pq.read_table(path, columns=[text_field]).column(text_field)
+    values = column.to_pylist()
+    docs: list[str] = []
+    for row, value in enumerate(values):
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise UserError(
+                f"{path}: row {row}: column {text_field!r} must hold strings, "
+                f"got {type(value).__name__}"
+            )
+        if value:
+            docs.append(value)
+    return docs
+
+
+def _files(path: Path) -> list[Path]:
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUPPORTED_SUFFIXES)
+    if not path.exists():
+        raise UserError(f"data file not found: {path}")
+    if path.suffix not in SUPPORTED_SUFFIXES:
+        raise UserError(
+            f"{path}: unsupported file type {path.suffix or '(none)'!r}; "
+            f"expected one of {', '.join(SUPPORTED_SUFFIXES)} or a directory"
+        )
+    return [path]
+
+
+def read_documents(path: str | Path, text_field: str = "text") -> list[str]:
+    """All documents under ``path`` (a file or a directory), in a deterministic order."""
+    path = Path(path).expanduser()
+    docs: list[str] = []
+    for f in _files(path):
+        if f.suffix == ".txt":
+            docs.extend(_read_txt(f))
+        elif f.suffix == ".jsonl":
+            docs.extend(_read_jsonl(f, text_field))
+        else:
+            docs.extend(_read_parquet(f, text_field))
+    if not docs:
+        raise UserError(f"no documents in {path}")
+    return docs
+
+
+def read_jsonl_records(path: str | Path) -> list[dict[str, Any]]:
+    """Every JSON object of a ``.jsonl`` file (or of all ``.jsonl`` files in a directory)."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.jsonl") if p.is_file())
+    elif not path.exists():
+        raise UserError(f"data file not found: {path}")
+    elif path.suffix != ".jsonl":
+        raise UserError(f"{path}: expected a .jsonl file")
+    else:
+        files = [path]
+    records: list[dict[str, Any]] = []
+    for f in files:
+        for lineno, obj in _jsonl_lines(f):
+            if not isinstance(obj, dict):
+                raise UserError(f"{f}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            records.append(obj)
+    if not records:
+        raise UserError(f"no records in {path}")
+    return records
