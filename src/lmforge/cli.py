@@ -1,0 +1,120 @@
+"""The ``lmforge`` command: ``lmforge TRAINER --config FILE [--section.key=value ...]`` and tools.
+
+User errors (bad config, missing files, ...) print one ``error:`` line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable
+
+from lmforge.errors import UserError
+
+TRAINERS = ("pretrain", "sft", "grpo", "elastic")
+
+
+def _trainer(name: str) -> tuple[type, Callable]:
+    if name == "pretrain":
+        from lmforge.config import Config
+        from lmforge.trainers.pretrain import run
+        return Config, run
+    if name == "sft":
+        from lmforge.trainers.sft import SFTConfig, run
+        return SFTConfig, run
+    if name == "grpo":
+        from lmforge.trainers.grpo import GRPOConfig, run
+        return GRPOConfig, run
+    from lmforge.trainers.elastic import ElasticConfig, run
+    return ElasticConfig, run
+
+
+def _train(name: str, argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog=f"lmforge {name}", description=f"Run the {name} trainer.",
+                                     epilog="Any config key can be overridden: --training.steps=50")
+    parser.add_argument("--config", help="TOML config file (configs/*.toml)")
+    args, overrides = parser.parse_known_args(argv)
+    from lmforge.config import load_config
+
+    cls, run = _trainer(name)
+    cfg = load_config(cls, args.config, overrides)
+    rt = run(cfg)
+    if rt.dist.is_main:
+        d = rt.run_dir
+        print(f"run files: {d}/ (metrics.jsonl, config.toml, checkpoints/, tensorboard/)")
+        print(f"view in TensorBoard: tensorboard --logdir {d}/tensorboard")
+    from lmforge import distributed
+
+    distributed.shutdown()
+    return 0
+
+
+def _generate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="lmforge generate", description="Sample from a checkpoint.")
+    p.add_argument("checkpoint", help="run directory, checkpoint directory, or Hugging Face model directory")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    a = p.parse_args(argv)
+    from lmforge.inference import load_for_inference, sample_texts
+
+    model, tokenizer = load_for_inference(a.checkpoint)
+    for text in sample_texts(model, tokenizer, a.prompt, max_new_tokens=a.max_new_tokens,
+                             temperature=a.temperature, top_p=a.top_p, seed=a.seed, chat=a.chat):
+        print(text)
+    return 0
+
+
+def _export(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="lmforge export", description="Export a checkpoint.")
+    p.add_argument("--hf", required=True, metavar="OUT_DIR", help="write a Hugging Face Llama directory here")
+    p.add_argument("run_dir", help="run directory or checkpoint directory")
+    a = p.parse_args(argv)
+    from lmforge.inference import export_hf
+
+    out = export_hf(a.run_dir, a.hf)
+    print(f"exported Hugging Face model to {out}")
+    return 0
+
+
+def _report(argv: list[str]) -> int:
+    from lmforge.report import main as report_main
+    return report_main(argv)
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "generate": _generate, "export": _export, "report": _report,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = ("usage: lmforge {pretrain,sft,grpo,elastic} --config FILE [--section.key=value ...]\n"
+             "       lmforge generate CHECKPOINT --prompt TEXT | export --hf OUT RUN_DIR | report RUN_DIR...")
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    try:
+        if cmd in TRAINERS:
+            return _train(cmd, rest)
+        if cmd in COMMANDS:
+            return COMMANDS[cmd](rest)
+        print(f"error: unknown command {cmd!r}\n{usage}", file=sys.stderr)
+        return 2
+    except UserError as e:
+        rank = os.environ.get("RANK", "0")
+        if rank == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

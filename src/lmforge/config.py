@@ -1,0 +1,286 @@
+"""Configuration: TOML files plus ``--section.key=value`` overrides, validated by pydantic.
+
+Every trainer has one config class (``Config`` here, extended by SFT/GRPO/elastic with their own
+section). Validation errors become one ``UserError`` line that names the key, the file and, for
+unknown keys, the closest known key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import sys
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from lmforge.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(Section):
+    size: str = "debug"
+    """Named preset from ``lmforge.model.MODEL_SIZES``; the fields below override it."""
+    dim: int | None = Field(None, gt=0)
+    n_layers: int | None = Field(None, gt=0)
+    n_heads: int | None = Field(None, gt=0)
+    n_kv_heads: int | None = Field(None, gt=0)
+    ffn_hidden_dim: int | None = Field(None, gt=0)
+    max_seq_len: int | None = Field(None, gt=0)
+    tie_embeddings: bool | None = None
+    tokenizer: str = "byte"
+    """``byte`` (needs no files) or a local directory holding ``tokenizer.json``."""
+    from_hf: str | None = None
+    """A local Hugging Face Llama directory to start from (weights, config and tokenizer)."""
+    from_checkpoint: str | None = None
+    """An lmforge run directory or checkpoint to take the starting weights from (model only)."""
+
+
+class DataSection(Section):
+    train: str = "embedded"
+    """``embedded`` (the built-in corpus) or a local .txt/.jsonl/.parquet file or directory."""
+    validation: str = "embedded"
+    text_field: str = "text"
+    seq_len: int = Field(256, gt=1)
+    shuffle: bool = True
+    prefetch: int = Field(2, ge=0)
+
+
+class TrainingSection(Section):
+    steps: int = Field(300, ge=0)
+    global_batch_size: int = Field(16, gt=0)
+    """Sequences per optimizer step across all ranks; gradient accumulation fills the gap."""
+    micro_batch_size: int = Field(8, gt=0)
+    seed: int = 0
+    max_tokens: int = Field(0, ge=0)
+    """Stop once this many target tokens were trained on (0: no token budget)."""
+    max_seconds: float = Field(0.0, ge=0)
+    """Stop once the training clock passes this many seconds (0: no time budget)."""
+    target_eval_loss: float = Field(0.0, ge=0)
+    """Stop as soon as an eval loss is at or below this (0: off)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Autocast dtype for the forward pass; parameters and optimizer state stay fp32."""
+    compile: bool = False
+    activation_checkpointing: bool = False
+    threads: int = Field(0, ge=0)
+    """torch intra-op threads on CPU (0: leave torch's default)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    nonfinite: Literal["stop", "skip"] = "stop"
+    """On a non-finite loss or grad norm: stop with a message, or skip that update."""
+    spike_factor: float = Field(3.0, ge=0)
+    """Warn when a loss exceeds this factor of its running mean (0: off)."""
+
+
+class OptimizerSection(Section):
+    lr: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0)
+    """Max global grad norm (0: no clipping; the norm is still reported)."""
+
+
+class ScheduleSection(Section):
+    kind: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    warmup_steps: int = Field(20, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    decay_fraction: float = Field(0.2, gt=0, le=1)
+    """For ``wsd``: the last fraction of steps that decays to min_lr."""
+
+
+class EvalSection(Section):
+    interval: int = Field(50, ge=0)
+    """Evaluate every this many steps and at the end (0: never)."""
+    steps: int = Field(8, gt=0)
+    batch_size: int = Field(16, gt=0)
+
+
+class CheckpointSection(Section):
+    interval: int = Field(100, ge=0)
+    """Save every this many steps (0: only at the end) ."""
+    keep: int = Field(2, ge=1)
+    enabled: bool = True
+    resume: Literal["auto", "never"] = "auto"
+    """``auto``: a run started on a run directory with checkpoints continues from the newest."""
+    on_damaged: Literal["fallback", "stop"] = "fallback"
+
+
+class MetricsSection(Section):
+    log_every: int = Field(10, gt=0)
+    tensorboard: bool = True
+    wandb: bool = False
+    progress: Literal["auto", "on", "off"] = "auto"
+    peak_tflops: float = Field(0.0, ge=0)
+    """Peak TFLOP/s per device for MFU (0: a GPU table, or a measured matmul peak on CPU)."""
+
+
+class RunSection(Section):
+    dir: str = "runs/debug"
+    """Run directory: metrics, TensorBoard events, checkpoints, resolved config."""
+
+
+class ParallelSection(Section):
+    mode: Literal["ddp", "fsdp"] = "ddp"
+
+
+class Config(Section):
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    training: TrainingSection = TrainingSection()
+    optimizer: OptimizerSection = OptimizerSection()
+    schedule: ScheduleSection = ScheduleSection()
+    eval: EvalSection = EvalSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    metrics: MetricsSection = MetricsSection()
+    run: RunSection = RunSection()
+    parallel: ParallelSection = ParallelSection()
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(self.model_dump_json())
+
+    def to_toml(self) -> str:
+        return dump_toml(self.to_dict())
+
+
+C = TypeVar("C", bound=Config)
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """Turn ``--training.steps=50`` / ``--training.steps 50`` into a nested dict.
+
+    Values are read as TOML literals (numbers, booleans, strings in quotes, arrays) and fall back to
+    plain strings, so ``--run.dir=runs/x`` needs no quoting.
+    """
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise UserError(f"unexpected argument {arg!r}: overrides look like --section.key=value")
+        body = arg[2:]
+        if "=" in body:
+            key, raw = body.split("=", 1)
+        else:
+            if i + 1 >= len(args):
+                raise UserError(f"override --{body} has no value: write --{body}=VALUE")
+            key, raw = body, args[i + 1]
+            i += 1
+        i += 1
+        key = key.replace("-", "_")
+        node = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise UserError(f"override --{key} conflicts with another override")
+        node[parts[-1]] = _parse_value(raw)
+    return out
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(merged.get(k), dict):
+            merged[k] = _merge(merged[k], v)
+        else:
+            merged[k] = v
+    return merged
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file not found: {p}")
+    try:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{p}: invalid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{p}: config file is not UTF-8 text") from None
+
+
+def load_config(cls: type[C], path: str | Path | None, overrides: list[str] | None = None) -> C:
+    """Read ``path`` (optional), apply CLI overrides, validate; raise UserError on any problem."""
+    source = str(path) if path else "command line"
+    data = read_toml(path) if path else {}
+    data = _merge(data, parse_overrides(overrides or []))
+    return validate_config(cls, data, source)
+
+
+def validate_config(cls: type[C], data: dict[str, Any], source: str = "config") -> C:
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise UserError(_describe(cls, e, source)) from None
+
+
+def _describe(cls: type[BaseModel], err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    loc = [str(x) for x in first["loc"]]
+    key = ".".join(loc)
+    if first["type"] == "extra_forbidden":
+        known = _known_keys(cls, loc[:-1])
+        prefix = ".".join(loc[:-1])
+        candidates = [f"{prefix}.{k}" if prefix else k for k in known]
+        close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+        if not close:  # maybe the key belongs in another section (e.g. steps -> training.steps)
+            every = _all_keys(cls)
+            close = [k for k in every if k.split(".")[-1] == loc[-1]][:1]
+        hint = f" (did you mean `{close[0]}`?)" if close else ""
+        return f"{source}: unknown config key `{key}`{hint}"
+    value = first.get("input")
+    shown = f" (got {value!r})" if not isinstance(value, dict) else ""
+    return f"{source}: config key `{key}`: {first['msg']}{shown}"
+
+
+def _known_keys(cls: type[BaseModel], loc: list[str]) -> list[str]:
+    model: Any = cls
+    for part in loc:
+        field = model.model_fields.get(part)
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return []
+        model = field.annotation
+    return list(model.model_fields)
+
+
+def _all_keys(cls: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in cls.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys += _all_keys(ann, f"{prefix}{name}.")
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def dump_toml(data: dict[str, Any]) -> str:
+    """Write a two-level config dict as TOML (tables of scalars/arrays; ``None`` values omitted)."""
+    lines: list[str] = []
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            if values is not None:
+                lines.append(f"{section} = {json.dumps(values)}")
+            continue
+        lines.append(f"\n[{section}]")
+        for k, v in values.items():
+            if v is not None:
+                lines.append(f"{k} = {json.dumps(v)}")
+    return "\n".join(lines).lstrip() + "\n"

@@ -1,0 +1,156 @@
+"""Process groups, devices and data-parallel wrapping (DDP or FSDP2) under torchrun or alone."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str = "auto", timeout_s: float = 300.0) -> DistInfo:
+    """Join the torchrun process group if launched by torchrun; pick the device.
+
+    Under torchrun's elastic agent the rendezvous store keeps keys of a failed attempt, so a
+    restarted group builds its process group on a store prefixed by the restart count.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if use_cuda else "gloo"
+        store = _restart_safe_store(rank, world, timeout_s)
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=timeout_s))
+        else:
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev)
+
+
+def _restart_safe_store(rank: int, world: int, timeout_s: float) -> dist.Store | None:
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "MASTER_ADDR" not in os.environ:
+        return None
+    restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                         is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True) \
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else None
+    if base is None:
+        return None
+    return dist.PrefixStore(f"lmforge_attempt_{restart}", base)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (a no-op alone). Returns a new tensor; stays on device, no host sync."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return t
+    t = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_reduce_max(value: float) -> float:
+    """Max of a host value over ranks (used for decisions every rank must share, e.g. stop)."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def broadcast_object(obj: object) -> object:
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@contextmanager
+def no_grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip the gradient all-reduce for accumulation microbatches (DDP ``no_sync``, FSDP2 flag)."""
+    if not enabled:
+        yield
+        return
+    if hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def wrap_model(model: nn.Module, mode: str, info: DistInfo, *, bf16: bool = False) -> nn.Module:
+    """Wrap for data parallelism: DDP, or FSDP2 ``fully_shard`` per transformer block then the root.
+
+    Alone (world size 1) the model is returned as is. With FSDP2 on GPU and ``bf16``, parameters are
+    gathered in bf16 and gradients reduced in fp32.
+    """
+    if info.world_size == 1:
+        return model
+    if mode == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(info.device.type, (info.world_size,))
+        kwargs: dict = {"mesh": mesh}
+        if bf16 and info.device.type == "cuda":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.layers:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    device_ids = [info.local_rank] if info.device.type == "cuda" else None
+    return DDP(model, device_ids=device_ids)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if hasattr(model, "module") and not hasattr(model, "layers") else model

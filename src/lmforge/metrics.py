@@ -1,0 +1,326 @@
+"""One MetricLogger for every trainer: console line, JSONL file and TensorBoard, plus goodput.
+
+Step-time rules (the same for pretraining, SFT, GRPO and elastic runs):
+
+* The training clock starts in :meth:`MetricLogger.start_clock`, called immediately before the first
+  step, so setup time (imports, model build, checkpoint restore) is never part of a step.
+* A step's seconds run from the end of the previous step (or the clock start) to the end of this
+  step: data wait plus compute. Work done *between* steps under :meth:`MetricLogger.timed` —
+  checkpoint saves, eval, restores — is measured, recorded under its own name and subtracted, so it
+  never inflates or deflates a step's throughput.
+* The first step after the clock starts (warm-up, lazy init, compilation) is flagged
+  ``first_step: true`` and is always logged on its own; later lines average over the steps since the
+  previous logged line.
+* No host-device synchronization per step: metrics arrive as device tensors and are only converted
+  to Python numbers on a log step (every ``log_every`` steps), in one transfer.
+
+Goodput: every second of wall-clock time since process start falls into exactly one category
+(``GOODPUT_CATEGORIES``); ``other`` is whatever no category claimed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+PROCESS_START = time.time()
+"""Wall-clock time when lmforge was imported: the start of the ``setup`` goodput category."""
+
+GOODPUT_CATEGORIES = (
+    "setup", "first_step", "productive", "data_wait", "checkpoint_save", "checkpoint_restore",
+    "eval", "rollout", "lost_progress", "recovery", "other",
+)
+_PERF_KEYS = {"seconds", "tflops_per_device", "tokens_per_sec_per_device", "mfu", "data_wait_seconds"}
+
+
+class MetricLogger:
+    """Records train/eval metrics and timing for one run; only rank 0 writes anything."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        log_every: int = 10,
+        flops_per_token: float = 0.0,
+        peak_flops: float = 0.0,
+        tensorboard: bool = True,
+        console: Callable[[str], None] | None = None,
+        process_start: float | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.world_size = world_size
+        self.log_every = log_every
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.writes = rank == 0
+        self._console = console or (lambda line: print(line, flush=True))
+        self.process_start = process_start if process_start is not None else PROCESS_START
+        self.goodput = {c: 0.0 for c in GOODPUT_CATEGORIES}
+        self._clock_start: float | None = None
+        self._last_mark = 0.0
+        self._excluded = 0.0  # seconds of timed() work since the last step ended
+        self._window: list[tuple[float, int, float]] = []  # (seconds, tokens, data_wait) per step
+        self._steps_seen = 0
+        self._jsonl = None
+        self._tb = None
+        self.sinks: list[Any] = []  # extra sinks with .scalars(step, dict) / .close() (e.g. wandb)
+        if self.writes:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+
+    # ------------------------------------------------------------------ output
+    def console(self, line: str) -> None:
+        if self.writes:
+            self._console(line)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._jsonl is not None:
+            record = {"time": round(time.time(), 3), **record}
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+
+    def _scalars(self, step: int, values: dict[str, float], group: str | None = None) -> None:
+        named = {}
+        for k, v in values.items():
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                continue
+            if "/" in k:
+                name = k
+            elif group:
+                name = f"{group}/{k}"
+            else:
+                name = f"perf/{k}" if k in _PERF_KEYS else f"learning/{k}"
+            named[name] = v
+        if self._tb is not None:
+            for name, v in named.items():
+                self._tb.add_scalar(name, v, step)
+        for sink in self.sinks:
+            sink.scalars(step, named)
+
+    # ------------------------------------------------------------------ setup
+    def log_setup(self, info: dict[str, Any], config_toml: str) -> None:
+        """Write the one-off setup facts (parameters, FLOPs per token, peak, config)."""
+        if not self.writes:
+            return
+        self._write({"kind": "setup", **info})
+        self.console("setup: " + ", ".join(f"{k}={_fmt(v)}" for k, v in info.items()))
+        if self._tb is not None:
+            self._tb.add_text("config", "```toml\n" + config_toml + "\n```", 0)
+            self._tb.add_text("setup", "\n".join(f"* {k}: {v}" for k, v in info.items()), 0)
+
+    # ------------------------------------------------------------------ timing
+    def start_clock(self) -> None:
+        """Call immediately before the first step: everything earlier counts as setup."""
+        now = time.perf_counter()
+        self.goodput["setup"] += time.time() - self.process_start - self._accounted()
+        self._clock_start = now
+        self._last_mark = now
+        self._excluded = 0.0
+
+    @property
+    def training_seconds(self) -> float:
+        """Seconds on the training clock (since start_clock), including eval and checkpoints."""
+        return 0.0 if self._clock_start is None else time.perf_counter() - self._clock_start
+
+    @contextmanager
+    def timed(self, category: str) -> Iterator[None]:
+        """Time non-step work (eval, checkpoint_save, checkpoint_restore, rollout, recovery...).
+
+        Inside the training clock the time is excluded from the surrounding step's seconds.
+        """
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            self.goodput[category] += dt
+            if self._clock_start is not None:
+                self._excluded += dt
+
+    def add_time(self, category: str, seconds: float) -> None:
+        """Attribute seconds measured elsewhere (e.g. recovery before this process existed)."""
+        self.goodput[category] += seconds
+
+    def _accounted(self) -> float:
+        return sum(v for k, v in self.goodput.items() if k != "other")
+
+    # ------------------------------------------------------------------ steps
+    def record_step(
+        self,
+        step: int,
+        tokens: int,
+        metrics: dict[str, torch.Tensor | float],
+        *,
+        data_wait: float = 0.0,
+        force_log: bool = False,
+        lost: bool = False,
+    ) -> dict[str, Any] | None:
+        """Close the timing of ``step`` and log it on log steps.
+
+        ``tokens`` is this device's processed tokens (inputs, padding included) — the throughput
+        numerator; ``metrics`` holds device tensors (loss, total_weights, lr, grad_norm, ...) that are
+        only read on log steps. ``lost`` marks a step redone after a restart (goodput
+        ``lost_progress``). Returns the logged record, or None on a non-log step.
+        """
+        now = time.perf_counter()
+        seconds = max(now - self._last_mark - self._excluded, 0.0)
+        self._last_mark = now
+        self._excluded = 0.0
+        self._steps_seen += 1
+        first = self._steps_seen == 1
+        if first:
+            self.goodput["first_step"] += seconds
+        elif lost:
+            self.goodput["lost_progress"] += seconds
+        else:
+            self.goodput["productive"] += seconds - data_wait
+            self.goodput["data_wait"] += data_wait
+        self._window.append((seconds, tokens, data_wait))
+        if not (first or force_log or step % self.log_every == 0):
+            return None
+        return self._flush(step, metrics, first)
+
+    def _flush(self, step: int, metrics: dict[str, torch.Tensor | float], first: bool) -> dict[str, Any]:
+        n = len(self._window)
+        seconds = sum(w[0] for w in self._window) / n
+        tokens = sum(w[1] for w in self._window) / n
+        wait = sum(w[2] for w in self._window) / n
+        self._window.clear()
+        values = to_python(metrics)
+        tps = tokens / seconds if seconds > 0 else 0.0
+        flops = self.flops_per_token * tps
+        rec: dict[str, Any] = {
+            "kind": "train", "step": step, "seconds": seconds, "steps_averaged": n,
+            "tflops_per_device": flops / 1e12, "tokens_per_sec_per_device": tps,
+            "mfu": flops / self.peak_flops if self.peak_flops else 0.0,
+            "data_wait_seconds": wait, "world_size": self.world_size, "first_step": first,
+            **values,
+        }
+        if self.writes:
+            self._write(rec)
+            self._scalars(step, {k: v for k, v in rec.items() if k not in ("step", "kind", "steps_averaged")})
+            self.console(format_train_line(rec))
+        return rec
+
+    # ------------------------------------------------------------------ eval, events
+    def record_eval(self, step: int, metrics: dict[str, torch.Tensor | float], seconds: float) -> dict[str, Any]:
+        values = to_python(metrics)
+        rec = {"kind": "eval", "step": step, **values, "eval_seconds": seconds}
+        if self.writes:
+            self._write(rec)
+            self._scalars(step, {k: v for k, v in values.items()} | {"seconds": seconds}, group="eval")
+            parts = ", ".join(f"{k}={_fmt(v)}" for k, v in values.items())
+            self.console(f"eval metrics after step: {step}, {parts}, eval_seconds={seconds:.3f}")
+        return rec
+
+    def record_event(self, kind: str, step: int, message: str | None = None, **fields: Any) -> None:
+        """Stop reasons, restarts, warnings: one JSONL record and (with a message) a console line."""
+        if not self.writes:
+            return
+        self._write({"kind": kind, "step": step, **({"message": message} if message else {}), **fields})
+        numeric = {k: v for k, v in fields.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if numeric:
+            self._scalars(step, numeric, group=kind)
+        if message:
+            self.console(message)
+
+    def record_text(self, step: int, tag: str, text: str) -> None:
+        if not self.writes:
+            return
+        self._write({"kind": "text", "step": step, "tag": tag, "text": text})
+        if self._tb is not None:
+            self._tb.add_text(tag, text, step)
+
+    # ------------------------------------------------------------------ goodput
+    def goodput_summary(self) -> dict[str, float]:
+        """Seconds per category; ``other`` closes the gap to the wall time since process start."""
+        wall = time.time() - self.process_start
+        out = dict(self.goodput)
+        out["other"] = max(wall - self._accounted(), 0.0)
+        out["wall"] = wall
+        return out
+
+    def log_goodput(self, step: int, final: bool = False) -> dict[str, float]:
+        g = self.goodput_summary()
+        wall = g["wall"]
+        if self.writes:
+            self._write({"kind": "goodput", "step": step, "final": final, **g})
+            self._scalars(step, {k: 100.0 * v / wall for k, v in g.items() if k != "wall"}, group="goodput")
+            if final:
+                parts = ", ".join(f"{k} {100.0 * v / wall:.1f}" for k, v in g.items() if k != "wall" and v > 0)
+                self.console(f"goodput {100.0 * g['productive'] / wall:.1f}% of {wall:.1f}s wall: {parts}")
+        return g
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        for sink in self.sinks:
+            sink.close()
+
+
+def to_python(metrics: dict[str, torch.Tensor | float]) -> dict[str, float]:
+    """Convert a dict of scalars/tensors to floats with one device-to-host transfer."""
+    tensors = {k: v for k, v in metrics.items() if isinstance(v, torch.Tensor)}
+    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
+    if tensors:
+        stacked = torch.stack([t.detach().float().reshape(()) for t in tensors.values()]).cpu().tolist()
+        out.update(zip(tensors.keys(), stacked))
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if v == 0 or math.isnan(v) or math.isinf(v):
+            return str(v)
+        if abs(v) >= 1e4 or abs(v) < 1e-3:
+            return f"{v:.3e}"
+        return f"{v:.4g}"
+    return str(v)
+
+
+_LINE_ORDER = ("lr", "grad_norm", "accuracy")
+_LINE_SKIP = {"kind", "step", "seconds", "tflops_per_device", "tokens_per_sec_per_device", "total_weights",
+              "loss", "steps_averaged", "first_step", "mfu", "data_wait_seconds", "world_size", "time"}
+
+
+def format_train_line(rec: dict[str, Any]) -> str:
+    """The per-step console line shared by all trainers."""
+    line = (
+        f"completed step: {rec['step']}, seconds: {rec['seconds']:.3f}, "
+        f"TFLOP/s/device: {rec['tflops_per_device']:.3f}, "
+        f"Tokens/s/device: {rec['tokens_per_sec_per_device']:.1f}, "
+        f"total_weights: {int(rec.get('total_weights', 0))}, loss: {rec.get('loss', float('nan')):.4f}"
+    )
+    extras = [k for k in _LINE_ORDER if k in rec] + sorted(k for k in rec if k not in _LINE_SKIP and k not in _LINE_ORDER)
+    for k in extras:
+        line += f", {k}: {_fmt(rec[k])}"
+    line += f", mfu: {100 * rec['mfu']:.1f}%"
+    if rec.get("world_size", 1) > 1:
+        line += f", world_size: {rec['world_size']}"
+    if rec.get("first_step"):
+        line += " (first step: warm-up, not representative)"
+    elif rec.get("steps_averaged", 1) > 1:
+        line += f" (time averaged over {rec['steps_averaged']} steps)"
+    return line
+
+
+def stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

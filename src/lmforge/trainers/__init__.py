@@ -1,0 +1,1 @@
+"""The trainers: pretraining, SFT, GRPO and elastic. Each holds only what its job needs."""
