@@ -19,6 +19,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,9 @@ from lmforge import distributed as dist_utils
 from lmforge.errors import UserError
 
 STATE_FILE = "trainer_state.json"
+
+# A single process without a process group is a supported way to save and load: say nothing.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def _fsync_dir(path: Path) -> None:

@@ -239,10 +239,9 @@ def _describe(cls: type[BaseModel], err: ValidationError, source: str) -> str:
         known = _known_keys(cls, loc[:-1])
         prefix = ".".join(loc[:-1])
         candidates = [f"{prefix}.{k}" if prefix else k for k in known]
-        close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
-        if not close:  # maybe the key belongs in another section (e.g. steps -> training.steps)
-            every = _all_keys(cls)
-            close = [k for k in every if k.split(".")[-1] == loc[-1]][:1]
+        # the exact key name in another section (steps -> training.steps) beats a near spelling
+        close = [k for k in _all_keys(cls) if k.split(".")[-1] == loc[-1]][:1]
+        close = close or difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
         hint = f" (did you mean `{close[0]}`?)" if close else ""
         return f"{source}: unknown config key `{key}`{hint}"
     value = first.get("input")

@@ -1,0 +1,23 @@
+"""Run under torchrun: DDP gradients of one step over 2 ranks, saved by rank 0 (see test_train_step)."""
+
+import sys
+
+import torch
+
+from lmforge import distributed as dist_utils
+from lmforge.model import Transformer
+from lmforge.train_step import global_target_count, gradient_computation, cross_entropy_loss
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from test_train_step import ARGS, make_batch, split  # noqa: E402
+
+info = dist_utils.init_distributed("cpu")
+model = Transformer(ARGS)
+model.init_weights(seed=0)
+ddp = dist_utils.wrap_model(model, "ddp", info)
+mine = split(make_batch(), 2)[info.rank]  # rank r takes its contiguous half of the global batch
+micro = split(mine, 2)                    # and accumulates over 2 microbatches
+gradient_computation(ddp, micro, cross_entropy_loss, global_target_count(micro))
+if info.rank == 0:
+    torch.save([p.grad for p in model.parameters()], sys.argv[1])
+dist_utils.shutdown()

@@ -1,0 +1,67 @@
+"""Config loading, overrides and one-line validation errors."""
+
+from pathlib import Path
+
+import pytest
+
+from lmforge.config import Config, dump_toml, load_config, parse_overrides, read_toml
+from lmforge.errors import UserError
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def test_overrides_parse_types_and_nesting():
+    out = parse_overrides(["--training.steps=50", "--optimizer.lr", "1e-3", "--run.dir=runs/x",
+                           "--training.compile=true", "--data.seq-len=64"])
+    assert out == {"training": {"steps": 50, "compile": True}, "optimizer": {"lr": 1e-3},
+                   "run": {"dir": "runs/x"}, "data": {"seq_len": 64}}
+
+
+def test_file_then_overrides(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[training]\nsteps = 7\nseed = 3\n")
+    cfg = load_config(Config, f, ["--training.steps=9"])
+    assert cfg.training.steps == 9 and cfg.training.seed == 3
+
+
+def test_unknown_key_suggests_closest(tmp_path):
+    with pytest.raises(UserError, match=r"unknown config key `training.stpes` \(did you mean `training.steps`\?\)"):
+        load_config(Config, None, ["--training.stpes=3"])
+    with pytest.raises(UserError, match=r"did you mean `training.steps`"):
+        load_config(Config, None, ["--optimizer.steps=3"])
+
+
+def test_wrong_type_and_range_name_the_key(tmp_path):
+    with pytest.raises(UserError, match=r"command line: config key `training.steps`: .*integer.*'many'"):
+        load_config(Config, None, ["--training.steps=many"])
+    with pytest.raises(UserError, match=r"config key `optimizer.lr`: .*greater than 0"):
+        load_config(Config, None, ["--optimizer.lr=-1"])
+    with pytest.raises(UserError, match=r"config key `schedule.kind`"):
+        load_config(Config, None, ["--schedule.kind=exp"])
+
+
+def test_bad_toml_names_file_and_line(tmp_path):
+    f = tmp_path / "bad.toml"
+    f.write_text("[training]\nsteps = = 3\n")
+    with pytest.raises(UserError, match=r"bad.toml: invalid TOML: .*line 2"):
+        load_config(Config, f)
+    with pytest.raises(UserError, match="config file not found"):
+        load_config(Config, tmp_path / "missing.toml")
+
+
+def test_resolved_config_roundtrips_through_toml(tmp_path):
+    cfg = load_config(Config, CONFIGS / "debug.toml", ["--training.steps=5"])
+    f = tmp_path / "resolved.toml"
+    f.write_text(dump_toml(cfg.to_dict()))
+    again = load_config(Config, f)
+    assert again == cfg and read_toml(f)["training"]["steps"] == 5
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.toml")))
+def test_shipped_configs_validate(name):
+    from lmforge.cli import _trainer
+
+    text = read_toml(CONFIGS / name)
+    kind = "sft" if "sft" in text else "grpo" if "grpo" in text else "elastic" if "elastic" in text else "pretrain"
+    cls, _ = _trainer(kind)
+    load_config(cls, CONFIGS / name)

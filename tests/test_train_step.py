@@ -1,0 +1,110 @@
+"""The modular train step: accumulation and ranks give the big-batch gradient; budgets; schedule."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmforge.data.packing import IGNORE_INDEX, Batch
+from lmforge.model import ModelArgs, Transformer
+from lmforge.train_step import (
+    Progress, compute_global_loss, cross_entropy_loss, global_target_count, gradient_computation,
+    learning_rate, should_continue_training,
+)
+
+ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32)
+
+
+def make_batch(n: int = 4, t: int = 12, seed: int = 0) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (n, t + 1), generator=g)
+    labels = ids[:, 1:].clone()
+    # uneven target counts per sequence: a per-microbatch mean would weight them wrongly
+    for i in range(n):
+        labels[i, : 3 * i] = IGNORE_INDEX
+    return Batch(input_ids=ids[:, :-1], labels=labels, position_ids=None, document_ids=None)
+
+
+def split(batch: Batch, parts: int) -> list[Batch]:
+    size = batch.input_ids.shape[0] // parts
+    return [Batch(batch.input_ids[i * size:(i + 1) * size], batch.labels[i * size:(i + 1) * size], None, None)
+            for i in range(parts)]
+
+
+def grads_after(microbatches: list[Batch]) -> tuple[list[torch.Tensor], dict]:
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    model.init_weights(seed=0)
+    stats = gradient_computation(model, microbatches, cross_entropy_loss, global_target_count(microbatches))
+    return [p.grad.clone() for p in model.parameters()], compute_global_loss(stats)
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+def test_accumulation_equals_one_big_batch(parts):
+    batch = make_batch()
+    ref_grads, ref = grads_after([batch])
+    grads, got = grads_after(split(batch, parts))
+    for a, b in zip(ref_grads, grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert got["total_weights"].item() == ref["total_weights"].item() == (batch.labels != IGNORE_INDEX).sum()
+    torch.testing.assert_close(got["loss"], ref["loss"])
+
+
+def test_loss_is_token_weighted_not_mean_of_means():
+    batch = make_batch()
+    _, stats = cross_entropy_loss(Transformer(ARGS), batch)
+    # two microbatches with different token counts: the global loss is sum/sum
+    a = {"loss_sum": torch.tensor(10.0), "total_weights": torch.tensor(10.0), "correct": torch.tensor(1.0)}
+    b = {"loss_sum": torch.tensor(2.0), "total_weights": torch.tensor(1.0), "correct": torch.tensor(1.0)}
+    out = compute_global_loss({k: a[k] + b[k] for k in a})
+    assert out["loss"].item() == pytest.approx(12.0 / 11.0)
+    assert out["accuracy"].item() == pytest.approx(2.0 / 11.0)
+    assert set(stats) == {"loss_sum", "total_weights", "correct"}
+
+
+def test_two_ranks_equal_one_big_batch(tmp_path):
+    """Real torchrun, 2 gloo ranks with DDP and uneven target counts vs 1 process, same global batch."""
+    script = Path(__file__).with_name("_ddp_grad_check.py")
+    out = tmp_path / "grads.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(script), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dist_grads = torch.load(out, weights_only=True)
+    ref_grads, _ = grads_after([make_batch()])
+    for a, b in zip(ref_grads, dist_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+class B:
+    steps, max_tokens, max_seconds, target_eval_loss = 10, 0, 0.0, 0.0
+
+
+def test_should_continue_training_reasons():
+    b = B()
+    assert should_continue_training(Progress(step=3), b) == (True, "")
+    assert "training.steps=10" in should_continue_training(Progress(step=10), b)[1]
+    b.max_tokens = 100
+    assert "max_tokens" in should_continue_training(Progress(step=1, tokens_seen=100), b)[1]
+    b.max_seconds = 5.0
+    assert "max_seconds" in should_continue_training(Progress(step=1, training_seconds=6), b)[1]
+    b.target_eval_loss = 1.5
+    assert "target_eval_loss" in should_continue_training(Progress(step=1, last_eval_loss=1.4), b)[1]
+    assert should_continue_training(Progress(step=1, last_eval_loss=1.6), b)[0]
+    assert "SIGTERM" in should_continue_training(Progress(step=1, stop_requested="SIGTERM"), b)[1]
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear", "constant", "wsd"])
+def test_schedule_warmup_and_end(kind):
+    lr = lambda s: learning_rate(s, base_lr=1.0, total_steps=100, kind=kind, warmup_steps=10,  # noqa: E731
+                                 min_lr_ratio=0.1, decay_fraction=0.2)
+    assert lr(1) == pytest.approx(0.1) and lr(10) == pytest.approx(1.0)
+    end = 1.0 if kind == "constant" else 0.1
+    assert lr(100) == pytest.approx(end)
+    assert all(lr(s) >= lr(s + 1) - 1e-12 for s in range(10, 100))
+    if kind == "wsd":
+        assert lr(80) == 1.0 and lr(90) == pytest.approx(0.55)
+    if kind == "cosine":
+        assert lr(55) == pytest.approx(0.55)
