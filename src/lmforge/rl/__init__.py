@@ -1,0 +1,1 @@
+"""Reinforcement learning with verifiable rewards: reward functions, rollouts and the GRPO loss."""

@@ -1,0 +1,205 @@
+"""The GRPO objective: group-relative advantages, clipped importance ratio, k3 KL, aggregation.
+
+Notation for one update batch of N completions o_1..o_N, drawn in groups of G per prompt:
+r_i is the weighted reward of o_i, |o_i| its number of completion tokens (the EOS included),
+pi the policy being trained, pi_old the policy that sampled the batch, pi_ref the frozen
+reference model. All log-probabilities are of the sampling distribution, i.e. of
+softmax(logits / temperature), so that ratios compare the same distributions the rollout drew from.
+
+The loss function returns the *sum* of its terms per microbatch; the shared
+``gradient_computation`` divides by a global normalizer that depends on the aggregation mode
+(:func:`aggregation_weight`), so the result does not depend on how the batch is split into
+microbatches or ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lmforge import distributed as dist_utils
+
+Aggregation = Literal["grpo", "dapo", "dr_grpo"]
+AdvantageScale = Literal["group", "batch", "none"]
+
+STD_EPS = 1e-4
+"""Added to the reward std before dividing, so groups with tiny spread do not blow up."""
+
+
+@dataclass
+class PolicyBatch:
+    """One microbatch of completions laid out for a teacher-forced forward pass.
+
+    Row i is ``prompt_i + completion_i`` right-padded; ``targets[i, t]`` is the token that follows
+    ``input_ids[i, t]`` and ``mask[i, t]`` is 1.0 where that target is a completion token.
+    """
+
+    input_ids: Tensor
+    targets: Tensor
+    mask: Tensor
+    advantages: Tensor
+    """[B] group-relative advantage of each completion."""
+    old_logprobs: Tensor | None = None
+    """[B, T] log pi_old of each target; None means "the current policy" (one update per rollout)."""
+    ref_logprobs: Tensor | None = None
+    """[B, T] log pi_ref of each target; only present when the KL penalty is on."""
+
+    def to(self, device: torch.device | str) -> "PolicyBatch":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return PolicyBatch(move(self.input_ids), move(self.targets), move(self.mask), move(self.advantages),
+                           move(self.old_logprobs), move(self.ref_logprobs))
+
+
+def group_advantages(rewards: Tensor, group_size: int, scale: AdvantageScale) -> tuple[Tensor, Tensor]:
+    """Advantages A_i and the number of groups whose rewards are all equal.
+
+    A_i = r_i - mean_{j in group(i)} r_j, then divided by
+      * ``group``: std_{j in group(i)} r_j + eps   (GRPO),
+      * ``batch``: std over the whole batch (all ranks) + eps,
+      * ``none``:  nothing (Dr. GRPO: the std division favours groups with little spread).
+    std is the population standard deviation (divide by G, not G - 1).
+    A group whose rewards are all equal has A = 0 for every member: it contributes no gradient.
+    """
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not form whole groups of {group_size}")
+    r = rewards.float().view(-1, group_size)
+    centered = r - r.mean(dim=1, keepdim=True)
+    zero_std_groups = (r.amax(dim=1) == r.amin(dim=1)).sum()
+    if scale == "group":
+        centered = centered / (r.std(dim=1, unbiased=False, keepdim=True) + STD_EPS)
+    elif scale == "batch":
+        flat = rewards.float()
+        sums = dist_utils.all_reduce_sum(torch.stack([flat.new_tensor(flat.numel()), flat.sum(), (flat ** 2).sum()]))
+        mean = sums[1] / sums[0]
+        std = (sums[2] / sums[0] - mean ** 2).clamp(min=0).sqrt()
+        centered = centered / (std + STD_EPS)
+    elif scale != "none":
+        raise ValueError(f"unknown advantage scale {scale!r}")
+    return centered.flatten(), zero_std_groups
+
+
+def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Per-token k3 estimate of KL(pi || pi_ref): exp(d) - d - 1 with d = log pi_ref - log pi.
+
+    Unbiased for the KL when tokens are sampled from pi, and >= 0 for every token (e^d >= 1 + d),
+    so it never rewards moving away from the reference; it is exactly 0 where the policies agree.
+    """
+    d = ref_logprobs - logprobs
+    return torch.exp(d) - d - 1
+
+
+def aggregation_weight(mask: Tensor, mode: Aggregation, max_new_tokens: int) -> Tensor:
+    """This microbatch's share of the global loss normalizer for ``mode``.
+
+    * ``grpo``:    number of completions (with at least one token in the loss);
+    * ``dapo``:    number of completion tokens;
+    * ``dr_grpo``: number of completions x max_new_tokens (a constant per batch).
+    Summed over all microbatches and ranks this is the denominator of the loss.
+    """
+    if mode == "grpo":
+        return (mask.sum(dim=1) > 0).sum().float()
+    if mode == "dapo":
+        return mask.sum()
+    if mode == "dr_grpo":
+        return mask.new_tensor(float(mask.shape[0] * max_new_tokens))
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def aggregate(per_token: Tensor, mask: Tensor, mode: Aggregation) -> Tensor:
+    """Numerator of the loss for ``mode`` (see :func:`aggregation_weight` for the denominator).
+
+    * ``grpo``:    L = 1/N sum_i 1/|o_i| sum_t l_it  -> numerator sum_i (sum_t l_it / |o_i|):
+      every completion weighs the same, so tokens of long completions weigh less;
+    * ``dapo``:    L = sum_{i,t} l_it / sum_i |o_i|  -> numerator sum_{i,t} l_it: every token weighs
+      the same;
+    * ``dr_grpo``: L = sum_{i,t} l_it / (N * max_new_tokens) -> numerator sum_{i,t} l_it: a constant
+      denominator, so no length bias at all.
+    """
+    summed = (per_token * mask).sum(dim=1)
+    if mode == "grpo":
+        return (summed / mask.sum(dim=1).clamp(min=1)).sum()
+    return summed.sum()
+
+
+def token_logprobs_and_entropy(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """log p(target) under softmax(logits / temperature), and the entropy per position (no grad)."""
+    logp_all = F.log_softmax(logits.float() / temperature, dim=-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+@torch.no_grad()
+def token_logprobs(model: nn.Module, batch: PolicyBatch, temperature: float) -> Tensor:
+    """log p(target) of every position, for the old-policy and reference passes."""
+    logits = model(batch.input_ids)
+    logp_all = F.log_softmax(logits.float() / temperature, dim=-1)
+    return logp_all.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+
+
+class GRPOLoss:
+    """The loss function handed to ``gradient_computation``: ``(model, PolicyBatch) -> (sum, stats)``.
+
+    Per completion token t of o_i, with ratio rho = pi(t) / pi_old(t) and advantage A_i:
+        l_it = -min(rho * A_i, clip(rho, 1 - eps_low, 1 + eps_high) * A_i) + beta * k3_it
+    The clip keeps a token from moving the policy further once its ratio has left the trust region
+    in the direction the advantage pushes it. Separate low/high epsilons (DAPO's "clip-higher")
+    let rarely sampled tokens grow faster than they may shrink.
+    """
+
+    def __init__(self, *, eps_low: float, eps_high: float, beta: float, aggregation: Aggregation,
+                 max_new_tokens: int, temperature: float) -> None:
+        self.eps_low, self.eps_high, self.beta = eps_low, eps_high, beta
+        self.aggregation, self.max_new_tokens, self.temperature = aggregation, max_new_tokens, temperature
+
+    def __call__(self, model: nn.Module, batch: PolicyBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        logits = model(batch.input_ids)
+        logp, entropy = token_logprobs_and_entropy(logits, batch.targets, self.temperature)
+        mask = batch.mask
+        old = logp.detach() if batch.old_logprobs is None else batch.old_logprobs
+        ratio = torch.exp(logp - old)
+        adv = batch.advantages.unsqueeze(1)
+        clipped_ratio = ratio.clamp(1 - self.eps_low, 1 + self.eps_high)
+        surrogate = -torch.minimum(ratio * adv, clipped_ratio * adv)
+        policy_sum = aggregate(surrogate, mask, self.aggregation)
+        objective = policy_sum
+        kl = torch.zeros_like(logp)
+        if self.beta > 0:
+            kl = k3_kl(logp, batch.ref_logprobs)
+            objective = objective + self.beta * aggregate(kl, mask, self.aggregation)
+        with torch.no_grad():
+            stats = {
+                "loss_sum": objective.detach(),
+                "total_weights": aggregation_weight(mask, self.aggregation, self.max_new_tokens),
+                "policy_loss_sum": policy_sum.detach(),
+                "completion_tokens": mask.sum(),
+                "kl_sum": (kl.detach() * mask).sum(),
+                "clip_low_count": (((ratio < 1 - self.eps_low) & (adv < 0)).float() * mask).sum(),
+                "clip_high_count": (((ratio > 1 + self.eps_high) & (adv > 0)).float() * mask).sum(),
+                "entropy_sum": (entropy * mask).sum(),
+            }
+        return objective, stats
+
+
+def loss_normalizer(batches: list[PolicyBatch], aggregation: Aggregation, max_new_tokens: int) -> Tensor:
+    """The global denominator of the loss: the shares of :func:`aggregation_weight` over all ranks."""
+    local = torch.stack([aggregation_weight(b.mask, aggregation, max_new_tokens) for b in batches]).sum()
+    return dist_utils.all_reduce_sum(local)
+
+
+def update_metrics(totals: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Turn the summed statistics (after ``compute_global_loss``) into per-token / per-batch means."""
+    tokens = totals["completion_tokens"].clamp(min=1)
+    weights = totals["total_weights"].clamp(min=1)
+    return {
+        "grpo/policy_loss": totals["policy_loss_sum"] / weights,
+        "grpo/kl": totals["kl_sum"] / tokens,
+        "grpo/clip_low": totals["clip_low_count"] / tokens,
+        "grpo/clip_high": totals["clip_high_count"] / tokens,
+        "grpo/entropy": totals["entropy_sum"] / tokens,
+    }

@@ -1,0 +1,133 @@
+"""Reward functions: plain Python callables scored on decoded completions.
+
+A reward function has the signature ``f(prompts, completions, **fields) -> list[float | None]``:
+``prompts`` and ``completions`` are lists of strings of equal length (each prompt repeated once per
+completion of its group), and ``fields`` holds the dataset's other columns, aligned the same way
+(for the embedded tasks: ``task`` and ``answer``). A function returns one value per completion, or
+``None`` where it does not apply (e.g. a math checker asked about a word task); such entries count
+as 0 in the weighted total and are left out of that function's logged mean.
+
+Functions are named in the config either from the built-in registry (:data:`BUILTIN_REWARDS`) or as
+``module:function``, imported from the Python path plus the current directory.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from lmforge.errors import UserError
+
+RewardFn = Callable[..., "list[float | None]"]
+
+
+def _field(fields: dict[str, Any], name: str, reward: str) -> list[Any]:
+    if name not in fields:
+        raise UserError(f"reward `{reward}` needs an `{name}` column in the prompt data "
+                        f"(columns present: {', '.join(sorted(fields)) or 'none'})")
+    return fields[name]
+
+
+def exact_answer(prompts: list[str], completions: list[str], **fields: Any) -> list[float | None]:
+    """1.0 when the completion's extracted answer equals the reference ``answer``, else 0.0."""
+    from lmforge.data.tasks import is_correct
+
+    answers = _field(fields, "answer", "exact_answer")
+    return [None if a is None else float(is_correct(c, str(a))) for c, a in zip(completions, answers)]
+
+
+def answer_format(prompts: list[str], completions: list[str], **fields: Any) -> list[float | None]:
+    """1.0 when the completion has the answer format the embedded tasks expect, else 0.0."""
+    from lmforge.data.tasks import format_ok
+
+    return [float(format_ok(c)) for c in completions]
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "exact_answer": exact_answer,
+    "format": answer_format,
+}
+"""Rewards available by bare name."""
+
+
+def resolve_reward(name: str) -> RewardFn:
+    """A built-in reward by name, or ``module:function`` imported from the path or the current directory."""
+    if name in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[name]
+    if ":" not in name:
+        raise UserError(f"unknown reward `{name}`: use a built-in ({', '.join(BUILTIN_REWARDS)}) "
+                        "or module:function")
+    module_name, _, attr = name.partition(":")
+    if not module_name or not attr:
+        raise UserError(f"reward `{name}`: expected module:function")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # the `lmforge` script does not put it there
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):
+            raise UserError(f"reward `{name}`: module `{module_name}` not found "
+                            "(run from its directory or put it on PYTHONPATH)") from None
+        raise
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise UserError(f"reward `{name}`: module `{module_name}` has no attribute `{attr}`")
+    if not callable(fn):
+        raise UserError(f"reward `{name}`: `{attr}` is not callable")
+    return fn
+
+
+@dataclass(frozen=True)
+class WeightedReward:
+    name: str
+    fn: RewardFn
+    weight: float
+
+
+def load_rewards(names: Sequence[str], weights: Sequence[float] = ()) -> list[WeightedReward]:
+    """Resolve every name; ``weights`` is empty (all 1.0) or one weight per name."""
+    if not names:
+        raise UserError("grpo.rewards is empty: name at least one reward function")
+    if weights and len(weights) != len(names):
+        raise UserError(f"grpo.rewards_weights has {len(weights)} values for {len(names)} rewards "
+                        f"({', '.join(names)})")
+    if len(set(names)) != len(names):
+        raise UserError(f"grpo.rewards names a function twice: {', '.join(names)}")
+    ws = list(weights) if weights else [1.0] * len(names)
+    return [WeightedReward(n, resolve_reward(n), float(w)) for n, w in zip(names, ws)]
+
+
+@dataclass
+class RewardScores:
+    total: list[float]
+    """Weighted sum per completion (``None`` entries count as 0)."""
+    per_function: dict[str, list[float]]
+    """Raw values per function; ``None`` becomes NaN."""
+
+
+def score_completions(rewards: Sequence[WeightedReward], prompts: list[str], completions: list[str],
+                      fields: dict[str, list[Any]]) -> RewardScores:
+    """Call each reward function once on the whole batch and combine with the weights."""
+    total = [0.0] * len(completions)
+    per_fn: dict[str, list[float]] = {}
+    for r in rewards:
+        values = r.fn(prompts, completions, **fields)
+        if inspect.isgenerator(values):
+            values = list(values)
+        if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+            got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
+            raise UserError(f"reward `{r.name}` returned {got} values for {len(completions)} completions")
+        clean = []
+        for v in values:
+            x = math.nan if v is None else float(v)
+            if math.isinf(x):
+                raise UserError(f"reward `{r.name}` returned an infinite value")
+            clean.append(x)
+        per_fn[r.name] = clean
+        total = [t + (0.0 if math.isnan(x) else r.weight * x) for t, x in zip(total, clean)]
+    return RewardScores(total, per_fn)

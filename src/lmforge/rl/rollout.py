@@ -1,0 +1,174 @@
+"""Rollouts: G sampled completions per prompt from the current policy, scored and laid out for the loss.
+
+One rollout batch holds ``prompts x num_generations`` completions; rows of a group are adjacent, so
+group statistics are plain reshapes. Sampling uses the KV-cache generator with a dedicated
+``torch.Generator`` (its state is checkpointed, so a resumed run draws the same completions).
+
+A completion ends at the stop token (kept: the policy must learn to emit it) or is *truncated* at
+``max_new_tokens``. Truncated completions stay in the loss unless ``mask_truncated`` drops them
+(DAPO's overlong filtering: a cut-off answer's reward says little about its tokens).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from lmforge import distributed as dist_utils
+from lmforge.generate import generate
+from lmforge.rl.grpo_loss import AdvantageScale, PolicyBatch, group_advantages, token_logprobs
+from lmforge.rl.rewards import WeightedReward, score_completions
+
+
+class PromptSampler:
+    """Which prompts each rollout uses: a seeded permutation per epoch, identical at any world size.
+
+    Rollout k takes global prompts ``[k*P, (k+1)*P)`` of the endless shuffled order; rank r of W takes
+    a contiguous slice of P / W of them. Its checkpoint state is the count of prompts consumed.
+    """
+
+    def __init__(self, size: int, prompts_per_rollout: int, rank: int, world_size: int, seed: int) -> None:
+        self.size, self.per_rollout, self.rank, self.world = size, prompts_per_rollout, rank, world_size
+        self.seed = seed
+        self.consumed = 0
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def _index(self, i: int) -> int:
+        epoch, pos = divmod(i, self.size)
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.size))
+        return int(self._perm[1][pos])
+
+    def next_indices(self) -> list[int]:
+        share = self.per_rollout // self.world
+        start = self.consumed + self.rank * share
+        self.consumed += self.per_rollout
+        return [self._index(i) for i in range(start, start + share)]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"prompts_consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.consumed = int(state["prompts_consumed"])
+
+
+@dataclass
+class RolloutSettings:
+    num_generations: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    micro_batch_size: int
+    advantage_scale: AdvantageScale
+    mask_truncated: bool
+    need_old_logprobs: bool
+    """True when a batch is reused for several updates: pi_old must then be frozen at sampling time."""
+
+
+@dataclass
+class Rollout:
+    batches: list[PolicyBatch]
+    prompts: list[str]
+    completions: list[str]
+    rewards: list[float]
+    per_function: dict[str, list[float]]
+    metrics: dict[str, float] = field(default_factory=dict)
+    tokens: int = 0
+    """Tokens one update pass processes on this rank (padding included): the throughput numerator."""
+
+
+def collect_rollout(
+    policy: nn.Module, records: Sequence[dict[str, Any]], prompt_ids: Sequence[list[int]],
+    rewards: Sequence[WeightedReward], s: RolloutSettings, *, stop_id: int, pad_id: int,
+    decode: Callable[[list[int]], str], generator: torch.Generator, reference: nn.Module | None,
+    autocast: Any, prompt_field: str = "prompt",
+) -> Rollout:
+    """Sample, score and lay out one rollout batch for this rank's prompts ``records``."""
+    G = s.num_generations
+    rows = [list(p) for p in prompt_ids for _ in range(G)]
+    t0 = time.perf_counter()
+    with autocast:
+        completion_ids = generate(policy, rows, s.max_new_tokens, eos_id=stop_id, pad_id=pad_id,
+                                  temperature=s.temperature, top_p=s.top_p, generator=generator)
+    gen_seconds = time.perf_counter() - t0
+    truncated = [len(c) >= s.max_new_tokens and c[-1] != stop_id for c in completion_ids]
+    completions = [decode(c) for c in completion_ids]
+    prompts = [rec[prompt_field] for rec in records for _ in range(G)]
+    fields = {k: [rec.get(k) for rec in records for _ in range(G)] for k in records[0] if k != prompt_field}
+    scores = score_completions(rewards, prompts, completions, fields)
+    device = next(policy.parameters()).device
+    reward_t = torch.tensor(scores.total, dtype=torch.float32, device=device)
+    advantages, zero_std = group_advantages(reward_t, G, s.advantage_scale)
+
+    batches = []
+    for start in range(0, len(rows), s.micro_batch_size):
+        end = start + s.micro_batch_size
+        keep = [not (s.mask_truncated and t) for t in truncated[start:end]]
+        mb = layout(rows[start:end], completion_ids[start:end], keep, pad_id, advantages[start:end], device)
+        if s.need_old_logprobs:
+            with autocast:
+                mb.old_logprobs = token_logprobs(policy, mb, s.temperature)
+        if reference is not None:
+            with autocast:
+                mb.ref_logprobs = token_logprobs(reference, mb, s.temperature)
+        batches.append(mb)
+
+    lengths = [len(c) for c in completion_ids]
+    metrics = rollout_metrics(scores.total, scores.per_function, lengths, truncated, int(zero_std), len(records),
+                              gen_seconds, time.perf_counter() - t0, device)
+    return Rollout(batches, prompts, completions, scores.total, scores.per_function, metrics,
+                   tokens=sum(b.input_ids.numel() for b in batches))
+
+
+def layout(prompts: list[list[int]], completions: list[list[int]], keep: list[bool], pad_id: int,
+           advantages: Tensor, device: torch.device) -> PolicyBatch:
+    """Right-padded ``prompt + completion`` rows with next-token targets and a completion mask.
+
+    Right padding keeps every real token at the position it would have alone (positions count from
+    0 at the row's first token, as in generation), and padding only ever follows real tokens.
+    """
+    seqs = [p + c for p, c in zip(prompts, completions)]
+    T = max(len(x) for x in seqs) - 1
+    B = len(seqs)
+    ids = torch.full((B, T + 1), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, T)
+    for i, (p, c, seq) in enumerate(zip(prompts, completions, seqs)):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        if keep[i]:
+            mask[i, len(p) - 1: len(seq) - 1] = 1.0  # the targets at these positions are the completion
+    return PolicyBatch(ids[:, :-1].to(device), ids[:, 1:].to(device), mask.to(device), advantages.float())
+
+
+def rollout_metrics(total: list[float], per_fn: dict[str, list[float]], lengths: list[int], truncated: list[bool],
+                    zero_std_groups: int, groups: int, gen_seconds: float, seconds: float,
+                    device: torch.device | str = "cpu") -> dict[str, float]:
+    """Reward and completion statistics of one rollout, combined over all ranks."""
+    names = sorted(per_fn)
+    fn_sums = [sum(v for v in per_fn[n] if not math.isnan(v)) for n in names]
+    fn_counts = [sum(1 for v in per_fn[n] if not math.isnan(v)) for n in names]
+    local = [len(total), sum(total), sum(x * x for x in total), zero_std_groups, groups, sum(lengths),
+             sum(truncated), *fn_sums, *fn_counts]
+    g = dist_utils.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=device)).tolist()
+    n, rsum, rsq, zero, ngroups, nlen, ntrunc = g[:7]
+    k = len(names)
+    mean = rsum / n
+    out = {
+        "reward/mean": mean,
+        "reward/std": math.sqrt(max(rsq / n - mean * mean, 0.0)),
+        **{f"reward/{name}": (g[7 + i] / g[7 + k + i] if g[7 + k + i] else math.nan) for i, name in enumerate(names)},
+        "grpo/zero_std_groups": zero / ngroups,
+        "completion/mean_length": nlen / n,
+        "completion/min_length": -dist_utils.all_reduce_max(-float(min(lengths))),
+        "completion/max_length": dist_utils.all_reduce_max(float(max(lengths))),
+        "completion/truncated": ntrunc / n,
+        # generated tokens per second of sampling on this rank (prefill included in the time)
+        "rollout/tokens_per_sec": sum(lengths) / gen_seconds if gen_seconds > 0 else 0.0,
+        "rollout/seconds": seconds,
+    }
+    return out

@@ -1,0 +1,222 @@
+"""GRPO: loss formulas against hand computations, rewards API, batch refusal, and end-to-end runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lmforge.errors import UserError
+from lmforge.rl.grpo_loss import (
+    GRPOLoss, PolicyBatch, STD_EPS, aggregate, aggregation_weight, group_advantages, k3_kl, loss_normalizer,
+)
+from lmforge.rl.rewards import BUILTIN_REWARDS, load_rewards, resolve_reward, score_completions
+from lmforge.train_step import gradient_computation
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- advantages
+def _pstd(xs):
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+
+
+def test_group_advantages_each_scale_matches_hand_computation():
+    groups = [[1.0, 0.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0], [0.5, 1.5, 0.0, 1.0]]
+    rewards = torch.tensor([x for g in groups for x in g])
+    flat = [x for g in groups for x in g]
+    centered = [x - sum(g) / 4 for g in groups for x in g]
+    expect = {
+        "none": centered,
+        "group": [c / (_pstd(g) + STD_EPS) for g in groups for c in [x - sum(g) / 4 for x in g]],
+        "batch": [c / (_pstd(flat) + STD_EPS) for c in centered],
+    }
+    for scale, want in expect.items():
+        adv, zero = group_advantages(rewards, 4, scale)
+        assert adv.tolist() == pytest.approx(want, rel=1e-5, abs=1e-6), scale
+        assert int(zero) == 1  # the all-2.0 group carries no signal
+    assert group_advantages(rewards, 4, "group")[0][:4].tolist() == pytest.approx(
+        [0.75 / (math.sqrt(0.1875) + STD_EPS)] + [-0.25 / (math.sqrt(0.1875) + STD_EPS)] * 3, rel=1e-5)
+
+
+# ---------------------------------------------------------------- the loss
+class FixedLogits(nn.Module):
+    """A 'model' whose logits are a parameter: the loss's gradient is then easy to inspect."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__()
+        self.logits = nn.Parameter(logits.clone())
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.logits
+
+
+def _setup(seed: int = 0, B: int = 4, T: int = 5, V: int = 7):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1], [0, 1, 0, 0, 0], [0, 0, 1, 1, 0]], dtype=torch.float)
+    adv = torch.tensor([1.0, -0.5, 2.0, -1.5])
+    old = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1) + torch.randn(B, T, generator=g) * 0.3
+    ref = old + torch.randn(B, T, generator=g) * 0.2
+    batch = PolicyBatch(torch.zeros(B, T, dtype=torch.long), targets, mask, adv, old, ref)
+    return logits, batch
+
+
+def _hand_loss(logits, batch, mode, eps_low, eps_high, beta, max_new_tokens, temperature=1.0):
+    """The GRPO objective written out token by token in plain Python."""
+    logp_all = torch.log_softmax(logits / temperature, -1)
+    B, T = batch.targets.shape
+    per_seq, n_tokens = [], 0
+    for i in range(B):
+        terms = []
+        for t in range(T):
+            if batch.mask[i, t] == 0:
+                continue
+            lp = float(logp_all[i, t, batch.targets[i, t]])
+            ratio = math.exp(lp - float(batch.old_logprobs[i, t]))
+            a = float(batch.advantages[i])
+            clipped = min(max(ratio, 1 - eps_low), 1 + eps_high)
+            term = -min(ratio * a, clipped * a)
+            d = float(batch.ref_logprobs[i, t]) - lp
+            term += beta * (math.exp(d) - d - 1)
+            terms.append(term)
+        per_seq.append(terms)
+        n_tokens += len(terms)
+    if mode == "grpo":
+        return sum(sum(s) / len(s) for s in per_seq) / B
+    if mode == "dapo":
+        return sum(sum(s) for s in per_seq) / n_tokens
+    return sum(sum(s) for s in per_seq) / (B * max_new_tokens)
+
+
+@pytest.mark.parametrize("mode", ["grpo", "dapo", "dr_grpo"])
+def test_loss_matches_hand_computation_for_each_aggregation(mode):
+    logits, batch = _setup()
+    for beta, temperature in ((0.0, 1.0), (0.05, 0.7)):
+        loss_fn = GRPOLoss(eps_low=0.2, eps_high=0.28, beta=beta, aggregation=mode, max_new_tokens=6,
+                           temperature=temperature)
+        model = FixedLogits(logits)
+        objective, stats = loss_fn(model, batch)
+        normalizer = aggregation_weight(batch.mask, mode, 6)
+        want = _hand_loss(logits, batch, mode, 0.2, 0.28, beta, 6, temperature)
+        assert float(objective.detach() / normalizer) == pytest.approx(want, rel=1e-5, abs=1e-7)
+        assert float(stats["loss_sum"] / stats["total_weights"]) == pytest.approx(want, rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("mode", ["grpo", "dapo", "dr_grpo"])
+def test_microbatch_split_gives_the_same_gradient(mode):
+    """The global normalizer makes two microbatches equal one batch, for every aggregation."""
+    logits, batch = _setup(seed=3)
+    loss_fn = GRPOLoss(eps_low=0.2, eps_high=0.2, beta=0.1, aggregation=mode, max_new_tokens=5, temperature=1.0)
+
+    class RowLogits(FixedLogits):
+        def forward(self, input_ids):
+            return self.logits[input_ids[:, 0]]
+
+    whole = PolicyBatch(torch.arange(4)[:, None].expand(4, 5).clone(), batch.targets, batch.mask, batch.advantages,
+                        batch.old_logprobs, batch.ref_logprobs)
+    halves = [PolicyBatch(*(t[s] for t in (whole.input_ids, whole.targets, whole.mask, whole.advantages,
+                                           whole.old_logprobs, whole.ref_logprobs))) for s in (slice(0, 1), slice(1, 4))]
+    grads = []
+    for mbs in ([whole], halves):
+        model = RowLogits(logits)
+        gradient_computation(model, mbs, loss_fn, loss_normalizer(mbs, mode, 5))
+        grads.append(model.logits.grad)
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_clip_fractions_and_clipped_tokens_get_no_gradient():
+    V = 3
+    logits = torch.zeros(1, 4, V)  # uniform: log p = -log 3 for every target
+    lp = -math.log(V)
+    ratios = [1.5, 0.5, 1.5, 1.0]
+    old = torch.tensor([[lp - math.log(r) for r in ratios]])
+    targets = torch.zeros(1, 4, dtype=torch.long)
+    mask = torch.ones(1, 4)
+    for adv, low, high, dead in ((1.0, 0, 2, {0, 2}), (-1.0, 1, 0, {1})):
+        batch = PolicyBatch(torch.zeros(1, 4, dtype=torch.long), targets, mask, torch.tensor([adv]), old, None)
+        model = FixedLogits(logits)
+        objective, stats = GRPOLoss(eps_low=0.2, eps_high=0.2, beta=0.0, aggregation="dapo", max_new_tokens=4,
+                                    temperature=1.0)(model, batch)
+        assert float(stats["clip_low_count"]) == low and float(stats["clip_high_count"]) == high
+        objective.backward()
+        for t in range(4):
+            moved = model.logits.grad[0, t].abs().sum() > 0
+            assert moved == (t not in dead), (adv, t)
+
+
+def test_k3_kl_is_nonnegative_and_zero_for_identical_policies():
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(1000, generator=g) * 3, torch.randn(1000, generator=g) * 3
+    assert (k3_kl(a, b) >= 0).all()
+    assert torch.equal(k3_kl(a, a), torch.zeros_like(a))
+    # Monte-Carlo check that k3 is unbiased for KL(p || q) when sampling from p
+    p = torch.tensor([0.6, 0.3, 0.1])
+    q = torch.tensor([0.2, 0.5, 0.3])
+    x = torch.multinomial(p, 200_000, replacement=True, generator=g)
+    est = k3_kl(p.log()[x], q.log()[x]).mean()
+    assert float(est) == pytest.approx(float((p * (p / q).log()).sum()), rel=0.03)
+
+
+def test_aggregate_grpo_weights_sequences_equally():
+    per_token = torch.tensor([[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
+    assert float(aggregate(per_token, mask, "grpo") / aggregation_weight(mask, "grpo", 8)) == pytest.approx(2.5)
+    assert float(aggregate(per_token, mask, "dapo") / aggregation_weight(mask, "dapo", 8)) == pytest.approx(8 / 5)
+    assert float(aggregate(per_token, mask, "dr_grpo") / aggregation_weight(mask, "dr_grpo", 8)) == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------- rewards
+def test_builtin_rewards_and_weights():
+    rewards = load_rewards(["exact_answer", "format"], [1.0, 0.5])
+    scores = score_completions(rewards, ["p"] * 3, ["85", "85 is it", "olleh"], {"answer": ["85", "85", "x"]})
+    assert scores.per_function == {"exact_answer": [1.0, 0.0, 0.0], "format": [1.0, 0.0, 1.0]}
+    assert scores.total == [1.5, 0.0, 0.5]
+    assert set(BUILTIN_REWARDS) >= {"exact_answer", "format"}
+
+
+def test_module_function_rewards_none_and_errors(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards_mod.py").write_text(
+        "def maybe(prompts, completions, kind, **kw):\n"
+        "    return [None if k == 'skip' else float(len(c)) for c, k in zip(completions, kind)]\n"
+        "def short(prompts, completions, **kw):\n    return [1.0]\n"
+        "NOT_CALLABLE = 3\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rewards = load_rewards(["my_rewards_mod:maybe", "format"], [2.0, 1.0])
+    scores = score_completions(rewards, ["a", "b"], ["abc", "x y"], {"kind": ["skip", "keep"]})
+    assert math.isnan(scores.per_function["my_rewards_mod:maybe"][0])
+    assert scores.total == [1.0, 6.0]  # None counts 0; "abc" passes the format reward
+    with pytest.raises(UserError, match="returned 1 values for 2"):
+        score_completions(load_rewards(["my_rewards_mod:short"]), ["a", "b"], ["x", "y"], {})
+    for name, msg in (("nope", "unknown reward `nope`"), ("no_such_mod_xyz:f", "module `no_such_mod_xyz` not found"),
+                      ("my_rewards_mod:missing", "has no attribute"), ("my_rewards_mod:NOT_CALLABLE", "not callable")):
+        with pytest.raises(UserError, match=msg):
+            resolve_reward(name)
+    with pytest.raises(UserError, match="rewards_weights has 1 values for 2"):
+        load_rewards(["format", "exact_answer"], [1.0])
+    with pytest.raises(UserError, match="needs an `answer` column"):
+        score_completions(load_rewards(["exact_answer"]), ["p"], ["1"], {})
+
+
+# ---------------------------------------------------------------- config and refusal
+def test_top_level_reward_flags_and_group_size_refusal(tmp_path):
+    from lmforge.config import load_config
+    from lmforge.trainers.grpo import GRPOConfig, run
+
+    cfg = load_config(GRPOConfig, None, ["--rewards=mod:a,format", "--rewards_weights=1,0.2", "--grpo.beta=0.1"])
+    assert cfg.grpo.rewards == ["mod:a", "format"] and cfg.grpo.rewards_weights == [1.0, 0.2]
+    assert cfg.grpo.beta == 0.1
+    bad = load_config(GRPOConfig, None, ["--training.global_batch_size=12", "--grpo.num_generations=8",
+                                         f"--run.dir={tmp_path / 'r'}"])
+    with pytest.raises(UserError, match=r"training.global_batch_size \(12\).*grpo.num_generations \(8\)"):
+        run(bad)
+    assert not (tmp_path / "r").exists()  # refused before anything was built
