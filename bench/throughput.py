@@ -1,0 +1,329 @@
+"""Training throughput: lmforge's trainer vs a bare PyTorch loop vs the Hugging Face Trainer.
+
+    python bench/throughput.py                      # debug and small models, 2 threads, CPU
+    python bench/throughput.py --sizes small --repeats 5
+    python bench/throughput.py --variant compile:training.compile=true   # an lmforge option, A/B
+
+All systems train the same architecture (lmforge's ``Transformer`` or the equivalent
+``transformers`` ``LlamaForCausalLM``) on the same packed embedded corpus, with the same sequence
+length, batch, learning-rate settings and threads, in one process. Repeats are interleaved
+(A B C, B C A, C A B, ...) so slow drift of a shared machine hits every system alike; the table
+quotes the median over repeats and the ratios of those medians.
+
+How each system is timed, identically: the wall-clock time from the end of optimizer step
+``--warmup`` to the end of step ``--steps`` (so warm-up, model build and process setup are
+excluded, and everything inside the loop, logging included, is counted).
+
+* lmforge: the real pretraining trainer, ``lmforge.trainers.pretrain.run`` (what ``lmforge
+  pretrain`` calls), with its normal logging: console line, metrics.jsonl and TensorBoard every
+  ``metrics.log_every`` = 10 steps, prefetching loader, grad clipping, LR schedule, guards. Eval and
+  checkpoint *saves* are switched off (the other systems do neither), but the loop still runs its
+  per-step checks. The window is measured from the wall-clock ``time`` stamps of the JSONL records
+  written at steps ``--warmup`` and ``--steps``, not from the trainer's own step timer, so the
+  trainer cannot flatter itself; its self-reported tokens/s is printed alongside as a cross-check.
+  Driving ``run`` in-process (rather than the CLI in a subprocess) keeps the thread count and
+  allocator identical for all systems; the code path is the CLI's, minus argument parsing.
+* bare: forward, cross-entropy, backward, AdamW (same hyper-parameters and the same foreach/fused
+  implementation lmforge builds), zero_grad: nothing else, batches built before the clock starts.
+* hf: ``transformers.Trainer`` with ``LlamaForCausalLM`` of the same configuration (SDPA
+  attention), its default optimizer, no saving, no eval, logging every 10 steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import append_benchmark, loadavg, machine, markdown_table, median, spread  # noqa: E402
+
+from lmforge.config import Config, parse_overrides, validate_config  # noqa: E402
+from lmforge.data.corpus import embedded_corpus  # noqa: E402
+from lmforge.data.packing import PackedTokenDataset, collate  # noqa: E402
+from lmforge.flops import default_peak_shapes, flops_per_token, measure_matmul_peak, peak_flops_per_device  # noqa: E402
+from lmforge.model import ModelArgs, Transformer, model_args_for  # noqa: E402
+from lmforge.tokenizer import load_tokenizer  # noqa: E402
+
+LOG_EVERY = 10
+LR, WD, BETAS = 3e-3, 0.1, (0.9, 0.95)
+
+
+@dataclass
+class Setup:
+    size: str
+    seq_len: int
+    batch: int
+    steps: int
+    warmup: int
+    device: torch.device
+    dtype: str
+    compile: bool
+    args: ModelArgs
+    dataset: PackedTokenDataset
+    model_overrides: dict = field(default_factory=dict)
+
+    @property
+    def window_tokens(self) -> int:
+        return (self.steps - self.warmup) * self.batch * self.seq_len
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+# ---------------------------------------------------------------------------------------- systems
+def run_lmforge(s: Setup, overrides: list[str]) -> tuple[float, float]:
+    """(tokens/s over the window from JSONL wall-clock stamps, the trainer's own median tokens/s)."""
+    from lmforge.trainers.pretrain import run
+
+    with tempfile.TemporaryDirectory(prefix="lmforge-bench-") as run_dir:
+        data = {
+            "model": {"size": s.size, **s.model_overrides},
+            "data": {"seq_len": s.seq_len},
+            "training": {"steps": s.steps, "global_batch_size": s.batch, "micro_batch_size": s.batch,
+                         "threads": torch.get_num_threads() if s.device.type == "cpu" else 0,
+                         "device": s.device.type, "dtype": s.dtype, "compile": s.compile},
+            "schedule": {"warmup_steps": s.warmup},
+            "optimizer": {"lr": LR, "weight_decay": WD, "beta1": BETAS[0], "beta2": BETAS[1]},
+            "eval": {"interval": 0},
+            "checkpoint": {"enabled": False},
+            "metrics": {"log_every": LOG_EVERY},
+            "run": {"dir": run_dir},
+        }
+        cfg = validate_config(Config, merge(data, parse_overrides([f"--{o}" for o in overrides])), "bench")
+        with contextlib.redirect_stdout(io.StringIO()):
+            run(cfg)
+        records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    train = {r["step"]: r for r in records if r.get("kind") == "train"}
+    t0, t1 = train[s.warmup]["time"], train[s.steps]["time"]
+    own = [r["tokens_per_sec_per_device"] for k, r in train.items() if k > s.warmup]
+    return s.window_tokens / (t1 - t0), median(own)
+
+
+def run_bare(s: Setup) -> float:
+    """The minimum a training step needs, as a user would write it by hand."""
+    torch.manual_seed(0)
+    model = Transformer(s.args).to(s.device)
+    model.init_weights(seed=0)
+    if s.compile:
+        for i, block in enumerate(model.layers):
+            model.layers[i] = torch.compile(block)
+    cuda = s.device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, betas=BETAS,
+                            fused=cuda or None, foreach=None if cuda else True)
+    n = max(1, min(len(s.dataset) // s.batch, s.steps))
+    batches = [collate([s.dataset[i] for i in range(k * s.batch, (k + 1) * s.batch)]).to(s.device) for k in range(n)]
+    autocast = torch.autocast(s.device.type, dtype=torch.bfloat16) if s.dtype == "bfloat16" \
+        else contextlib.nullcontext()
+    t0 = 0.0
+    for step in range(1, s.steps + 1):
+        b = batches[step % n]
+        with autocast:
+            logits = model(b.input_ids)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), b.labels.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step == s.warmup:
+            sync(s.device)
+            t0 = time.perf_counter()
+    sync(s.device)
+    return s.window_tokens / (time.perf_counter() - t0)
+
+
+def hf_config(args: ModelArgs):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_dim,
+        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.max_seq_len, rope_theta=args.rope_theta, rms_norm_eps=args.norm_eps,
+        tie_word_embeddings=args.tie_embeddings, attention_bias=False, mlp_bias=False,
+        attn_implementation="sdpa",
+    )
+
+
+def run_hf(s: Setup) -> float:
+    """transformers.Trainer on LlamaForCausalLM; step ends timed by a callback."""
+    from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    class Samples(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return len(s.dataset)
+
+        def __getitem__(self, i: int) -> dict:
+            ids = s.dataset[i].input_ids
+            return {"input_ids": ids, "labels": ids}  # the model shifts labels itself
+
+    stamps: dict[int, float] = {}
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step in (s.warmup, s.steps):
+                sync(s.device)
+                stamps[state.global_step] = time.perf_counter()
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(hf_config(s.args))
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory(prefix="hf-bench-") as out:
+        targs = TrainingArguments(
+            output_dir=out, per_device_train_batch_size=s.batch, max_steps=s.steps, learning_rate=LR,
+            weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1], max_grad_norm=1.0,
+            lr_scheduler_type="cosine", warmup_steps=s.warmup, logging_steps=LOG_EVERY, save_strategy="no",
+            eval_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+            use_cpu=s.device.type == "cpu", bf16=s.dtype == "bfloat16", torch_compile=s.compile, seed=0,
+        )
+        trainer = Trainer(model=model, args=targs, train_dataset=Samples(), callbacks=[StepClock()])
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainer.train()
+    torch.set_num_threads(threads)  # in case anything changed it
+    return s.window_tokens / (stamps[s.steps] - stamps[s.warmup])
+
+
+# ---------------------------------------------------------------------------------------- driver
+def measure_peak(device: torch.device, dtype: torch.dtype, setups: list[Setup]) -> float:
+    """Best matmul FLOP/s over square shapes and the shapes the benchmarked models use."""
+    shapes = default_peak_shapes(device.type, 4096 if device.type == "cuda" else 1024)
+    for s in setups:
+        a, tokens = s.args, s.batch * s.seq_len
+        shapes += [(tokens, a.dim, a.ffn_dim), (tokens, a.ffn_dim, a.dim), (tokens, a.dim, a.dim)]
+    return measure_matmul_peak(device, dtype, shapes=shapes, iters=30, budget_s=1.0)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="debug,small", help="comma-separated lmforge model sizes")
+    p.add_argument("--systems", default="lmforge,bare,hf", help="subset of lmforge,bare,hf")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                   help="an extra lmforge run with config overrides, e.g. compile:training.compile=true")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (window ends here)")
+    p.add_argument("--warmup", type=int, default=10, help="steps before the window starts")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2, help="torch threads on CPU")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--compile", action="store_true", help="torch.compile in every system")
+    p.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
+                   help="model override for every system, e.g. n_layers=8")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="lmforge_set",
+                   help="config override for every lmforge run, e.g. metrics.tensorboard=false")
+    p.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
+    a = p.parse_args(argv)
+    if a.warmup % LOG_EVERY or a.steps % LOG_EVERY or a.steps <= a.warmup:
+        p.error(f"--warmup and --steps must be multiples of {LOG_EVERY} (lmforge log steps), steps > warmup")
+    return a
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    device = torch.device(a.device)
+    if device.type == "cpu":
+        torch.set_num_threads(a.threads)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    tok = load_tokenizer("byte")
+    dataset = PackedTokenDataset(embedded_corpus("train"), tok, a.seq_len)
+    model_overrides = {k: v for k, v in (parse_overrides([f"--{m}" for m in a.model]) or {}).items()}
+    setups = [Setup(size, a.seq_len, a.batch, a.steps, a.warmup, device, a.dtype, a.compile,
+                    model_args_for(size, tok.vocab_size, **model_overrides), dataset, model_overrides)
+              for size in a.sizes.split(",")]
+    variants = dict(v.split(":", 1) for v in a.variant)
+    systems = [x for x in a.systems.split(",") if x] + [f"lmforge[{n}]" for n in variants]
+    load_before = loadavg()
+    peak_dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
+    peak = measure_peak(device, peak_dtype, setups)
+    print(f"matmul peak ({peak_dtype}, {device}, {torch.get_num_threads()} threads): {peak / 1e12:.3f} TFLOP/s",
+          flush=True)
+
+    results: dict[tuple[str, str], list[float]] = {}
+    self_reported: dict[tuple[str, str], list[float]] = {}
+    for s in setups:
+        for r in range(a.repeats):
+            order = systems[r % len(systems):] + systems[: r % len(systems)]
+            for name in order:
+                t0 = time.perf_counter()
+                if name == "bare":
+                    tps = run_bare(s)
+                elif name == "hf":
+                    tps = run_hf(s)
+                else:
+                    over = a.lmforge_set + ([] if name == "lmforge" else variants[name[8:-1]].split(","))
+                    tps, own = run_lmforge(s, over)
+                    self_reported.setdefault((s.size, name), []).append(own)
+                results.setdefault((s.size, name), []).append(tps)
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                print(f"  {s.size:>6} repeat {r + 1}/{a.repeats} {name:<18} {tps:>10,.0f} tokens/s "
+                      f"({time.perf_counter() - t0:.0f}s, load {loadavg()})", flush=True)
+    peak = max(peak, measure_peak(device, peak_dtype, setups))  # a second chance at a quiet moment
+    peak_source = f"measured {peak_dtype} matmul peak {peak / 1e12:.3f} TFLOP/s"
+    if device.type == "cuda":  # MFU is quoted against the vendor's dense peak where it is known
+        table_peak, src = peak_flops_per_device(device, peak_dtype)
+        if src.startswith("spec"):
+            peak_source = f"{src} {table_peak / 1e12:.0f} TFLOP/s (measured matmul peak {peak / 1e12:.0f})"
+            peak = table_peak
+
+    header = ["size", "params", "system", "tokens/s (median)", "repeats range", "vs bare", "vs hf", "MFU",
+              "trainer-reported tokens/s"]
+    rows = []
+    for s in setups:
+        fpt = flops_per_token(s.args, s.seq_len)
+        params = _count(s.args)
+        for name in systems:
+            xs = results[(s.size, name)]
+            m = median(xs)
+            bare = median(results.get((s.size, "bare"), []))
+            hf = median(results.get((s.size, "hf"), []))
+            own = self_reported.get((s.size, name))
+            rows.append([s.size, f"{params / 1e6:.1f}M", name, f"{m:,.0f}", spread(xs),
+                         f"{m / bare:.3f}" if bare == bare else "-", f"{m / hf:.2f}" if hf == hf else "-",
+                         f"{100 * m * fpt / peak:.1f}%", f"{median(own):,.0f}" if own else "-"])
+    table = markdown_table(header, rows)
+    print()
+    print(table)
+    settings = (f"seq_len {a.seq_len}, batch {a.batch}, {a.steps} steps per run timed from step {a.warmup}, "
+                f"{a.repeats} interleaved repeats, device {device}"
+                + (f", {torch.get_num_threads()} threads" if device.type == "cpu" else "")
+                + f", dtype {a.dtype}, compile {'on' if a.compile else 'off'}")
+    body = (f"Machine: {machine(device)}. Load average before/after: {load_before} / {loadavg()}.\n\n"
+            f"Settings: {settings}. Peak for MFU: {peak_source}.\n\n"
+            + (f"Variants: {', '.join(f'`{k}`: `{v}`' for k, v in variants.items())}.\n\n" if variants else "")
+            + f"Command: `python bench/throughput.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n\n"
+            + table + "\n")
+    print(f"\n{settings}\nPeak for MFU: {peak_source}")
+    if not a.no_append:
+        append_benchmark("Training throughput", body)
+        print("appended to BENCHMARKS.md")
+
+
+def _count(args: ModelArgs) -> int:
+    """Parameter count without allocating (for the large presets)."""
+    with torch.device("meta"):
+        return Transformer(args).num_params()
+
+
+if __name__ == "__main__":
+    main()
