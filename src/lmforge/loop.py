@@ -85,6 +85,8 @@ def end_of_step(rt: Runtime, progress: Progress, loader: Any, total_weights: tor
         stop = dist_utils.all_reduce_max(1.0 if progress.stop_requested else 0.0)
         if stop and not progress.stop_requested:
             progress.stop_requested = "another rank received a stop signal"
+    for hook in rt.step_hooks:  # trainer additions, e.g. the elastic snapshot tier
+        hook(progress, loader)
 
 
 def finish(rt: Runtime, progress: Progress, loader: Any, reason: str, run_eval: EvalFn | None,
@@ -130,13 +132,16 @@ def evaluate_loss(rt: Runtime, batches: Iterable[Batch], loss_fn: LossFn) -> dic
     return compute_global_loss(totals)
 
 
-def save(rt: Runtime, progress: Progress, loader: Any, extra_state: Callable[[], dict] | None = None):
+def save(rt: Runtime, progress: Progress, loader: Any, extra_state: Callable[[], dict] | None = None,
+         checkpointer: Any = None):
+    """Save the full training state with ``rt.checkpointer`` (or another one, e.g. a snapshot tier)."""
+    checkpointer = checkpointer or rt.checkpointer
     with rt.metrics.timed("checkpoint_save"):
         state = {"tokens_seen": progress.tokens_seen, "data": loader.state_dict(),
                  "last_eval_loss": progress.last_eval_loss, "world_size": rt.dist.world_size}
         if extra_state:
             state["extra"] = extra_state()
-        return rt.checkpointer.save(progress.step, rt.model, rt.optimizer, state)
+        return checkpointer.save(progress.step, rt.model, rt.optimizer, state)
 
 
 def resume(rt: Runtime, loader: Any) -> Progress:

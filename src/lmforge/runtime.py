@@ -11,7 +11,7 @@ import json
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -44,6 +44,8 @@ class Runtime:
     checkpointer: Checkpointer
     run_dir: Path
     extras: dict[str, Any] = field(default_factory=dict)
+    step_hooks: list[Callable[[Any, Any], None]] = field(default_factory=list)
+    """Called as ``hook(progress, loader)`` at the very end of every step of the shared loop."""
 
     def autocast(self) -> Any:
         if self.cfg.training.dtype == "bfloat16":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from lmforge.config import Config
 from lmforge.data.corpus import embedded_corpus
 from lmforge.data.loader import StepLoader, eval_batches
@@ -31,8 +33,11 @@ def make_loader(rt: Runtime, dataset) -> StepLoader:
                       prefetch=cfg.data.prefetch, device=rt.dist.device)
 
 
-def run(cfg: Config, trainer: str = "pretrain") -> Runtime:
+def run(cfg: Config, trainer: str = "pretrain", setup: Callable[[Runtime], None] | None = None) -> Runtime:
+    """Pretrain; ``setup(rt)`` lets a trainer built on this one adjust the runtime before the loop."""
     rt = build_runtime(cfg, trainer)
+    if setup is not None:
+        setup(rt)
     train_set, val_set = build_datasets(cfg, rt.tokenizer)
     loader = make_loader(rt, train_set)
 
