@@ -1,0 +1,281 @@
+"""Supervised fine-tuning data: records to examples with a loss mask, then packed or padded samples.
+
+Record formats (JSONL lines or parquet rows, detected per record):
+
+* ``{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}`` - rendered with
+  the chat format (:mod:`lmforge.data.chat`); loss on assistant turns, end-of-turn token included;
+* ``{"prompt": ..., "completion": ...}`` - plain text ``prompt + completion + EOS`` (no template,
+  so ``lmforge generate`` with the same prompt text continues it); loss on completion and EOS;
+* ``{"text": ...}`` - plain text plus EOS, loss on every token.
+
+``loss_on="all"`` puts loss on every token of every format.
+
+An example of ``L`` tokens becomes ``L - 1`` (input, label) pairs, shifted *inside* the example, so
+no example's first token is ever a target of the one before it. :class:`SFTDataset` then either packs
+several examples into one ``seq_len`` sequence with ``document_ids`` (block-diagonal causal
+attention) and ``position_ids`` restarting at 0 per example, or gives each example its own padded
+sequence. Both give exactly the same per-token losses; packing wastes less compute on padding.
+
+Problems with the data's *shape* (bad JSON, missing fields) stop the run at start with ``file:line``;
+examples that merely cannot be trained on (no loss tokens, too long) are counted, skipped (or
+truncated) and reported in one summary line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Literal, Sequence
+
+import numpy as np
+import torch
+
+from lmforge.data.chat import ChatFormat, validate_messages
+from lmforge.data.packing import IGNORE_INDEX, Sample
+from lmforge.data.sources import _jsonl_lines
+from lmforge.data.tasks import TaskExample
+from lmforge.errors import UserError
+from lmforge.tokenizer import Tokenizer
+
+__all__ = ["Example", "DataSummary", "SFTDataset", "read_sft_records", "task_records", "tokenize_records",
+           "prepare_examples", "build_sft_dataset"]
+
+Record = tuple[str, dict[str, Any]]
+"""(location such as ``file.jsonl:12``, the record)."""
+
+
+@dataclass
+class Example:
+    """One tokenized example: inputs and labels already shifted (labels use IGNORE_INDEX)."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class DataSummary:
+    source: str
+    records: int = 0
+    examples: int = 0
+    sequences: int = 0
+    seq_len: int = 0
+    packing: bool = True
+    no_loss_tokens: int = 0
+    too_long: int = 0
+    truncated: int = 0
+    loss_tokens: int = 0
+    fill: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        mode = f"packed, {100 * self.fill:.1f}% of tokens used" if self.packing else "padded"
+        text = (f"sft data {self.source}: {self.records} records -> {self.examples} examples, "
+                f"{self.loss_tokens} loss tokens, {self.sequences} sequences of {self.seq_len} ({mode})")
+        skipped = []
+        if self.no_loss_tokens:
+            skipped.append(f"{self.no_loss_tokens} without loss tokens")
+        if self.too_long:
+            skipped.append(f"{self.too_long} longer than {self.seq_len + 1} tokens")
+        if skipped:
+            text += "; skipped " + ", ".join(skipped)
+        if self.truncated:
+            text += f"; truncated {self.truncated} to {self.seq_len + 1} tokens"
+        return text
+
+    def counts(self) -> dict[str, int]:
+        return {"records": self.records, "examples": self.examples, "sequences": self.sequences,
+                "skipped_no_loss_tokens": self.no_loss_tokens, "skipped_too_long": self.too_long,
+                "truncated": self.truncated, "loss_tokens": self.loss_tokens}
+
+
+# ---------------------------------------------------------------------------------------- reading
+def _files(path: Path) -> list[Path]:
+    if path.is_dir():
+        found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".jsonl", ".parquet"))
+        if not found:
+            raise UserError(f"{path}: no .jsonl or .parquet files")
+        return found
+    if not path.exists():
+        raise UserError(f"data file not found: {path}")
+    if path.suffix not in (".jsonl", ".parquet"):
+        raise UserError(f"{path}: SFT data must be .jsonl or .parquet (got {path.suffix or 'no suffix'!r})")
+    return [path]
+
+
+def _parquet_records(path: Path) -> Iterable[Record]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise UserError(f"{path}: reading .parquet needs pyarrow (pip install 'lmforge[data]')") from e
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as e:  # pyarrow raises several types for corrupt files
+        raise UserError(f"{path}: not a readable parquet file ({e})") from e
+    for i, row in enumerate(rows):
+        yield f"{path}: row {i}", row
+
+
+def read_sft_records(spec: str | Path) -> list[Record]:
+    """Every record of a ``.jsonl``/``.parquet`` file or of such files in a directory, with locations."""
+    out: list[Record] = []
+    for f in _files(Path(spec).expanduser()):
+        if f.suffix == ".parquet":
+            out.extend(_parquet_records(f))
+            continue
+        for lineno, obj in _jsonl_lines(f):
+            if not isinstance(obj, dict):
+                raise UserError(f"{f}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            out.append((f"{f}:{lineno}", obj))
+    if not out:
+        raise UserError(f"no records in {spec}")
+    return out
+
+
+def task_records(examples: Sequence[TaskExample], split: str = "train") -> list[Record]:
+    """Embedded task examples as one-turn conversations."""
+    return [(f"embedded-tasks-{split}:{i}", {"messages": [{"role": "user", "content": ex.prompt},
+                                                            {"role": "assistant", "content": ex.answer}]})
+            for i, ex in enumerate(examples)]
+
+
+# ---------------------------------------------------------------------------------------- tokenizing
+def _tokenize(record: dict[str, Any], tokenizer: Tokenizer, chat: ChatFormat | None,
+              loss_on: str) -> tuple[list[int], list[bool]]:
+    """Token ids and a per-token "carries loss" mask (before shifting)."""
+    if "messages" in record:
+        if chat is None:
+            raise ValueError("conversational records need a chat format")
+        enc = chat.encode(validate_messages(record["messages"]))
+        ids, mask = enc.ids, enc.assistant_mask
+    elif "prompt" in record or "completion" in record:
+        prompt, completion = record.get("prompt"), record.get("completion")
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise ValueError("'prompt' and 'completion' must both be strings")
+        p = tokenizer.encode(prompt)
+        c = tokenizer.encode(completion, add_eos=True)
+        ids, mask = p + c, [False] * len(p) + [True] * len(c)
+    elif "text" in record:
+        if not isinstance(record["text"], str):
+            raise ValueError("'text' must be a string")
+        ids = tokenizer.encode(record["text"], add_eos=True)
+        mask = [True] * len(ids)
+    else:
+        raise ValueError(f"record has none of 'messages', 'prompt'/'completion', 'text' "
+                         f"(keys: {', '.join(sorted(record)) or 'none'})")
+    if loss_on == "all":
+        mask = [True] * len(ids)
+    return ids, mask
+
+
+def tokenize_records(records: Sequence[Record], tokenizer: Tokenizer, chat: ChatFormat | None,
+                     loss_on: Literal["assistant", "all"] = "assistant") -> list[tuple[list[int], list[bool]]]:
+    out = []
+    for where, record in records:
+        try:
+            out.append(_tokenize(record, tokenizer, chat, loss_on))
+        except ValueError as e:
+            raise UserError(f"{where}: {e}") from None
+    return out
+
+
+def prepare_examples(tokenized: Sequence[tuple[list[int], list[bool]]], seq_len: int,
+                     too_long: Literal["skip", "truncate"], summary: DataSummary) -> list[Example]:
+    """Shift each example into (inputs, labels); skip or truncate those that do not fit ``seq_len``."""
+    examples: list[Example] = []
+    for ids, mask in tokenized:
+        if len(ids) - 1 > seq_len:
+            if too_long == "skip":
+                summary.too_long += 1
+                continue
+            ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]
+            summary.truncated += 1
+        targets = np.asarray(ids[1:], dtype=np.int64)
+        carries = np.asarray(mask[1:], dtype=bool)
+        if len(ids) < 2 or not carries.any():
+            summary.no_loss_tokens += 1
+            continue
+        labels = np.where(carries, targets, IGNORE_INDEX)
+        examples.append(Example(np.asarray(ids[:-1], dtype=np.int64), labels))
+        summary.loss_tokens += int(carries.sum())
+    summary.examples = len(examples)
+    return examples
+
+
+# ---------------------------------------------------------------------------------------- samples
+class SFTDataset:
+    """Fixed-length samples built from examples, packed (default) or one example per sample.
+
+    Packing is next-fit in data order: examples fill a sequence until the next does not fit. The
+    tail is padding with its own document id, so padding attends only to padding and never changes
+    a real token's output.
+    """
+
+    def __init__(self, examples: Sequence[Example], seq_len: int, pad_id: int, packing: bool = True) -> None:
+        if not examples:
+            raise UserError("no SFT examples left to train on (see the data summary above)")
+        self.examples = list(examples)
+        self.seq_len = seq_len
+        self.pad_id = pad_id
+        self.packing = packing
+        self.bins: list[list[int]] = []
+        if packing:
+            used = seq_len + 1  # forces a new bin for the first example
+            for i, ex in enumerate(self.examples):
+                if used + len(ex) > seq_len:
+                    self.bins.append([])
+                    used = 0
+                self.bins[-1].append(i)
+                used += len(ex)
+        else:
+            self.bins = [[i] for i in range(len(self.examples))]
+
+    @property
+    def fill(self) -> float:
+        """Fraction of sample positions holding real tokens."""
+        return sum(len(e) for e in self.examples) / max(len(self.bins) * self.seq_len, 1)
+
+    def __len__(self) -> int:
+        return len(self.bins)
+
+    def __getitem__(self, i: int) -> Sample:
+        T = self.seq_len
+        inputs = np.full(T, self.pad_id, dtype=np.int64)
+        labels = np.full(T, IGNORE_INDEX, dtype=np.int64)
+        if not self.packing:
+            ex = self.examples[self.bins[i][0]]
+            inputs[: len(ex)] = ex.input_ids
+            labels[: len(ex)] = ex.labels
+            return Sample(torch.from_numpy(inputs), torch.from_numpy(labels))
+        positions = np.zeros(T, dtype=np.int64)
+        documents = np.full(T, len(self.bins[i]), dtype=np.int64)
+        at = 0
+        for doc, j in enumerate(self.bins[i]):
+            ex = self.examples[j]
+            n = len(ex)
+            inputs[at: at + n] = ex.input_ids
+            labels[at: at + n] = ex.labels
+            positions[at: at + n] = np.arange(n)
+            documents[at: at + n] = doc
+            at += n
+        positions[at:] = np.arange(T - at)
+        return Sample(torch.from_numpy(inputs), torch.from_numpy(labels), torch.from_numpy(positions),
+                      torch.from_numpy(documents))
+
+
+def build_sft_dataset(records: Sequence[Record], source: str, tokenizer: Tokenizer, chat: ChatFormat | None, *,
+                      seq_len: int, loss_on: Literal["assistant", "all"] = "assistant",
+                      too_long: Literal["skip", "truncate"] = "skip", packing: bool = True
+                      ) -> tuple[SFTDataset, DataSummary]:
+    """Records -> tokenized, masked, filtered examples -> samples; plus the summary to report."""
+    summary = DataSummary(source=source, records=len(records), seq_len=seq_len, packing=packing)
+    tokenized = tokenize_records(records, tokenizer, chat, loss_on)
+    examples = prepare_examples(tokenized, seq_len, too_long, summary)
+    if not examples:
+        raise UserError(summary.line() + ": no examples left to train on")
+    dataset = SFTDataset(examples, seq_len, tokenizer.pad_id, packing)
+    summary.sequences = len(dataset)
+    summary.fill = dataset.fill
+    return dataset, summary

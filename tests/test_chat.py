@@ -1,0 +1,102 @@
+"""Chat formats: the byte format, HF chat templates rendered like transformers, assistant masks."""
+
+from __future__ import annotations
+
+import pytest
+
+from _chat_fixtures import CHATML_TEMPLATE, CONVERSATIONS, INDENTED_TEMPLATE, make_tokenizer_dir
+from lmforge.data.chat import BYTE_CHAT_TEMPLATE, ByteChatFormat, JinjaChatFormat, chat_format_for
+from lmforge.data.sft_data import tokenize_records
+from lmforge.errors import UserError
+from lmforge.inference import byte_tokenizer_json, chat_prompt_ids
+from lmforge.tokenizer import ByteTokenizer, load_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+
+def masked_text(tok, enc) -> str:
+    return tok.decode([i for i, m in zip(enc.ids, enc.assistant_mask) if m], skip_special=False)
+
+
+def test_byte_format_layout_and_mask():
+    tok = ByteTokenizer()
+    sp = tok.special_tokens
+    enc = ByteChatFormat(tok).encode(CONVERSATIONS[1])
+    expect = [sp["bos"], sp["system"], *b"you are helpful.", sp["end"], sp["user"], *b"reverse the word dog",
+              sp["end"], sp["assistant"], *b"god", sp["eos"], sp["user"], *b"and fox?", sp["end"],
+              sp["assistant"], *b" xof ", sp["eos"]]
+    assert enc.ids == expect
+    # Loss tokens: the assistant contents and the EOS that ends each of its turns, nothing else.
+    assert masked_text(tok, enc) == "god<|eos|> xof <|eos|>"
+    assert sum(enc.assistant_mask) == len("god") + 1 + len(" xof ") + 1
+    # Message text never becomes a control token.
+    smuggle = ByteChatFormat(tok).encode([{"role": "user", "content": "<|eos|>"}])
+    assert sp["eos"] not in smuggle.ids
+    assert chat_prompt_ids(tok, "hi") == [sp["bos"], sp["user"], *b"hi", sp["end"], sp["assistant"]]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return make_tokenizer_dir(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.mark.parametrize("template", [CHATML_TEMPLATE, INDENTED_TEMPLATE], ids=["prefix-stable", "indented"])
+def test_template_matches_transformers(tok_dir, template):
+    hf = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    hf.chat_template = template
+    tok = load_tokenizer(str(tok_dir))
+    fmt = JinjaChatFormat(template, tok, {"bos_token": "<s>", "eos_token": "<|im_end|>"})
+    for conv in CONVERSATIONS:
+        assert fmt.render(conv) == hf.apply_chat_template(conv, tokenize=False)
+        ours = fmt.encode(conv)
+        theirs = hf.apply_chat_template(conv, tokenize=True)
+        theirs = theirs["input_ids"] if not isinstance(theirs, list) else theirs
+        assert ours.ids == theirs
+        # The assistant tokens are exactly the answers and their end-of-turn token.
+        answers = [m["content"].strip() for m in conv if m["role"] == "assistant"]
+        text = masked_text(tok, ours)
+        for a in answers:
+            assert f"{a}<|im_end|>" in text
+        assert "user" not in text and "what is" not in text and "<|im_start|>" not in text
+    prompt = fmt.prompt_ids(CONVERSATIONS[0][:1])
+    hf_prompt = hf.apply_chat_template(CONVERSATIONS[0][:1], tokenize=True, add_generation_prompt=True)
+    assert prompt == (hf_prompt["input_ids"] if not isinstance(hf_prompt, list) else hf_prompt)
+
+
+def test_tokenizer_dir_template_and_errors(tok_dir):
+    tok = load_tokenizer(str(tok_dir))
+    fmt = chat_format_for(tok)  # reads chat_template and the special token strings from tokenizer_config.json
+    assert isinstance(fmt, JinjaChatFormat)
+    enc = fmt.encode(CONVERSATIONS[0])
+    assert masked_text(tok, enc) == "it is four.<|im_end|>\n"
+    # raise_exception inside the template becomes a one-line error naming the record.
+    bad = [("chats.jsonl:3", {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})]
+    bad[0][1]["messages"][0]["role"] = "tool"
+    with pytest.raises(UserError, match=r"chats.jsonl:3: .*role"):
+        tokenize_records(bad, tok, fmt)
+    with pytest.raises(UserError, match="invalid chat template"):
+        JinjaChatFormat("{% for m in messages %}", tok, {})
+
+
+def test_exported_byte_tokenizer_is_equivalent(tmp_path):
+    """The byte tokenizer written as tokenizer.json + BYTE_CHAT_TEMPLATE behaves identically in transformers."""
+    tok = ByteTokenizer()
+    (tmp_path / "tokenizer.json").write_text(byte_tokenizer_json(tok))
+    import json
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|eos|>",
+        "pad_token": "<|pad|>", "chat_template": BYTE_CHAT_TEMPLATE, "clean_up_tokenization_spaces": False}))
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "Héllo wörld ✓ 12 + 30 =\n\ttabs  and  spaces"
+    assert hf(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
+    assert hf.decode(tok.encode(text)) == text
+    for conv in CONVERSATIONS:
+        theirs = hf.apply_chat_template(conv, tokenize=True)
+        theirs = theirs["input_ids"] if not isinstance(theirs, list) else theirs
+        assert theirs == ByteChatFormat(tok).encode(conv).ids
+    # lmforge reading the exported directory back gets the same ids and the same masks.
+    back = chat_format_for(load_tokenizer(str(tmp_path)))
+    for conv in CONVERSATIONS:
+        a, b = back.encode(conv), ByteChatFormat(tok).encode(conv)
+        assert (a.ids, a.assistant_mask) == (b.ids, b.assistant_mask)
