@@ -76,5 +76,14 @@ def assert_losses_match(got: dict[int, float], want: dict[int, float], steps, re
         assert abs(got[s] - want[s]) <= rel * abs(want[s]), f"step {s}: {got[s]} vs {want[s]}"
 
 
+def reference_losses(tmp_path_factory, corpus: Path) -> dict[int, float]:
+    """One process, the whole global batch in one microbatch, no interruption (computed once per session)."""
+    run = tmp_path_factory.getbasetemp() / "reference_run"
+    if not (run / "metrics.jsonl").is_file() or len(losses(run)) < STEPS:
+        proc = lmforge("pretrain", *tiny_args(corpus), "--training.micro_batch_size=8", f"--run.dir={run}")
+        assert proc.returncode == 0, tail(proc)
+    return losses(run)
+
+
 def tail(proc: subprocess.CompletedProcess, n: int = 4000) -> str:
     return (proc.stdout[-n:] + "\n---stderr---\n" + proc.stderr[-n:])

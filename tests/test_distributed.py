@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from _torchrun import (STEPS, TOKENS_PER_STEP, assert_losses_match, lmforge, losses, records, tail,
-                       tiny_args, torchrun, write_corpus)
+from _torchrun import (STEPS, TOKENS_PER_STEP, assert_losses_match, lmforge, losses, records,
+                       reference_losses, tail, tiny_args, torchrun, write_corpus)
 
 HALF = STEPS // 2
 
@@ -25,15 +25,6 @@ HALF = STEPS // 2
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")
-
-
-def reference_losses(tmp_path_factory, corpus) -> dict[int, float]:
-    """One process, the whole global batch in one microbatch, no interruption (computed once per session)."""
-    run = tmp_path_factory.getbasetemp() / "reference_run"
-    if not (run / "metrics.jsonl").is_file() or len(losses(run)) < STEPS:
-        proc = lmforge("pretrain", *tiny_args(corpus), "--training.micro_batch_size=8", f"--run.dir={run}")
-        assert proc.returncode == 0, tail(proc)
-    return losses(run)
 
 
 @pytest.fixture(scope="module")

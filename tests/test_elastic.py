@@ -1,0 +1,173 @@
+"""The elastic trainer under torchrun's agent: injected faults, restarts, preemption.
+
+Faults run through the real launcher: ``torchrun --max-restarts`` restarts the worker group, the
+new attempt resumes from the newest snapshot in /dev/shm, and the losses stay those of an
+uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from _torchrun import (STEPS, assert_losses_match, env, lmforge, losses, records, reference_losses, tail,
+                       tiny_args, torchrun, torchrun_cmd, write_corpus)
+
+import torch
+
+from lmforge.checkpoint import Checkpointer
+from lmforge.config import validate_config
+from lmforge.errors import UserError
+from lmforge.faults import FaultPlan, InjectedFault, inject, parse_fault
+from lmforge.trainers.elastic import ElasticConfig, TieredCheckpointer, adapt_micro_batch
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("elastic_data") / "corpus.txt")
+
+
+def test_fault_specs_parse_and_fire_only_where_due():
+    plan = parse_fault("rank=1,step=5,mode=raise,attempt=1")
+    assert plan == FaultPlan(rank=1, step=5, mode="raise", attempt=1)
+    assert plan.due(1, 5, 1) and not plan.due(0, 5, 1) and not plan.due(1, 5, 0) and not plan.due(1, 4, 1)
+    assert parse_fault("rank=0,step=2") == FaultPlan(0, 2, "kill", 0)
+    for bad in ("rank=1", "rank=1,step=x", "rank=1,step=2,mode=boom", "step=2,when=3"):
+        with pytest.raises(UserError):
+            parse_fault(bad)
+    with pytest.raises(InjectedFault):
+        inject(FaultPlan(0, 1, "raise"))
+
+
+def test_newest_complete_state_wins_across_tiers(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    durable = Checkpointer(tmp_path / "run", keep=2)
+    fast = Checkpointer(tmp_path / "run", keep=1, root=tmp_path / "shm" / "checkpoints")
+    tiers = TieredCheckpointer(durable, fast)
+    assert tiers.latest() is None
+    durable.save(4, model, None, {})
+    fast.save(2, model, None, {})
+    assert tiers.latest() == durable.root / "step_00000004" and not tiers.is_snapshot(tiers.chosen)
+    fast.save(6, model, None, {})
+    (fast.root / "step_00000008.partial").mkdir()  # a snapshot cut off mid-write never counts
+    assert tiers.latest() == fast.root / "step_00000006" and tiers.is_snapshot(tiers.chosen)
+    assert [p.name for p in fast.root.iterdir() if not p.name.endswith(".partial")] == ["step_00000006"]
+    assert tiers.load(tiers.chosen, model, None)["step"] == 6
+    assert TieredCheckpointer(durable, None).latest() == durable.root / "step_00000004"
+
+
+def test_global_batch_survives_another_world_size():
+    def cfg():
+        return validate_config(ElasticConfig, {"training": {"global_batch_size": 12, "micro_batch_size": 4}})
+
+    assert adapt_micro_batch(cfg(), 3) == {"micro_batch_size": 4, "grad_accum_steps": 1}
+    assert adapt_micro_batch(cfg(), 2) == {"micro_batch_size": 3, "grad_accum_steps": 2}  # 4 does not split 6
+    assert adapt_micro_batch(cfg(), 1) == {"micro_batch_size": 4, "grad_accum_steps": 3}
+    with pytest.raises(UserError, match="cannot be split over 5 workers"):
+        adapt_micro_batch(cfg(), 5)
+
+
+@pytest.fixture(scope="module")
+def faulted(tmp_path_factory, corpus):
+    """2 ranks, snapshots every 2 steps; attempt 0 loses rank 1 to SIGKILL after step 3, attempt 1
+    has rank 0 raise after step 6; torchrun restarts the group twice."""
+    run = corpus.parent / "faulted"
+    start = time.time()
+    proc = torchrun("elastic", *tiny_args(corpus), "--training.micro_batch_size=4",
+                    "--elastic.snapshot_interval=2", f"--run.dir={run}", max_restarts=2,
+                    extra_env={"LMFORGE_FAULT": "rank=1,step=3,mode=kill;rank=0,step=6,mode=raise,attempt=1"})
+    return run, proc, time.time() - start
+
+
+def test_killed_and_crashed_workers_restart_and_finish(faulted, tmp_path_factory, corpus):
+    run, proc, _ = faulted
+    assert proc.returncode == 0, tail(proc)
+    assert "fault injection on rank 1: rank=1,step=3,mode=kill" in proc.stdout
+    assert "InjectedFault: injected fault (rank=0,step=6,mode=raise,attempt=1)" in proc.stderr
+    assert records(run, "stop")[-1]["step"] == STEPS
+    assert (run / "checkpoints" / f"step_{STEPS:08d}").is_dir()
+    # redone steps reproduce their first losses (checked in losses()) and the uninterrupted run
+    assert_losses_match(losses(run), reference_losses(tmp_path_factory, corpus), range(1, STEPS + 1))
+
+
+def test_metrics_record_restarts_lost_steps_and_recovery(faulted):
+    run, _, wall = faulted
+    events = records(run, "elastic")
+    assert [e["restart_count"] for e in events] == [0, 1, 2]
+    first, second = events[1], events[2]
+    # killed after step 3 with the newest snapshot at 2; crashed after 6 with the newest at 4
+    assert (first["resumed_from"], first["resumed_step"], first["lost_steps"]) == ("snapshot", 2, 1)
+    assert (second["resumed_from"], second["resumed_step"], second["lost_steps"]) == ("snapshot", 4, 2)
+    for e in (first, second):
+        assert e["world_size"] == 2
+        assert 0.5 < e["recovery_seconds"] < wall
+    goodput = [g for g in records(run, "goodput") if g["final"]][-1]
+    assert goodput["recovery"] > 0 and goodput["lost_progress"] > 0
+    token = (run / "elastic_run_id").read_text().strip()
+    assert not Path(f"/dev/shm/lmforge-{token}").exists(), "snapshots must be removed after a clean end"
+    print(f"\nmeasured: recovery {first['recovery_seconds']:.1f} s and {second['recovery_seconds']:.1f} s, "
+          f"lost steps {first['lost_steps']} and {second['lost_steps']}, whole job {wall:.1f} s")
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def test_sigterm_makes_every_rank_save_and_exit_cleanly_then_resume(tmp_path, corpus):
+    run = tmp_path / "preempted"
+    cmd = torchrun_cmd("elastic", *tiny_args(corpus), "--training.micro_batch_size=4", "--training.steps=100000",
+                       f"--run.dir={run}")
+    agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env())
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and len(_train_steps(run)) < 3:
+            time.sleep(0.2)
+        assert len(_train_steps(run)) >= 3, "the run did not start"
+        workers = _children(agent.pid)
+        assert len(workers) == 2
+        for pid in workers:  # what a scheduler does to every process of a preempted job
+            os.kill(pid, signal.SIGTERM)
+        out, _ = agent.communicate(timeout=120)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert agent.returncode == 0, out[-4000:]  # torchrun exits 0 only if every worker exited 0
+    stop = records(run, "stop")[-1]
+    assert stop["reason"] in ("stop requested (SIGTERM)", "stop requested (another rank received a stop signal)")
+    saved = stop["step"]
+    assert (run / "checkpoints" / f"step_{saved:08d}").is_dir()
+
+    proc = lmforge("elastic", *tiny_args(corpus), "--training.micro_batch_size=4",
+                   f"--training.steps={saved + 2}", f"--run.dir={run}")
+    assert proc.returncode == 0, tail(proc)
+    assert records(run, "resume")[-1]["step"] == saved
+    assert max(losses(run)) == saved + 2
+
+
+def _train_steps(run: Path) -> list[int]:
+    f = run / "metrics.jsonl"
+    if not f.is_file():
+        return []
+    steps = []
+    for line in f.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("kind") == "train":
+            steps.append(rec["step"])
+    return steps
