@@ -18,6 +18,7 @@ from lmforge import distributed as dist_utils
 from lmforge.data.loader import StepLoader
 from lmforge.data.packing import Batch
 from lmforge.errors import UserError
+from lmforge.metrics import to_python
 from lmforge.runtime import Runtime
 from lmforge.train_step import (
     LossFn, Progress, compute_global_loss, global_target_count, gradient_computation,
@@ -214,10 +215,18 @@ class Guard:
     def after_step(self, step: int, values: dict[str, Any], record: dict[str, Any] | None) -> None:
         if record is None and not self.every_step:
             return
-        loss = record["loss"] if record else float(values["loss"])
-        if not math.isfinite(loss) and self.mode == "stop":
-            raise NonFiniteLoss(f"non-finite loss ({loss}) at step {step}; stopping (set training.nonfinite=skip "
-                                f"to skip such updates). The last checkpoint is intact.")
+        if record:
+            loss, grad_norm = record["loss"], record.get("grad_norm", 0.0)
+        else:  # one host transfer for both
+            read = to_python({"loss": values["loss"], "grad_norm": values.get("grad_norm", 0.0)})
+            loss, grad_norm = read["loss"], read["grad_norm"]
+        if self.mode == "stop" and not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            what = f"loss ({loss})" if not math.isfinite(loss) else f"grad norm ({grad_norm})"
+            where = f"at step {step}" if self.every_step else f"at step {step} (checked on log steps)"
+            self.rt.metrics.record_event("nonfinite_stop", step, loss=loss, grad_norm=grad_norm)
+            kept = " The last checkpoint is intact." if self.rt.cfg.checkpoint.enabled else ""
+            raise NonFiniteLoss(f"non-finite {what} {where}; stopping (set training.nonfinite=skip "
+                                f"to skip such updates).{kept}")
         if math.isfinite(loss) and self.spike_factor and self.mean is not None and loss > self.spike_factor * self.mean:
             self.rt.metrics.record_event("loss_spike", step, f"warning: loss spike at step {step}: {loss:.4f} is "
                                          f"over {self.spike_factor:g}x the running mean {self.mean:.4f}", loss=loss)

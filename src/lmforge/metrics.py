@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -30,8 +31,28 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-PROCESS_START = time.time()
-"""Wall-clock time when lmforge was imported: the start of the ``setup`` goodput category."""
+
+
+def process_start_time() -> float:
+    """Wall-clock time this process started (Linux: from /proc, ~10 ms resolution).
+
+    Interpreter start-up and ``import torch`` take seconds before any lmforge code runs; goodput
+    counts them as ``setup``. Elsewhere the import time of this module is the best available.
+    """
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            stat = f.read()
+        start_ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22: starttime since boot
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+        if 0 <= age < 7 * 86400:
+            return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
+    return time.time()
+
+
+PROCESS_START = process_start_time()
+"""Wall-clock time when this process started: the start of the ``setup`` goodput category."""
 
 GOODPUT_CATEGORIES = (
     "setup", "first_step", "productive", "data_wait", "checkpoint_save", "checkpoint_restore",
@@ -69,11 +90,13 @@ class MetricLogger:
         self._clock_start: float | None = None
         self._last_mark = 0.0
         self._excluded = 0.0  # seconds of timed() work since the last step ended
+        self._nested: list[float] = []  # per open timed() block: seconds claimed by blocks inside it
         self._window: list[tuple[float, int, float]] = []  # (seconds, tokens, data_wait) per step
         self._steps_seen = 0
         self._jsonl = None
         self._tb = None
         self.sinks: list[Any] = []  # extra sinks with .scalars(step, dict) / .close() (e.g. wandb)
+        self.progress: Any = None  # per-step observer with .update(step, metrics) / .close() (progress bar)
         if self.writes:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
@@ -140,15 +163,21 @@ class MetricLogger:
     def timed(self, category: str) -> Iterator[None]:
         """Time non-step work (eval, checkpoint_save, checkpoint_restore, rollout, recovery...).
 
-        Inside the training clock the time is excluded from the surrounding step's seconds.
+        Inside the training clock the time is excluded from the surrounding step's seconds. Blocks
+        may nest (a restore inside recovery): each second goes to the innermost open category only.
         """
+        if category not in self.goodput:
+            raise ValueError(f"unknown goodput category {category!r}; known: {', '.join(GOODPUT_CATEGORIES)}")
         t0 = time.perf_counter()
+        self._nested.append(0.0)
         try:
             yield
         finally:
             dt = time.perf_counter() - t0
-            self.goodput[category] += dt
-            if self._clock_start is not None:
+            self.goodput[category] += dt - self._nested.pop()
+            if self._nested:
+                self._nested[-1] += dt
+            elif self._clock_start is not None:
                 self._excluded += dt
 
     def add_time(self, category: str, seconds: float) -> None:
@@ -190,6 +219,8 @@ class MetricLogger:
             self.goodput["productive"] += seconds - data_wait
             self.goodput["data_wait"] += data_wait
         self._window.append((seconds, tokens, data_wait))
+        if self.progress is not None and self.writes:
+            self.progress.update(step, metrics)
         if not (first or force_log or step % self.log_every == 0):
             return None
         return self._flush(step, metrics, first)
@@ -214,6 +245,7 @@ class MetricLogger:
             self._write(rec)
             self._scalars(step, {k: v for k, v in rec.items() if k not in ("step", "kind", "steps_averaged")})
             self.console(format_train_line(rec))
+            self.log_goodput(step)
         return rec
 
     # ------------------------------------------------------------------ eval, events
@@ -274,6 +306,10 @@ class MetricLogger:
             self._tb = None
         for sink in self.sinks:
             sink.close()
+        self.sinks = []
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
 
 
 def to_python(metrics: dict[str, torch.Tensor | float]) -> dict[str, float]:

@@ -23,6 +23,8 @@ from lmforge.errors import UserError
 from lmforge.flops import flops_per_token, peak_flops_per_device
 from lmforge.metrics import MetricLogger
 from lmforge.model import ModelArgs, Transformer, model_args_for
+from lmforge.progress import progress_bar
+from lmforge.sinks import WandbSink
 from lmforge.tokenizer import Tokenizer, load_tokenizer
 from lmforge.train_step import build_optimizer
 
@@ -135,8 +137,13 @@ def build_runtime(cfg: Config, trainer: str) -> Runtime:
         info.device, torch.bfloat16 if cfg.training.dtype == "bfloat16" else torch.float32,
         cfg.metrics.peak_tflops * 1e12 if cfg.metrics.peak_tflops else None)
     fpt = flops_per_token(args, cfg.data.seq_len)
+    bar = progress_bar(cfg.metrics.progress, cfg.training.steps, cfg.training.max_tokens, is_main=info.is_main)
     metrics = MetricLogger(run_dir, rank=info.rank, world_size=info.world_size, log_every=cfg.metrics.log_every,
-                           flops_per_token=fpt, peak_flops=peak, tensorboard=cfg.metrics.tensorboard)
+                           flops_per_token=fpt, peak_flops=peak, tensorboard=cfg.metrics.tensorboard,
+                           console=bar.write if bar else None)
+    metrics.progress = bar
+    if cfg.metrics.wandb and info.is_main:
+        metrics.sinks.append(WandbSink.start(run_dir, cfg.to_dict()))
     if info.is_main:
         (run_dir / "config.toml").write_text(cfg.to_toml())
         (run_dir / MODEL_ARGS_FILE).write_text(json.dumps(

@@ -1,0 +1,301 @@
+"""Goodput accounting, non-finite/spike guards and the progress bar, on real runs.
+
+``observed_run`` (also used by test_report.py) runs one short pretraining through the CLI with eval
+and checkpoints, and is made once per test session.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import os
+import re
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmforge.metrics import GOODPUT_CATEGORIES, MetricLogger
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ["--model.n_layers=2", "--model.dim=64", "--data.seq_len=32", "--training.global_batch_size=4",
+        "--training.micro_batch_size=4", "--metrics.tensorboard=false", "--metrics.peak_tflops=1",
+        "--training.threads=1"]
+
+
+@functools.lru_cache(maxsize=None)
+def small_corpus() -> list[str]:
+    """``--data.*`` flags for a few hundred documents of the embedded corpus (quicker than all of it)."""
+    from lmforge.data.corpus import embedded_corpus
+
+    folder = Path(tempfile.mkdtemp(prefix="lmforge_corpus_"))
+    flags = []
+    for split, n in (("train", 400), ("validation", 60)):
+        (folder / f"{split}.txt").write_text("\n\n".join(embedded_corpus(split, num_docs=n)))
+        flags.append(f"--data.{split}={folder / f'{split}.txt'}")
+    return flags
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO / "src"), "PYTHONUNBUFFERED": "1"}
+
+
+def read_jsonl(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_in_terminal(cmd: list[str]) -> tuple[float, float, str]:
+    """Run ``cmd`` with stdout on a 120-column pseudo-terminal: (launch time, exit time, output)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    launched = time.time()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdin=subprocess.DEVNULL, stdout=slave,
+                            stderr=subprocess.PIPE)
+    os.close(slave)
+    chunks = []
+    while True:
+        ready, _, _ = select.select([master], [], [], 1.0)
+        if ready:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # the terminal closed
+                break
+            if not data:
+                break
+            chunks.append(data)
+        elif proc.poll() is not None:
+            break
+    os.close(master)
+    rc = proc.wait(timeout=120)
+    exited = time.time()
+    assert rc == 0, proc.stderr.read().decode()[-3000:]
+    return launched, exited, b"".join(chunks).decode("utf-8", "replace")
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def terminal_lines(out: str) -> list[str]:
+    """What each line of terminal output shows: the text after the last carriage return."""
+    return [_ANSI.sub("", seg.rstrip("\r")).rsplit("\r", 1)[-1] for seg in out.split("\n")]
+
+
+@functools.lru_cache(maxsize=None)
+def observed_run() -> tuple[Path, float, float, str]:
+    """(run_dir, launch time, exit time, terminal output) of a 12-step CLI pretraining with eval and
+    checkpoints, its stdout on a pseudo-terminal (so the progress bar is on)."""
+    run_dir = Path(tempfile.mkdtemp(prefix="lmforge_observed_")) / "run"
+    cmd = [sys.executable, "-m", "lmforge", "pretrain", *TINY, *small_corpus(), "--training.steps=12",
+           "--metrics.log_every=4", "--eval.interval=6", "--eval.steps=2", "--eval.batch_size=4",
+           "--checkpoint.interval=6", f"--run.dir={run_dir}"]
+    launched, exited, out = run_in_terminal(cmd)
+    return run_dir, launched, exited, out
+
+
+# ---------------------------------------------------------------------- goodput
+def test_goodput_categories_add_up_to_the_process_wall_time():
+    run_dir, launched, exited, stdout = observed_run()
+    records = read_jsonl(run_dir)
+    final = [r for r in records if r["kind"] == "goodput" and r["final"]]
+    assert len(final) == 1
+    g = final[0]
+    wall = g["wall"]
+    # Every second in exactly one category: the categories sum to the wall time, and none claims
+    # time another one has (that would push the sum over the wall time, `other` being clamped at 0).
+    total = sum(g[c] for c in GOODPUT_CATEGORIES)
+    assert abs(total - wall) <= 0.01 * wall, (total, wall)
+    # The wall time is the process's: from its launch (interpreter start, imports) to the summary.
+    measured = g["time"] - launched
+    assert abs(wall - measured) <= 0.01 * measured, (wall, measured)
+    # After the summary only closing files and the interpreter's own teardown follow (freeing torch
+    # takes from 0.3 s to seconds on a busy machine); no lmforge record comes later.
+    assert records[-1] is g and exited > g["time"]
+    for c in ("setup", "first_step", "productive", "eval", "checkpoint_save"):
+        assert g[c] > 0, c
+    assert g["other"] < 0.05 * wall, g
+    assert g["checkpoint_restore"] == g["lost_progress"] == g["recovery"] == g["rollout"] == 0.0
+
+    # The categories agree with what the train and eval records measured on their own.
+    train = [r for r in records if r["kind"] == "train"]
+    step_seconds = sum(r["seconds"] * r["steps_averaged"] for r in train)
+    stepped = g["first_step"] + g["productive"] + g["data_wait"]
+    assert stepped == pytest.approx(step_seconds, rel=1e-3, abs=1e-3)
+    eval_seconds = sum(r["eval_seconds"] for r in records if r["kind"] == "eval")
+    assert g["eval"] == pytest.approx(eval_seconds, rel=0.05, abs=0.05)
+    # A goodput record every log period, then the final one and its console summary.
+    periodic = [r for r in records if r["kind"] == "goodput" and not r["final"]]
+    assert [r["step"] for r in periodic] == [r["step"] for r in train] == [1, 4, 8, 12]
+    assert any(re.match(r"goodput \d+\.\d% of \d+\.\ds wall: setup [\d.]+, first_step [\d.]+, productive", line)
+               for line in terminal_lines(stdout)), stdout
+
+
+def test_nested_timed_blocks_count_each_second_once():
+    m = MetricLogger("unused", rank=1, tensorboard=False)  # rank 1 writes nothing
+    m.start_clock()
+    with m.timed("recovery"):
+        time.sleep(0.05)
+        with m.timed("checkpoint_restore"):
+            time.sleep(0.1)
+    assert m.goodput["checkpoint_restore"] == pytest.approx(0.1, abs=0.04)
+    assert m.goodput["recovery"] == pytest.approx(0.05, abs=0.04)
+    assert m._excluded == pytest.approx(0.15, abs=0.05)  # the surrounding step loses both
+    with pytest.raises(ValueError, match="unknown goodput category"):
+        with m.timed("lunch"):
+            pass
+
+
+# ---------------------------------------------------------------------- progress
+def test_progress_is_off_without_a_terminal_and_lines_stay_plain():
+    *_, console = skip_run()  # metrics.progress=auto, stdout a StringIO
+    assert "\r" not in console and "\x1b" not in console and "step 8/8" not in console
+    assert len(re.findall(r"^completed step: \d+, seconds: ", console, re.M)) == 3
+
+
+def test_progress_eta_from_the_budget_that_ends_first():
+    from lmforge.progress import ProgressBar, progress_bar
+
+    assert progress_bar("auto", 100, stream=io.StringIO()) is None
+    assert progress_bar("on", 100, stream=io.StringIO(), is_main=False) is None
+    bar = ProgressBar(steps=100, max_tokens=1000, stream=io.StringIO())
+    bar.update(1, {"total_weights": torch.tensor(100.0)})
+    assert bar.expected_total(1) == 10  # the token budget ends the run at step 10, before step 100
+    bar.update(2, {"total_weights": torch.tensor(100.0)})
+    assert bar._bar.total == 10 and bar._bar.n == 2
+    bar.close()
+    assert ProgressBar(steps=5, max_tokens=10**9).expected_total(1) == 5
+    resumed = ProgressBar(steps=100, max_tokens=1000, stream=io.StringIO())
+    resumed.update(6, {"total_weights": 50.0})  # resumed after step 5 at 50 tokens per step
+    assert resumed.tokens == 300 and resumed.expected_total(6) == 20
+    resumed.close()
+
+
+_TRAIN_LINE = re.compile(r"^completed step: \d+, seconds: [\d.]+, TFLOP/s/device: [\d.]+, Tokens/s/device: [\d.]+, "
+                         r"total_weights: \d+, loss: [\d.]+, lr: \S+, grad_norm: \S+, accuracy: \S+, "
+                         r"mfu: [\d.]+%( \((first step: warm-up, not representative|time averaged over \d+ steps)\))?$")
+
+
+def test_progress_bar_on_a_terminal_does_not_garble_log_lines():
+    *_, out = observed_run()
+    # The bar was drawn, with its ETA, and reached the step budget.
+    assert re.search(r"train +\d+%\|.*\| step 12/12 \[[\d:]+<[\d:?]+", out), out
+    # Each log line, once the bar has been wiped before it (carriage return), is whole and alone.
+    shown = terminal_lines(out)
+    train_lines = [s for s in shown if "completed step" in s]
+    assert len(train_lines) == 4, shown
+    for line in train_lines:
+        assert _TRAIN_LINE.match(line), line
+    for prefix in ("setup: trainer=pretrain", "eval metrics after step: 6,", "stopping after step 12",
+                   "eval metrics after step: 12,", "checkpoint: ", "goodput "):
+        assert any(s.startswith(prefix) for s in shown), (prefix, shown)
+
+
+# ---------------------------------------------------------------------- guards
+def _in_process_run(run_dir: Path, loss_fn, progress: str = "off", **training):
+    """A tiny pretraining in this process with an injected loss function; returns (runtime, error)."""
+    from lmforge.config import Config, validate_config
+    from lmforge.data.corpus import embedded_corpus
+    from lmforge.data.packing import PackedTokenDataset
+    from lmforge.loop import train
+    from lmforge.runtime import build_runtime
+    from lmforge.trainers.pretrain import make_loader
+
+    cfg = validate_config(Config, {
+        "model": {"n_layers": 2, "dim": 64}, "data": {"seq_len": 32, "prefetch": 0},
+        "training": {"steps": 8, "global_batch_size": 4, "micro_batch_size": 4, **training},
+        "optimizer": {"lr": 1e-3}, "schedule": {"warmup_steps": 0},
+        "eval": {"interval": 0}, "checkpoint": {"enabled": False},
+        "metrics": {"log_every": 4, "tensorboard": False, "peak_tflops": 1.0, "progress": progress},
+        "run": {"dir": str(run_dir)}})
+    rt = build_runtime(cfg, "pretrain")
+    loader = make_loader(rt, PackedTokenDataset(embedded_corpus("train", num_docs=200), rt.tokenizer, 32))
+    error = None
+    try:
+        train(rt, loader, loss_fn, None)
+    except Exception as e:  # noqa: BLE001 - returned to the test
+        error = e
+    finally:
+        loader.close()
+        rt.metrics.close()
+    return rt, error
+
+
+def _loss_with(changes: dict[int, str | float]):
+    """cross_entropy_loss, changed on the given 1-based calls (one call per step here).
+
+    A number multiplies the loss (nan, inf, 20.0); ``"nan_grad"`` keeps the loss value but makes
+    its gradient NaN (d/dx sqrt(x) at 0 is inf, and the unselected branch of where() gets 0 * inf).
+    """
+    from lmforge.train_step import cross_entropy_loss
+
+    calls = {"n": 0}
+
+    def loss_fn(model, batch):
+        calls["n"] += 1
+        objective, stats = cross_entropy_loss(model, batch)
+        change = changes.get(calls["n"])
+        if change == "nan_grad":
+            w = next(model.parameters())
+            objective = objective + torch.where(torch.tensor(True), torch.zeros(()), torch.sqrt(w.sum() * 0))
+        elif change is not None:
+            objective = objective * change
+            stats = {**stats, "loss_sum": stats["loss_sum"] * change}
+        return objective, stats
+    return loss_fn
+
+
+@pytest.mark.parametrize("change, what", [(float("nan"), "loss (nan)"), ("nan_grad", "grad norm (nan)")])
+def test_nonfinite_stops_the_run_with_a_message_naming_the_step(tmp_path, change, what):
+    from lmforge.errors import UserError
+    from lmforge.loop import NonFiniteLoss
+
+    _, error = _in_process_run(tmp_path / "run", _loss_with({3: change}), steps=5)
+    assert isinstance(error, NonFiniteLoss) and isinstance(error, UserError)  # the CLI prints one error line
+    assert f"non-finite {what} at step 3;" in str(error), error
+    records = read_jsonl(tmp_path / "run")
+    assert [r["step"] for r in records if r["kind"] == "nonfinite_stop"] == [3]
+    assert not any(r["kind"] == "stop" for r in records)
+
+
+@functools.lru_cache(maxsize=None)
+def skip_run() -> tuple:
+    """8 steps with training.nonfinite=skip: NaN loss at step 3, inf at 5, a 20x loss spike at 7;
+    the console goes to a StringIO (not a terminal) with metrics.progress=auto."""
+    run_dir = Path(tempfile.mkdtemp(prefix="lmforge_skip_")) / "run"
+    out = io.StringIO()
+    from contextlib import redirect_stdout
+
+    with redirect_stdout(out):
+        rt, error = _in_process_run(run_dir, _loss_with({3: float("nan"), 5: float("inf"), 7: 20.0}),
+                                    progress="auto", nonfinite="skip", spike_factor=3.0)
+    return rt, error, read_jsonl(run_dir), out.getvalue()
+
+
+def test_nonfinite_skip_skips_and_counts_the_updates():
+    rt, error, records, console = skip_run()
+    assert error is None
+    skips = [r for r in records if r["kind"] == "nonfinite_skip"]
+    assert [(r["step"], r["skipped_updates"]) for r in skips] == [(3, 1), (5, 2)]
+    assert "warning: step 3: non-finite grad norm, update skipped (1 so far)" in console
+    # The run went through all 8 steps, but AdamW took only 6 of them, and the weights stayed finite.
+    assert any(r["kind"] == "stop" and r["step"] == 8 for r in records)
+    assert {int(s["step"]) for s in rt.optimizer.state.values()} == {6}
+    assert all(torch.isfinite(p).all() for p in rt.raw_model.parameters())
+
+
+def test_loss_spike_is_logged_as_a_warning_with_its_step():
+    _, _, records, console = skip_run()
+    spikes = [r for r in records if r["kind"] == "loss_spike"]
+    assert [r["step"] for r in spikes] == [7]  # not at the non-finite steps, not after the spike
+    assert spikes[0]["loss"] > 3 * 4.0
+    assert re.search(r"^warning: loss spike at step 7: [\d.]+ is over 3x the running mean [\d.]+$", console, re.M)
