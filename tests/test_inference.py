@@ -1,0 +1,105 @@
+"""Hugging Face in and out: SFT from a transformers-written Llama, export, and transformers agrees."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from _chat_fixtures import CONVERSATIONS, make_hf_model_dir
+from lmforge.inference import export_hf, load_for_inference, sample_texts
+
+transformers = pytest.importorskip("transformers")
+
+TINY_RUN = ["--data.seq_len=64", "--training.global_batch_size=4", "--training.micro_batch_size=4",
+            "--eval.interval=0", "--metrics.tensorboard=false", "--data.prefetch=0", "--optimizer.lr=1e-3",
+            "--schedule.warmup_steps=0"]
+PROMPT = "hello world, the quick"
+
+
+def cli(*args):
+    r = subprocess.run([sys.executable, "-m", "lmforge", *args], capture_output=True, text=True, timeout=240)
+    return r
+
+
+def hf_logits(model_dir, ids):
+    m = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return m(torch.tensor([ids])).logits[0], m
+
+
+def test_hf_round_trip_through_sft_and_export(tmp_path, capsys):
+    src = make_hf_model_dir(tmp_path / "hf")
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": c}) for c in CONVERSATIONS * 4) + "\n")
+    ids = transformers.AutoTokenizer.from_pretrained(str(src))(PROMPT, add_special_tokens=False)["input_ids"]
+
+    # Loading the transformers checkpoint gives transformers' logits.
+    model, tok = load_for_inference(src)
+    assert tok.encode(PROMPT) == ids
+    theirs, _ = hf_logits(src, ids)
+    with torch.no_grad():
+        torch.testing.assert_close(model(torch.tensor([ids]))[0], theirs, rtol=1e-4, atol=1e-4)
+
+    run = tmp_path / "run"
+    r = cli("sft", f"--model.from_hf={src}", f"--data.train={data}", "--data.validation=none",
+            "--training.steps=3", f"--run.dir={run}", *TINY_RUN)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from lmforge.cli import main  # the remaining commands run in-process (one interpreter start saved each)
+
+    out = tmp_path / "out"
+    assert main(["export", "--hf", str(out), str(run)]) == 0
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in out.iterdir()}
+
+    # The fine-tuned weights changed, and transformers computes the same logits as lmforge on them.
+    tuned, _ = load_for_inference(run)
+    with torch.no_grad():
+        ours = tuned(torch.tensor([ids]))[0]
+    assert not torch.allclose(ours, theirs, atol=1e-3)
+    exported, hf_model = hf_logits(out, ids)
+    torch.testing.assert_close(exported, ours, rtol=1e-4, atol=1e-4)
+
+    # `lmforge generate` and transformers' greedy generate produce the same tokens.
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", PROMPT, "--max-new-tokens", "12"]) == 0
+    printed = capsys.readouterr().out
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    gen = hf_model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                            eos_token_id=hf_tok.eos_token_id, pad_token_id=hf_tok.pad_token_id)[0, len(ids):]
+    assert printed.rstrip("\n") == hf_tok.decode(gen, skip_special_tokens=True)
+    assert sample_texts(tuned, tok, [PROMPT], max_new_tokens=12) == [hf_tok.decode(gen, skip_special_tokens=True)]
+
+
+def test_byte_run_exports_to_transformers(tmp_path):
+    """A byte-tokenizer lmforge run exports with an equivalent tokenizer.json and chat template."""
+    from lmforge.cli import main
+
+    run = tmp_path / "run"
+    assert main(["sft", "--model.size=debug", "--model.n_layers=2", "--model.dim=64", "--sft.train_examples=32",
+                 "--sft.eval_examples=0", "--data.validation=none", "--training.steps=1", f"--run.dir={run}",
+                 *TINY_RUN]) == 0
+    out = export_hf(run, tmp_path / "out")
+    model, tok = load_for_inference(run)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    chat = [{"role": "user", "content": "What is 2 + 2?"}]
+    ids = hf_tok.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+    ids = ids["input_ids"] if not isinstance(ids, list) else ids
+    from lmforge.inference import chat_prompt_ids
+
+    assert ids == chat_prompt_ids(tok, "What is 2 + 2?")
+    theirs, _ = hf_logits(out, ids)
+    with torch.no_grad():
+        torch.testing.assert_close(model(torch.tensor([ids]))[0], theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_tokenizer_vocab_mismatch_is_refused(tmp_path, capsys):
+    from lmforge.cli import main
+
+    small = make_hf_model_dir(tmp_path / "hf", vocab_size=64)  # its tokenizer has ~300 tokens
+    rc = main(["sft", f"--model.from_hf={small}", f"--run.dir={tmp_path / 'run'}", *TINY_RUN])
+    err = capsys.readouterr().err
+    assert rc == 2 and "does not fit the model's vocab_size (64)" in err
