@@ -239,22 +239,31 @@ def tiny_task(tmp_path):
     return tmp_path
 
 
-def _grpo(cwd: Path, run_dir: str, *extra: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "lmforge", "grpo", "--model.size=debug", "--model.n_layers=2", "--model.dim=64",
-           "--data.train=prompts.jsonl", "--data.validation=prompts.jsonl", "--rewards=tiny_rewards:lowercase",
-           "--schedule.kind=constant", "--schedule.warmup_steps=0", "--eval.interval=0", "--metrics.log_every=1",
-           "--metrics.tensorboard=false", "--metrics.progress=off", "--training.threads=1", f"--run.dir={run_dir}",
-           *extra]
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return [json.loads(line) for line in (cwd / run_dir / "metrics.jsonl").read_text().splitlines()]
+def _grpo_cmd(run_dir: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "lmforge", "grpo", "--model.size=debug", "--model.n_layers=2", "--model.dim=64",
+            "--data.train=prompts.jsonl", "--data.validation=prompts.jsonl", "--rewards=tiny_rewards:lowercase",
+            "--schedule.kind=constant", "--schedule.warmup_steps=0", "--eval.interval=0", "--metrics.log_every=1",
+            "--metrics.tensorboard=false", "--metrics.progress=off", "--training.threads=1", f"--run.dir={run_dir}",
+            *extra]
+
+
+def _grpo(cwd: Path, *runs: tuple[str, ...]) -> list[list[dict]]:
+    """Run the CLI once per argument tuple (concurrently), return each run's metrics records."""
+    procs = [subprocess.Popen(_grpo_cmd(*args), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for args in runs]
+    out = []
+    for args, proc in zip(runs, procs):
+        stdout, stderr = proc.communicate(timeout=240)
+        assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
+        out.append([json.loads(line) for line in (cwd / args[0] / "metrics.jsonl").read_text().splitlines()])
+    return out
 
 
 def test_mean_reward_rises_on_a_tiny_setting(tiny_task):
     """A random tiny model learns to emit lowercase letters: the reward climbs from ~8% (26 of 320 ids)."""
-    recs = _grpo(tiny_task, "rise", "--training.steps=12", "--training.global_batch_size=32",
+    [recs] = _grpo(tiny_task, ("rise", "--training.steps=12", "--training.global_batch_size=32",
                  "--training.micro_batch_size=32", "--grpo.num_generations=8", "--grpo.max_new_tokens=8",
-                 "--optimizer.lr=1e-2", "--checkpoint.enabled=false", "--grpo.log_completions_every=10")
+                 "--optimizer.lr=1e-2", "--checkpoint.enabled=false", "--grpo.log_completions_every=10"))
     train = [r for r in recs if r["kind"] == "train"]
     rewards = [r["reward/mean"] for r in train]
     assert len(rewards) == 12
@@ -269,19 +278,19 @@ def test_mean_reward_rises_on_a_tiny_setting(tiny_task):
 
 
 def test_resume_continues_exactly_with_reference_and_rollout_rng(tiny_task):
-    """4 steps + resume to 6 equals 6 straight steps: weights, optimizer, prompts, rollout RNG, reference."""
+    """2 steps + resume to 4 equals 4 straight steps: weights, optimizer, prompts, rollout RNG, reference."""
     common = ("--training.global_batch_size=16", "--training.micro_batch_size=8", "--grpo.num_generations=4",
               "--grpo.max_new_tokens=6", "--grpo.num_iterations=2", "--grpo.beta=0.1", "--optimizer.lr=1e-2",
               "--checkpoint.interval=2")
-    straight = _grpo(tiny_task, "a", "--training.steps=6", *common)
-    _grpo(tiny_task, "b", "--training.steps=4", *common)
-    resumed = _grpo(tiny_task, "b", "--training.steps=6", *common)
+    straight, _ = _grpo(tiny_task, ("a", "--training.steps=4", "--checkpoint.enabled=false", *common),
+                        ("b", "--training.steps=2", *common))
+    [resumed] = _grpo(tiny_task, ("b", "--training.steps=4", *common))
     keys = ("loss", "reward/mean", "grpo/kl", "grpo/clip_low", "grpo/clip_high", "grad_norm")
     pick = lambda recs: {r["step"]: [r[k] for k in keys] for r in recs if r["kind"] == "train"}  # noqa: E731
     a, b = pick(straight), pick(resumed)
     assert [r["kind"] for r in resumed].count("resume") == 1
-    assert a[5] == pytest.approx(b[5], rel=1e-5) and a[6] == pytest.approx(b[6], rel=1e-5)
-    assert a[6][2] > 0  # the KL to the reference is live, so a wrong reference would show
-    state = json.loads((tiny_task / "b" / "checkpoints" / "step_00000006" / "trainer_state.json").read_text())
+    assert a[3] == pytest.approx(b[3], rel=1e-5) and a[4] == pytest.approx(b[4], rel=1e-5)
+    assert a[4][2] > 0  # the KL to the reference is live, so a wrong reference would show
+    state = json.loads((tiny_task / "b" / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
     assert state["extra"]["reference"] == "init:0" and len(state["extra"]["rollout_rng"]) == 1
-    assert state["data"] == {"prompts_consumed": 12}  # 3 rollouts x 4 prompts
+    assert state["data"] == {"prompts_consumed": 8}  # 2 rollouts x 4 prompts

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 from pydantic import Field, field_validator, model_validator
@@ -181,9 +181,6 @@ def train_loop(rt: Runtime, rewards: list[WeightedReward], train_set: list[dict[
                eval_set: list[dict[str, Any]]) -> None:
     """Rollout, then num_iterations updates through the shared train step; eval/checkpoint on schedule."""
     cfg, g, metrics = rt.cfg, rt.cfg.grpo, rt.metrics
-    from lmforge.inference import chat_prompt_ids
-
-    prompt_ids = [chat_prompt_ids(rt.tokenizer, r[g.prompt_field]) for r in train_set]
     sampler = PromptSampler(len(train_set), cfg.training.global_batch_size // g.num_generations,
                             rt.dist.rank, rt.dist.world_size, cfg.training.seed)
     generator, start = rollout_generator(rt), starting_point(cfg)
@@ -191,12 +188,9 @@ def train_loop(rt: Runtime, rewards: list[WeightedReward], train_set: list[dict[
     progress = resume(rt, sampler)
     saved = rt.extras.get("resumed_state", {}).get("extra", {})
     if "rollout_rng" in saved:
-        generator.set_state(torch.tensor(saved["rollout_rng"][min(rt.dist.rank, len(saved["rollout_rng"]) - 1)],
-                                         dtype=torch.uint8))
-    reference = load_reference(rt, saved.get("reference", start), initial)
-    settings = RolloutSettings(g.num_generations, g.max_new_tokens, g.temperature, g.top_p,
-                               cfg.training.micro_batch_size, g.scale_rewards, g.mask_truncated,
-                               need_old_logprobs=g.num_iterations > 1)
+        states = saved["rollout_rng"]
+        generator.set_state(torch.tensor(states[min(rt.dist.rank, len(states) - 1)], dtype=torch.uint8))
+    sample = make_sampler(rt, rewards, train_set, generator, load_reference(rt, saved.get("reference", start), initial))
     loss_fn = GRPOLoss(eps_low=g.epsilon_low, eps_high=g.epsilon_high, beta=g.beta, aggregation=g.loss_aggregation,
                        max_new_tokens=g.max_new_tokens, temperature=g.temperature)
     run_eval = make_eval(eval_set, g.prompt_field)
@@ -216,11 +210,7 @@ def train_loop(rt: Runtime, rewards: list[WeightedReward], train_set: list[dict[
             step = progress.step + 1
             if rollout is None or (step - 1) % g.num_iterations == 0:
                 with metrics.timed("rollout"):
-                    idx = sampler.next_indices()
-                    rollout = collect_rollout(
-                        rt.raw_model, [train_set[i] for i in idx], [prompt_ids[i] for i in idx], rewards, settings,
-                        stop_id=rt.tokenizer.eos_id, pad_id=rt.tokenizer.pad_id, decode=rt.tokenizer.decode,
-                        generator=generator, reference=reference, autocast=rt.autocast(), prompt_field=g.prompt_field)
+                    rollout = sample(sampler.next_indices())
                 if g.log_completions_every and (step == 1 or step % g.log_completions_every == 0):
                     metrics.record_text(step, "completions", completions_table(rollout, g.num_generations))
             normalizer = loss_normalizer(rollout.batches, g.loss_aggregation, g.max_new_tokens)
@@ -236,6 +226,27 @@ def train_loop(rt: Runtime, rewards: list[WeightedReward], train_set: list[dict[
         finish(rt, progress, sampler, reason, run_eval, extra_state)
 
 
+def make_sampler(rt: Runtime, rewards: list[WeightedReward], train_set: list[dict[str, Any]],
+                 generator: torch.Generator, reference: nn.Module | None) -> Callable[[list[int]], Rollout]:
+    """``sample(prompt_indices) -> Rollout`` with the run's settings, from the current (unwrapped) policy."""
+    from lmforge.inference import chat_prompt_ids
+
+    g = rt.cfg.grpo
+    settings = RolloutSettings(g.num_generations, g.max_new_tokens, g.temperature, g.top_p,
+                               rt.cfg.training.micro_batch_size, g.scale_rewards, g.mask_truncated,
+                               need_old_logprobs=g.num_iterations > 1)
+    tok = rt.tokenizer
+
+    def sample(indices: list[int]) -> Rollout:
+        records = [train_set[i] for i in indices]
+        prompt_ids = [chat_prompt_ids(tok, r[g.prompt_field]) for r in records]
+        return collect_rollout(rt.raw_model, records, prompt_ids, rewards, settings, stop_id=tok.eos_id,
+                               pad_id=tok.pad_id, decode=tok.decode, generator=generator, reference=reference,
+                               autocast=rt.autocast(), prompt_field=g.prompt_field)
+
+    return sample
+
+
 def make_eval(eval_set: list[dict[str, Any]], prompt_field: str):
     """Held-out exact-match accuracy with greedy decoding, overall and per task (needs an ``answer`` column)."""
     examples = [TaskExample(r.get("task", "file"), r[prompt_field], str(r["answer"]))
@@ -248,7 +259,7 @@ def make_eval(eval_set: list[dict[str, Any]], prompt_field: str):
             return {}
         acc = task_accuracy(rt.raw_model, rt.tokenizer, examples, max_new_tokens=rt.cfg.grpo.max_new_tokens,
                             batch_size=rt.cfg.eval.batch_size)
-        return {"accuracy": acc.pop("all")} | {f"accuracy/{task}": v for task, v in acc.items()}
+        return {"exact_match": acc.pop("all")} | {f"exact_match_{task}": v for task, v in acc.items()}
 
     return run_eval
 
