@@ -148,13 +148,51 @@ def full_state(run_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+class Reference:
+    """The uninterrupted run, started at once so other work overlaps it.
+
+    ``path()`` waits for it; ``when_done(fn)`` runs ``fn(path)`` as soon as a ``poll()`` or ``path()``
+    sees it finished (to start runs that need it while other work goes on).
+    """
+
+    def __init__(self, base: Path) -> None:
+        self.dir = base / "reference"
+        self.proc: subprocess.Popen | None = start(fault_runner(base), self.dir)
+        self.callbacks: list = []
+
+    def when_done(self, fn) -> None:
+        self.callbacks.append(fn)
+        self.poll()
+
+    def poll(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            self.path()
+        if self.proc is None:
+            while self.callbacks:
+                self.callbacks.pop(0)(self.dir)
+
+    def path(self) -> Path:
+        if self.proc is not None:
+            rc, _, err = finish(self.proc)
+            self.proc = None
+            assert rc == 0, err[-3000:]
+        self.poll()
+        return self.dir
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory) -> Reference:
+    """A finished 12-step run with checkpoints at steps 10 and 12 (shared with the bad-input tests)."""
+    return Reference(tmp_path_factory.mktemp("reference"))
+
+
 @pytest.fixture(scope="module")
-def reference_and_crashed(tmp_path_factory):
-    """One uninterrupted run, and the same run killed with SIGKILL four times and restarted."""
+def reference_and_crashed(tmp_path_factory, reference_run, stop_run):
+    """One uninterrupted run, and the same run killed with SIGKILL four times and restarted; before the
+    last restart its newest checkpoint is also truncated, so the run must fall back and still match."""
     base = tmp_path_factory.mktemp("reliability")
     runner = fault_runner(base)
-    ref_dir, crash_dir = base / "reference", base / "crashed"
-    reference = start(runner, ref_dir)  # runs alongside the crash sequence
+    crash_dir = base / "crashed"
     rng = random.Random(8)
     kills: list[str] = []
 
@@ -182,15 +220,18 @@ def reference_and_crashed(tmp_path_factory):
         assert hit, f"run ended before the kill ({what}): {finish(proc)[2][-2000:]}"
         kill(proc)
         kills.append(f"{what} after step {logged_step()}")
+        reference_run.poll()
         for c in list_checkpoints(crash_dir / "checkpoints"):  # every committed checkpoint stays intact
             assert checkpoint_problem(c) is None, (c, kills)
         if what == "save":
             assert list_checkpoints(crash_dir / "checkpoints"), "the previous checkpoint vanished mid-save"
+    newest = list_checkpoints(crash_dir / "checkpoints")[-1]
+    shard = next(newest.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])  # truncated, as by a full disk during a copy
+    kills.append(f"truncated {newest.name}")
     rc, out, err = finish(start(runner, crash_dir))
     assert rc == 0, err[-3000:]
-    rc_ref, _, err_ref = finish(reference)
-    assert rc_ref == 0, err_ref[-3000:]
-    return ref_dir, crash_dir, kills, out
+    return reference_run.path(), crash_dir, kills, out
 
 
 def test_killed_run_logs_exactly_the_uninterrupted_losses(reference_and_crashed):
@@ -215,34 +256,40 @@ def test_killed_run_ends_with_exactly_the_uninterrupted_weights(reference_and_cr
     assert not list((crash_dir / "checkpoints").glob("*.partial"))
 
 
-def test_damaged_newest_checkpoint_falls_back_in_one_line(reference_and_crashed, tmp_path):
-    ref_dir, *_ = reference_and_crashed
-    run = tmp_path / "run"
-    shutil.copytree(ref_dir, run)
-    newest = list_checkpoints(run / "checkpoints")[-1]
-    shard = next(newest.glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[:1000])  # truncated, as by a full disk during a copy
-    runner = fault_runner(tmp_path)
-    rc, out, err = finish(start(runner, run, f"--training.steps={STEPS + 2}"))
-    assert rc == 0, err[-3000:]
+def test_damaged_newest_checkpoint_falls_back_in_one_line(reference_and_crashed):
+    _, crash_dir, kills, out = reference_and_crashed
     warnings = [x for x in out.splitlines() if x.startswith("warning:")]
-    assert len(warnings) == 1 and newest.name in warnings[0] and "truncated" in warnings[0], out
-    previous = step_of(list_checkpoints(ref_dir / "checkpoints")[-2])
-    assert f"at step {previous}" in out
-    assert (run / "checkpoints" / (newest.name + ".damaged")).is_dir()
-    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert any(e["kind"] == "checkpoint_damaged" for e in events)
+    damaged = kills[-1].split()[-1]
+    assert len(warnings) == 1 and damaged in warnings[0] and "truncated" in warnings[0], out
+    assert (crash_dir / "checkpoints" / (damaged + ".damaged")).is_dir()
+    events = [json.loads(x) for x in (crash_dir / "metrics.jsonl").read_text().splitlines() if x.endswith("}")]
+    assert [e for e in events if e["kind"] == "checkpoint_damaged"]
 
 
-def test_damaged_checkpoint_with_on_damaged_stop_exits_2(reference_and_crashed, tmp_path):
-    ref_dir, *_ = reference_and_crashed
-    run = tmp_path / "run"
-    shutil.copytree(ref_dir, run)
-    newest = list_checkpoints(run / "checkpoints")[-1]
-    (newest / ckpt_mod.STATE_FILE).unlink()
-    before = snapshot(run / "checkpoints")
-    rc, out, err = finish(start(fault_runner(tmp_path), run, "--checkpoint.on_damaged=stop",
-                                f"--training.steps={STEPS + 2}"))
+@pytest.fixture(scope="module")
+def stop_run(reference_run, tmp_path_factory):
+    """A copy of the reference run whose newest checkpoint lost trainer_state.json, resumed with
+    on_damaged=stop (started early so it overlaps other tests' work)."""
+    base = tmp_path_factory.mktemp("damaged")
+    run = base / "stop"
+    launched: dict = {}
+
+    def launch(ref_dir: Path) -> None:
+        shutil.copytree(ref_dir, run)
+        (list_checkpoints(run / "checkpoints")[-1] / ckpt_mod.STATE_FILE).unlink()
+        launched["before"] = snapshot(run / "checkpoints")
+        launched["proc"] = start(fault_runner(base), run, "--checkpoint.on_damaged=stop",
+                                 f"--training.steps={STEPS + 2}")
+
+    reference_run.when_done(launch)
+    return run, launched
+
+
+def test_damaged_checkpoint_with_on_damaged_stop_exits_2(reference_run, stop_run):
+    reference_run.path()
+    run, launched = stop_run
+    before, proc = launched["before"], launched["proc"]
+    rc, out, err = finish(proc)
     assert rc == 2, (out, err)
     lines = [x for x in err.splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and "damaged" in lines[0] and "trainer_state.json is missing" in lines[0], err

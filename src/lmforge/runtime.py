@@ -24,6 +24,7 @@ from lmforge.flops import flops_per_token, peak_flops_per_device
 from lmforge.metrics import MetricLogger
 from lmforge.model import ModelArgs, Transformer, model_args_for
 from lmforge.progress import progress_bar
+from lmforge.runlock import hold_run_lock
 from lmforge.sinks import WandbSink
 from lmforge.tokenizer import Tokenizer, load_tokenizer
 from lmforge.train_step import build_optimizer
@@ -70,6 +71,21 @@ def prepare_run_dir(run_dir: Path, is_main: bool) -> None:
         probe.unlink()
     except OSError as e:
         raise UserError(f"run.dir={run_dir}: cannot write the run directory ({e.strerror or e})") from None
+
+
+def claim_run_dir(run_dir: Path, is_main: bool) -> None:
+    """Rank 0 creates the run directory and locks it for this run (see runlock); if either fails,
+    every rank raises the same one-line error instead of the others waiting in a collective."""
+    problem = None
+    if is_main:
+        try:
+            prepare_run_dir(run_dir, True)
+            hold_run_lock(run_dir)
+        except UserError as e:
+            problem = str(e)
+    problem = dist_utils.broadcast_object(problem)
+    if problem:
+        raise UserError(problem)
 
 
 def build_model(cfg: Config) -> tuple[Transformer, ModelArgs, Tokenizer]:
@@ -119,7 +135,7 @@ def build_runtime(cfg: Config, trainer: str) -> Runtime:
         torch.set_num_threads(cfg.training.threads)
     info = dist_utils.init_distributed(cfg.training.device)
     run_dir = Path(cfg.run.dir)
-    prepare_run_dir(run_dir, info.is_main)
+    claim_run_dir(run_dir, info.is_main)
     torch.manual_seed(cfg.training.seed)
     model, args, tokenizer = build_model(cfg)
     _check_resume_compatible(run_dir, args)
@@ -156,7 +172,9 @@ def build_runtime(cfg: Config, trainer: str) -> Runtime:
         "threads": torch.get_num_threads(), "run_dir": str(run_dir),
     }, cfg.to_toml())
     return Runtime(cfg=cfg, dist=info, tokenizer=tokenizer, model_args=args, raw_model=raw, model=wrapped,
-                   optimizer=optimizer, metrics=metrics, checkpointer=Checkpointer(run_dir, cfg.checkpoint.keep),
+                   optimizer=optimizer, metrics=metrics, checkpointer=Checkpointer(
+                       run_dir, cfg.checkpoint.keep, on_damaged=cfg.checkpoint.on_damaged,
+                       report=lambda line: metrics.record_event("checkpoint_damaged", 0, line)),
                    run_dir=run_dir)
 
 
@@ -176,7 +194,10 @@ def _check_resume_compatible(run_dir: Path, args: ModelArgs) -> None:
         return
     saved = json.loads(f.read_text()).get("model_args", {})
     new = args.to_dict()
-    diff = [k for k in new if k in saved and saved[k] != new[k]]
+    diff = sorted((k for k in new if k in saved and saved[k] != new[k]), key=lambda k: k != "vocab_size")
+    if diff and diff[0] == "vocab_size":
+        raise UserError(f"run.dir={run_dir}: the tokenizer's vocabulary ({new['vocab_size']}) does not match the "
+                        f"checkpoints' ({saved['vocab_size']}); model.tokenizer must be the one the run started with")
     if diff:
         k = diff[0]
         raise UserError(f"run.dir={run_dir} holds checkpoints of another model (model {k}: {saved[k]} there, "

@@ -19,10 +19,18 @@ def documents(spec: str, split: str, text_field: str) -> list[str]:
     return embedded_corpus(split) if spec == "embedded" else read_documents(spec, text_field=text_field)
 
 
-def build_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[PackedTokenDataset, PackedTokenDataset]:
+def read_corpora(cfg: Config) -> tuple[list[str], list[str]]:
+    """Train and validation documents. Read before the run directory is touched, so a bad data file
+    fails the run without changing anything an earlier run saved there."""
     d = cfg.data
-    train_set = PackedTokenDataset(documents(d.train, "train", d.text_field), tokenizer, d.seq_len)
-    val_set = PackedTokenDataset(documents(d.validation, "validation", d.text_field), tokenizer, d.seq_len)
+    return documents(d.train, "train", d.text_field), documents(d.validation, "validation", d.text_field)
+
+
+def build_datasets(cfg: Config, tokenizer: Tokenizer,
+                   corpora: tuple[list[str], list[str]] | None = None) -> tuple[PackedTokenDataset, PackedTokenDataset]:
+    train_docs, val_docs = corpora or read_corpora(cfg)
+    train_set = PackedTokenDataset(train_docs, tokenizer, cfg.data.seq_len)
+    val_set = PackedTokenDataset(val_docs, tokenizer, cfg.data.seq_len)
     return train_set, val_set
 
 
@@ -35,10 +43,11 @@ def make_loader(rt: Runtime, dataset) -> StepLoader:
 
 def run(cfg: Config, trainer: str = "pretrain", setup: Callable[[Runtime], None] | None = None) -> Runtime:
     """Pretrain; ``setup(rt)`` lets a trainer built on this one adjust the runtime before the loop."""
+    corpora = read_corpora(cfg)
     rt = build_runtime(cfg, trainer)
     if setup is not None:
         setup(rt)
-    train_set, val_set = build_datasets(cfg, rt.tokenizer)
+    train_set, val_set = build_datasets(cfg, rt.tokenizer, corpora)
     loader = make_loader(rt, train_set)
 
     def run_eval(rt: Runtime):

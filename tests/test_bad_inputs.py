@@ -1,0 +1,171 @@
+"""Every bad input gets one clear line, a non-zero exit, and harms nothing already saved.
+
+Each case runs the real CLI against its own copy of a finished run directory and checks: exit code
+2, exactly one ``error:`` line on stderr naming the problem, no traceback, and every file the earlier
+run saved byte-identical afterwards. The cases run concurrently to keep the suite short.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from lmforge.errors import UserError
+from lmforge.runlock import hold_run_lock, release_run_lock
+from test_reliability import STEPS, TINY, fault_runner, reference_run  # noqa: F401 (a shared fixture)
+
+
+@dataclass
+class Case:
+    args: Callable[[Path, Path], list[str]]
+    """(run dir copy, scratch dir) -> extra CLI arguments."""
+    expect: list[str]
+    """Substrings of the error line."""
+    fault: str = ""
+    guarded: Callable[[Path], Path] = lambda run: run
+    """What must be unchanged: the whole run directory, or a part of it (a run that trained a little)."""
+    files: dict[str, bytes] = field(default_factory=dict)
+    """Input files to create in the scratch dir."""
+
+
+def _tokenizer_dir(scratch: Path) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "</s>": 1, **{f"w{i}": i + 2 for i in range(498)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    out = scratch / "tok500"
+    out.mkdir()
+    tok.save(str(out / "tokenizer.json"))
+    return out
+
+
+CASES: dict[str, Case] = {
+    "unknown_key": Case(lambda r, s: ["--training.stesp=5"],
+                        ["unknown config key `training.stesp`", "did you mean `training.steps`"]),
+    "wrong_type": Case(lambda r, s: ["--training.steps=many"], ["`training.steps`", "integer", "'many'"]),
+    "out_of_range": Case(lambda r, s: ["--optimizer.lr=-0.1"], ["`optimizer.lr`", "greater than 0"]),
+    "missing_data_file": Case(lambda r, s: [f"--data.train={s}/nope.txt"], ["data file not found", "nope.txt"]),
+    "empty_dataset": Case(lambda r, s: [f"--data.train={s}/empty.txt"], ["no documents in", "empty.txt"],
+                          files={"empty.txt": b"\n\n  \n"}),
+    "non_utf8_text": Case(lambda r, s: [f"--data.train={s}/latin1.txt"], ["latin1.txt:3:", "not valid UTF-8"],
+                          files={"latin1.txt": b"first line\n\ncaf\xe9 au lait\n"}),
+    "malformed_jsonl": Case(lambda r, s: [f"--data.train={s}/docs.jsonl"], ["docs.jsonl:2:", "invalid JSON"],
+                            files={"docs.jsonl": b'{"text": "one"}\n{"text": "two"\n{"text": "three"}\n'}),
+    "sequence_too_long": Case(lambda r, s: ["--data.seq_len=4096"],
+                              ["data.seq_len=4096", "longer than the model allows", "max_seq_len=1024"]),
+    "tokenizer_vocab_mismatch": Case(lambda r, s: [f"--model.tokenizer={_tokenizer_dir(s)}"],
+                                     ["tokenizer's vocabulary (500)", "checkpoints' (320)"]),
+    "incompatible_model": Case(lambda r, s: ["--model.n_layers=3"],
+                               ["holds checkpoints of another model", "n_layers: 2 there, 3 now"]),
+    "unwritable_run_dir": Case(lambda r, s: [f"--run.dir={r}/config.toml/inner"],
+                               ["config.toml/inner", "cannot write the run directory"]),
+    "disk_full_during_checkpoint": Case(lambda r, s: [f"--training.steps={STEPS + 2}"],
+                                        [f"checkpoint save at step {STEPS + 2} failed", "No space left on device",
+                                         f"step_{STEPS:08d} is intact"],
+                                        fault="disk_full:20000", guarded=lambda run: run / "checkpoints"),
+    "run_dir_held_by_live_run": Case(lambda r, s: [], ["is in use by another live run", "pid "]),
+}
+
+
+def digest(root: Path) -> dict[str, str]:
+    """Every saved file's hash; ``.lock`` only names the latest process to take the lock, so it is left out."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+def cli(runner: Path, run_dir: Path, extra: list[str], fault: str = "", steps: int = STEPS,
+        wait: bool = True):
+    import os
+
+    cmd = [sys.executable, str(runner), "pretrain", *TINY, f"--training.steps={steps}", f"--run.dir={run_dir}",
+           *extra]
+    proc = subprocess.Popen(cmd, env={**os.environ, "LMFORGE_TEST_FAULT": fault}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    if not wait:
+        return proc
+    out, err = proc.communicate(timeout=400)
+    return proc.returncode, out, err
+
+
+def wait_until_paused(proc: subprocess.Popen, run_dir: Path) -> None:
+    deadline = time.monotonic() + 240
+    while not list((run_dir / "checkpoints").glob("*.partial/manifest.json")):
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, "the holding run never reached its save"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory, reference_run):
+    base = tmp_path_factory.mktemp("bad_inputs")
+    runner = fault_runner(base)
+    saved = reference_run.path()
+    prepared = {}
+    for name, case in CASES.items():
+        run, scratch = base / name / "run", base / name / "inputs"
+        shutil.copytree(saved, run)
+        scratch.mkdir()
+        for fname, data in case.files.items():
+            (scratch / fname).write_bytes(data)
+        prepared[name] = (run, case.args(run, scratch))
+    before = {name: digest(case.guarded(prepared[name][0])) for name, case in CASES.items()}
+    held = "run_dir_held_by_live_run"
+    holder = cli(runner, prepared[held][0], ["--checkpoint.interval=1"], fault="pause_before_commit:600",
+                 steps=STEPS * 10, wait=False)  # a live run on that directory, paused inside a save
+
+    def attempt(name: str):
+        run, extra = prepared[name]
+        if name == held:
+            wait_until_paused(holder, run)
+            before[name] = digest(run)  # the holder changed it before pausing; nothing may change now
+        return cli(runner, run, extra, fault=CASES[name].fault)
+
+    try:
+        with ThreadPoolExecutor(max_workers=len(CASES)) as pool:  # the holder's case last: the others overlap its start
+            results = dict(zip(CASES, pool.map(attempt, CASES)))
+        after = {name: digest(case.guarded(prepared[name][0])) for name, case in CASES.items()}
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.communicate()
+    return {name: (*results[name], before[name], after[name], prepared[name][0]) for name in CASES}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_fails_in_one_line_and_harms_nothing(outcomes, name):
+    rc, out, err, before, after, run = outcomes[name]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert rc == 2, (rc, out[-2000:], err[-3000:])
+    assert len(errors) == 1, err[-3000:]
+    for words in CASES[name].expect:
+        assert words in errors[0], (words, errors[0])
+    assert "Traceback" not in err, err[-3000:]
+    assert before == after, "saved files changed"
+    assert not list(run.glob("checkpoints/*.partial")) or name == "run_dir_held_by_live_run"
+
+
+def test_lock_of_a_killed_run_does_not_block(tmp_path):
+    """flock dies with its process: a SIGKILLed holder leaves a .lock file but no lock."""
+    code = ("import sys, time; from lmforge.runlock import hold_run_lock; hold_run_lock(sys.argv[1]); "
+            "print('held', flush=True); time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(UserError, match="in use by another live run"):
+            hold_run_lock(tmp_path)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert (tmp_path / ".lock").is_file()
+    hold_run_lock(tmp_path)
+    release_run_lock(tmp_path)
