@@ -201,7 +201,7 @@ def test_progress_bar_on_a_terminal_does_not_garble_log_lines():
 
 
 # ---------------------------------------------------------------------- guards
-def _in_process_run(run_dir: Path, loss_fn, progress: str = "off", **training):
+def _in_process_run(run_dir: Path, loss_fn, progress: str = "off", metrics: dict | None = None, **training):
     """A tiny pretraining in this process with an injected loss function; returns (runtime, error)."""
     from lmforge.config import Config, validate_config
     from lmforge.data.corpus import embedded_corpus
@@ -215,7 +215,8 @@ def _in_process_run(run_dir: Path, loss_fn, progress: str = "off", **training):
         "training": {"steps": 8, "global_batch_size": 4, "micro_batch_size": 4, **training},
         "optimizer": {"lr": 1e-3}, "schedule": {"warmup_steps": 0},
         "eval": {"interval": 0}, "checkpoint": {"enabled": False},
-        "metrics": {"log_every": 4, "tensorboard": False, "peak_tflops": 1.0, "progress": progress},
+        "metrics": {"log_every": 4, "tensorboard": False, "peak_tflops": 1.0, "progress": progress,
+                    **(metrics or {})},
         "run": {"dir": str(run_dir)}})
     rt = build_runtime(cfg, "pretrain")
     loader = make_loader(rt, PackedTokenDataset(embedded_corpus("train", num_docs=200), rt.tokenizer, 32))
@@ -299,3 +300,85 @@ def test_loss_spike_is_logged_as_a_warning_with_its_step():
     assert [r["step"] for r in spikes] == [7]  # not at the non-finite steps, not after the spike
     assert spikes[0]["loss"] > 3 * 4.0
     assert re.search(r"^warning: loss spike at step 7: [\d.]+ is over 3x the running mean [\d.]+$", console, re.M)
+
+
+# ---------------------------------------------------------------------- Weights & Biases
+class _FakeWandbRun:
+    def __init__(self, **kwargs) -> None:
+        self.kwargs, self.logged, self.finished = kwargs, [], 0
+        self.id = kwargs.get("id") or "fake0001"
+
+    def log(self, values: dict, step: int) -> None:
+        self.logged.append((step, dict(values)))
+
+    def finish(self) -> None:
+        self.finished += 1
+
+
+def _fake_wandb(runs: list) -> object:
+    import types
+
+    module = types.ModuleType("wandb")
+
+    def init(**kwargs):
+        runs.append(_FakeWandbRun(**kwargs))
+        return runs[-1]
+    module.init = init
+    return module
+
+
+def test_wandb_sink_gets_the_tensorboard_scalars_through_the_runtime(tmp_path, monkeypatch):
+    from lmforge.sinks import WANDB_ID_FILE
+
+    runs: list[_FakeWandbRun] = []
+    monkeypatch.setitem(sys.modules, "wandb", _fake_wandb(runs))
+    _, error = _in_process_run(tmp_path / "run", _loss_with({3: float("nan")}), steps=4, nonfinite="skip",
+                               metrics={"wandb": True})
+    assert error is None and len(runs) == 1
+    run = runs[0]
+    assert run.kwargs["config"]["training"]["nonfinite"] == "skip" and run.kwargs["dir"] == str(tmp_path / "run")
+    steps_with_loss = [step for step, values in run.logged if "learning/loss" in values]
+    assert steps_with_loss == [1, 4]
+    assert (3, {"nonfinite_skip/skipped_updates": 1}) in run.logged
+    assert any("goodput/productive" in values for _, values in run.logged)
+    assert run.finished == 1
+    # A resumed run logs into the same W&B run.
+    assert (tmp_path / "run" / WANDB_ID_FILE).read_text() == "fake0001"
+    from lmforge.sinks import WandbSink
+
+    WandbSink.start(tmp_path / "run", {}).close()
+    assert runs[-1].kwargs["id"] == "fake0001" and runs[-1].kwargs["resume"] == "allow"
+
+
+def test_wandb_requested_but_not_installed_is_a_user_error(tmp_path, monkeypatch):
+    from lmforge.errors import UserError
+    from lmforge.sinks import WandbSink
+
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(UserError, match=r"metrics.wandb=true needs the wandb package: pip install 'lmforge\[wandb\]'"):
+        WandbSink.start(tmp_path, {})
+
+
+def test_wandb_offline_with_the_real_package(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from lmforge.sinks import WandbSink
+
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb_home"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    m = MetricLogger(tmp_path / "run", tensorboard=False, log_every=1, console=lambda line: None)
+    m.sinks.append(WandbSink.start(tmp_path / "run", {"training": {"steps": 2}}))
+    m.start_clock()
+    m.record_step(1, 100, {"loss": torch.tensor(2.5), "total_weights": torch.tensor(100.0)})
+    m.record_eval(1, {"loss": 2.25}, 0.1)
+    m.close()
+    files = list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1
+    for _ in range(100):  # W&B's writer process finishes the file a moment after finish() returns
+        data = files[0].read_bytes()
+        if b"eval/loss" in data:
+            break
+        time.sleep(0.1)
+    for key in (b"learning/loss", b"eval/loss", b"perf/tokens_per_sec_per_device", b"goodput/productive"):
+        assert key in data, key

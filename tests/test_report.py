@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -57,6 +58,7 @@ def _write_run(run_dir: Path, losses: dict[int, float], *, resume_at: int | None
     """A run written by the MetricLogger itself (log every step), optionally with a restart."""
     def attempt(values: dict[int, float], final: bool, resumed: bool = False) -> None:
         m = MetricLogger(run_dir, log_every=1, tensorboard=False, console=lambda line: None)
+        m.log_setup({"trainer": "pretrain"}, "")
         if resumed:
             m.record_event("resume", resume_at, path="checkpoints/step_x")
         m.start_clock()
@@ -84,6 +86,14 @@ def test_redone_steps_replace_those_of_the_failed_attempt(tmp_path):
     assert [(r["step"], r["loss"]) for r in run.train] == [(1, 5.0), (2, 4.0), (3, 3.0), (4, 2.5), (5, 2.2), (6, 2.1)]
     assert run.cumulative_tokens()[-1] == (6, 600.0)
     assert run.finished and [e["kind"] for e in run.events] == ["resume"]
+    # Goodput adds up both processes: the crashed one's newest (periodic) record and the final one.
+    lines = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines[:-1]]  # the last line is half-written
+    last_of_first = [r for r in records if r["kind"] == "goodput" and r["step"] == 6][0]
+    final = records[-1]
+    assert final["final"] and run.goodput["attempts"] == 2
+    for key in ("wall", "productive", "first_step", "setup"):
+        assert run.goodput[key] == pytest.approx(last_of_first[key] + final[key])
 
 
 def test_several_runs_overlay_with_grpo_reward_and_a_running_run(tmp_path):

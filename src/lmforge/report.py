@@ -8,6 +8,9 @@ Records of a previous attempt that a restart redid are dropped: at a ``resume`` 
 earlier train/eval records past step R are discarded, so every curve shows the steps whose results
 the run kept.
 
+Goodput is accounted per process. A run resumed by a new process (each one starts with a ``setup``
+record) is summed over its attempts: the newest goodput record of each attempt, added up.
+
 Tokens on the x axis are target tokens, added up from the logged ``total_weights`` (the target
 tokens of the logged step) times the steps since the previous log line. With packed pretraining
 every step has the same count and this is exact; with variable-length data it is an estimate.
@@ -45,8 +48,18 @@ class RunRecords:
     rewards: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     setup: dict[str, Any] | None = None
-    goodput: dict[str, Any] | None = None
-    """The newest goodput record (``final: true`` once the run has ended)."""
+    attempt_goodput: list[dict[str, Any] | None] = field(default_factory=list)
+    """Per process that wrote to the run (in order): its newest goodput record, if any."""
+
+    @property
+    def goodput(self) -> dict[str, Any] | None:
+        """Seconds per category and ``wall`` summed over attempts; ``final`` from the newest one."""
+        records = [g for g in self.attempt_goodput if g]
+        if not records:
+            return None
+        total = {k: sum(g.get(k, 0.0) for g in records) for k in (*GOODPUT_CATEGORIES, "wall")}
+        return {**total, "final": bool(self.attempt_goodput[-1] and self.attempt_goodput[-1].get("final")),
+                "attempts": len(self.attempt_goodput)}
 
     @property
     def finished(self) -> bool:
@@ -92,8 +105,11 @@ def read_run(path: str | Path, name: str | None = None) -> RunRecords:
             run.eval.append(rec)
         elif kind == "setup":
             run.setup = rec
+            run.attempt_goodput.append(None)
         elif kind == "goodput":
-            run.goodput = rec
+            if not run.attempt_goodput:
+                run.attempt_goodput.append(None)
+            run.attempt_goodput[-1] = rec
         elif kind not in ("text", "train", "eval"):
             run.events.append(rec)
     for attr in ("train", "eval", "rewards"):
@@ -303,7 +319,10 @@ def summary_markdown(runs: list[RunRecords], images: list[Path]) -> str:
         if not g or not g.get("wall"):
             continue
         cells = " | ".join(f"{100 * g.get(c, 0.0) / g['wall']:.1f}" for c in GOODPUT_CATEGORIES)
-        lines.append(f"| {run.name}{'' if run.finished else ' (so far)'} | {g['wall']:.1f} | {cells} |")
+        note = "" if run.finished else " (so far)"
+        if g["attempts"] > 1:
+            note += f" ({g['attempts']} processes)"
+        lines.append(f"| {run.name}{note} | {g['wall']:.1f} | {cells} |")
     warnings = [(run, e) for run in runs for e in run.events
                 if e.get("kind") in ("loss_spike", "nonfinite_skip", "nonfinite_stop")]
     if warnings:
