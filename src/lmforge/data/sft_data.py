@@ -147,7 +147,8 @@ def _tokenize(record: dict[str, Any], tokenizer: Tokenizer, chat: ChatFormat | N
     """Token ids and a per-token "carries loss" mask (before shifting)."""
     if "messages" in record:
         if chat is None:
-            raise ValueError("conversational records need a chat format")
+            raise ValueError(f"conversational records need a chat template and {tokenizer!r} has none "
+                             "(give one with sft.chat_template=FILE.jinja)")
         enc = chat.encode(validate_messages(record["messages"]))
         ids, mask = enc.ids, enc.assistant_mask
     elif "prompt" in record or "completion" in record:

@@ -65,7 +65,7 @@ def _records(spec: str, split: str, cfg: SFTConfig):
     return read_sft_records(spec), spec
 
 
-def build_datasets(cfg: SFTConfig, rt: Runtime, chat: ChatFormat) -> tuple[SFTDataset, SFTDataset | None]:
+def build_datasets(cfg: SFTConfig, rt: Runtime, chat: ChatFormat | None) -> tuple[SFTDataset, SFTDataset | None]:
     """Train and validation sets; each summary (counts of skipped/truncated examples) is logged."""
     d, s = cfg.data, cfg.sft
     sets: list[SFTDataset | None] = []
@@ -124,8 +124,14 @@ def run(cfg: SFTConfig, trainer: str = "sft") -> Runtime:
     rt = build_runtime(cfg, trainer)
     loader = None
     try:
-        chat = chat_format_for(rt.tokenizer, cfg.sft.chat_template)
-        _check_chat_tokens(rt, chat)
+        try:
+            chat: ChatFormat | None = chat_format_for(rt.tokenizer, cfg.sft.chat_template)
+        except UserError:  # only conversational records need one; they say so if they meet None
+            if cfg.sft.chat_template:
+                raise
+            chat = None
+        if chat is not None:
+            _check_chat_tokens(rt, chat)
         train_set, val_set = build_datasets(cfg, rt, chat)
         loader = make_loader(rt, train_set)
         history: dict[str, float] = {}
