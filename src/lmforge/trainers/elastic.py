@@ -137,13 +137,23 @@ class ElasticHooks:
         self.snapshot(progress, loader)
 
     def snapshot(self, progress: Any, loader: Any) -> None:
+        """Save to the fast tier on schedule (collective: the decision uses only values every rank shares).
+
+        A snapshot that cannot be written (e.g. ``/dev/shm`` too small: Docker gives 64 MiB) turns the
+        fast tier off with a warning; the run goes on with its durable checkpoints.
+        """
         cfg, step = self.rt.cfg, progress.step
         k = cfg.elastic.snapshot_interval
-        if self.fast is None or not k or step % k or progress.stop_requested or step >= cfg.training.steps:
+        if self.fast is None or not k or step % k or step >= cfg.training.steps:
             return
         if cfg.checkpoint.enabled and cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
             return  # the durable checkpoint of this step was just written
-        save(self.rt, progress, loader, checkpointer=self.fast)
+        try:
+            save(self.rt, progress, loader, checkpointer=self.fast)
+        except UserError as e:  # every rank gets the same error (the save agrees on failures)
+            self.fast = None
+            self.rt.metrics.record_event("snapshot_failed", step, f"warning: {e}; fast snapshots off for this "
+                                         f"attempt, durable checkpoints continue")
 
     def report(self, first_step: int) -> None:
         rt = self.rt
@@ -213,6 +223,8 @@ def snapshot_root(rt: Runtime) -> tuple[Path | None, str]:
     token = _run_token(rt)  # collective: every rank calls it
     if not e.snapshot_interval:
         return None, "elastic.snapshot_interval=0"
+    if not rt.cfg.checkpoint.enabled:
+        return None, "checkpoint.enabled=false"
     if e.snapshot_dir:
         return Path(e.snapshot_dir) / f"lmforge-{token}", ""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", rt.dist.world_size))
@@ -231,8 +243,6 @@ def run(cfg: ElasticConfig) -> Runtime:
     notes = adapt_micro_batch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     e = cfg.elastic
     plans = faults.fault_plans(e.fault_rank, e.fault_step, e.fault_mode, e.fault_attempt)
-    hooks: dict[str, ElasticHooks] = {}
-
     def setup(rt: Runtime) -> None:
         root, why_not = snapshot_root(rt)
         durable = rt.checkpointer
@@ -246,12 +256,11 @@ def run(cfg: ElasticConfig) -> Runtime:
             rt.metrics.process_start = failure_time
             rt.metrics.add_time("recovery", PROCESS_START - failure_time)
         notes["snapshot_dir"] = str(root) if root else ""
-        hooks["elastic"] = ElasticHooks(rt, fast, failure_time, plans, notes)
-        rt.step_hooks.append(hooks["elastic"])
+        rt.step_hooks.append(ElasticHooks(rt, fast, failure_time, plans, notes))
 
     rt = pretrain.run(cfg, "elastic", setup=setup)
-    hook = hooks.get("elastic")
+    tiers = rt.checkpointer
     dist_utils.barrier()
-    if hook and hook.fast is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        shutil.rmtree(hook.fast.root.parent, ignore_errors=True)  # the durable tier now holds the newest state
+    if isinstance(tiers, TieredCheckpointer) and tiers.fast is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        shutil.rmtree(tiers.fast.root.parent, ignore_errors=True)  # the durable tier now holds the newest state
     return rt
