@@ -16,6 +16,7 @@ cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-}"
 LOG="$(mktemp /tmp/lmforge-gpu-bench.XXXXXX.log)"
 finish() {
+  sleep 1  # let tee flush the log
   if [ -n "$OUT_DIR" ]; then
     mkdir -p "$OUT_DIR"
     cp "$LOG" "$OUT_DIR/gpu_bench.log" 2>/dev/null || true
@@ -39,6 +40,7 @@ if [ -z "$PY" ]; then
   exit 2
 fi
 echo "python: $PY ($("$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'))"
+[ -n "$OUT_DIR" ] && mkdir -p "$OUT_DIR"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv 2>/dev/null \
   | tee "${OUT_DIR:-/tmp}/nvidia-smi.txt" || true
 
@@ -74,7 +76,7 @@ export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/lmforge-inductor
 set -x
 timeout "${GPU_BENCH_TIMEOUT:-540}" "$PY" bench/throughput.py --device cuda --sizes "${SIZE:-1b}" \
   --dtype bfloat16 --compile --systems "$SYSTEMS" --seq-len "${SEQ_LEN:-2048}" --batch "${BATCH:-8}" \
-  --steps 30 --warmup 10 --repeats "${REPEATS:-1}" "${SETS[@]}"
+  --steps 30 --warmup 10 --repeats "${REPEATS:-1}" ${SETS[@]+"${SETS[@]}"}
 rc=$?
 set +x
 [ $rc -eq 124 ] && echo "gpu.sh: timed out after ${GPU_BENCH_TIMEOUT:-540}s (raise GPU_BENCH_TIMEOUT or lower BATCH)"
