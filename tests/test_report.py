@@ -67,6 +67,8 @@ def _write_run(run_dir: Path, losses: dict[int, float], *, resume_at: int | None
             if reward:
                 metrics["reward/mean"] = 1.0 - loss / 10
             m.record_step(step, 400, metrics)
+        if reward:  # GRPO eval logs a reward too; it must not replace the rollouts' one of that step
+            m.record_eval(max(values), {"loss": 1.5, "reward/mean": 0.5}, 0.1)
         if final:  # a crashed attempt leaves only its periodic goodput records
             m.log_goodput(max(values), final=True)
         m.close()
@@ -114,12 +116,15 @@ def test_several_runs_overlay_with_grpo_reward_and_a_running_run(tmp_path):
     # Three runs, three colours on the loss plot: check through matplotlib's own drawing.
     import matplotlib.pyplot as plt
 
-    from lmforge.report import panel_loss_vs_step, read_run as read
+    from lmforge.report import panel_loss_vs_step, panel_reward, read_run as read
 
-    fig, ax = plt.subplots()
+    fig, (ax, ax2) = plt.subplots(1, 2)
     runs = [read(p) for p in (run_dir, tmp_path / "grpo", running)]
     assert panel_loss_vs_step(ax, runs)
     assert {line.get_color() for line in ax.get_lines()} == {"C0", "C1", "C2"}
+    assert panel_reward(ax2, runs)
+    lines = {line.get_label(): list(line.get_ydata()) for line in ax2.get_lines()}
+    assert lines == {"grpo rollouts": [0.7, 0.8, 0.9], "grpo eval": [0.5]}
     plt.close(fig)
 
 

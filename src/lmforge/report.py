@@ -45,7 +45,6 @@ class RunRecords:
     path: Path
     train: list[dict[str, Any]] = field(default_factory=list)
     eval: list[dict[str, Any]] = field(default_factory=list)
-    rewards: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     setup: dict[str, Any] | None = None
     attempt_goodput: list[dict[str, Any] | None] = field(default_factory=list)
@@ -96,9 +95,6 @@ def read_run(path: str | Path, name: str | None = None) -> RunRecords:
             keep = rec.get("step", 0)
             run.train = [r for r in run.train if r["step"] <= keep]
             run.eval = [r for r in run.eval if r["step"] <= keep]
-            run.rewards = [r for r in run.rewards if r["step"] <= keep]
-        if REWARD_KEY in rec and "step" in rec:
-            run.rewards.append(rec)
         if kind == "train" and "step" in rec:
             run.train.append(rec)
         elif kind == "eval" and "step" in rec:
@@ -112,7 +108,7 @@ def read_run(path: str | Path, name: str | None = None) -> RunRecords:
             run.attempt_goodput[-1] = rec
         elif kind not in ("text", "train", "eval"):
             run.events.append(rec)
-    for attr in ("train", "eval", "rewards"):
+    for attr in ("train", "eval"):
         by_step = {r["step"]: r for r in getattr(run, attr)}
         setattr(run, attr, [by_step[s] for s in sorted(by_step)])
     return run
@@ -178,12 +174,11 @@ def panel_loss_vs_tokens(ax: Any, runs: list[RunRecords]) -> bool:
     return drawn
 
 
-def _line_panel(key: str, title: str, ylabel: str, *, log: bool = False, skip_first: bool = False,
-                source: str = "train") -> Panel:
+def _line_panel(key: str, title: str, ylabel: str, *, log: bool = False, skip_first: bool = False) -> Panel:
     def draw(ax: Any, runs: list[RunRecords]) -> bool:
         drawn = False
         for i, run in enumerate(runs):
-            xs, ys = _series(getattr(run, source), key, skip_first)
+            xs, ys = _series(run.train, key, skip_first)
             if xs:
                 ax.plot(xs, ys, color=_color(i), label=run.name)
                 drawn = True
@@ -192,6 +187,22 @@ def _line_panel(key: str, title: str, ylabel: str, *, log: bool = False, skip_fi
             ax.set_yscale("log")
         return drawn
     return draw
+
+
+def panel_reward(ax: Any, runs: list[RunRecords]) -> bool:
+    """GRPO: mean reward of each step's rollouts, and of the eval prompts where eval logged one."""
+    drawn = False
+    for i, run in enumerate(runs):
+        xs, ys = _series(run.train, REWARD_KEY)
+        if xs:
+            ax.plot(xs, ys, color=_color(i), label=f"{run.name} rollouts")
+            drawn = True
+        xs, ys = _series(run.eval, REWARD_KEY)
+        if xs:
+            ax.plot(xs, ys, color=_color(i), linestyle="--", marker="o", markersize=3, label=f"{run.name} eval")
+            drawn = True
+    ax.set(title="GRPO reward (mean)", xlabel="step", ylabel="reward")
+    return drawn
 
 
 def panel_goodput(ax: Any, runs: list[RunRecords]) -> bool:
@@ -225,7 +236,7 @@ PANELS: list[tuple[str, Panel]] = [
     ("learning_rate", _line_panel("lr", "learning rate", "lr")),
     ("grad_norm", _line_panel("grad_norm", "grad norm (before clipping)", "global L2 norm", log=True)),
     ("goodput", panel_goodput),
-    ("reward", _line_panel(REWARD_KEY, "GRPO reward (mean)", "reward", source="rewards")),
+    ("reward", panel_reward),
 ]
 
 
@@ -351,7 +362,7 @@ def make_report(run_dirs: list[str | Path], out: str | Path | None = None) -> li
         raise UserError("lmforge report: give at least one run directory")
     names = _unique_names([str(p) for p in run_dirs])
     runs = [read_run(p, n) for p, n in zip(run_dirs, names)]
-    if not any(r.train or r.eval or r.rewards or r.goodput for r in runs):
+    if not any(r.train or r.eval or r.goodput for r in runs):
         raise UserError("no train, eval or goodput records yet in " + ", ".join(str(p) for p in run_dirs))
     out_dir = Path(out) if out else runs[0].path / "report"
     try:
