@@ -77,10 +77,12 @@ class ProgressBar:
         if self._bar is None:
             from tqdm import tqdm
 
-            # initial=step-1: steps done before a resume do not count towards the measured rate.
-            self._bar = tqdm(total=self.expected_total(step), initial=step - 1, file=self.stream,
+            # The bar starts after this process's first step: neither steps done before a resume nor
+            # the warm-up of the first step count towards the rate the ETA is computed from.
+            self._bar = tqdm(total=self.expected_total(step), initial=step, file=self.stream,
                              desc="train ", unit="step", bar_format=_BAR_FORMAT, dynamic_ncols=True,
                              leave=True, smoothing=0.1)
+            return
         self._bar.total = self.expected_total(step)
         self._bar.update(step - self._bar.n)
 
