@@ -71,7 +71,8 @@ def test_sinks_jsonl_console_and_tensorboard(tmp_path):
     m.record_eval(2, {"loss": torch.tensor(1.25), "total_weights": torch.tensor(100.0)}, seconds=0.5)
     m.close()
     recs = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [r["kind"] for r in recs] == ["setup", "train", "train", "eval"]
+    assert [r["kind"] for r in recs] == ["setup", "train", "goodput", "train", "goodput", "eval"]  # goodput every log
+    recs = [r for r in recs if r["kind"] != "goodput"]
     assert recs[2]["loss"] == 1.0 and recs[2]["total_weights"] == 60.0 and recs[3]["loss"] == 1.25
     assert lines[-1].startswith("eval metrics after step: 2, loss=1.25, total_weights=100")
     assert lines[-2].startswith("completed step: 2, seconds: ") and "total_weights: 60, loss: 1.0000, lr: 0.1" in lines[-2]
