@@ -28,6 +28,7 @@ from lmforge import checkpoint as ckpt_mod
 from lmforge.checkpoint import Checkpointer, checkpoint_problem, list_checkpoints
 from lmforge.errors import UserError
 from lmforge.model import ModelArgs, Transformer
+from lmforge.runlock import hold_run_lock, release_run_lock
 from lmforge.train_step import build_optimizer
 
 STEPS = 12
@@ -357,7 +358,14 @@ def test_damage_is_detected_reported_once_and_set_aside(tmp_path, damage, words)
     assert newest.name == "step_00000002"
     damage(newest)
     lines: list[str] = []
-    found = Checkpointer(tmp_path, on_damaged="fallback", report=lines.append).latest()
+    assert Checkpointer(tmp_path, report=lines.append).latest().name == "step_00000001"  # a reader: skips only
+    assert newest.is_dir() and len(lines) == 1 and "skipped it" in lines[0]
+    lines.clear()
+    hold_run_lock(tmp_path)  # the run that owns the directory sets the damaged checkpoint aside
+    try:
+        found = Checkpointer(tmp_path, on_damaged="fallback", report=lines.append).latest()
+    finally:
+        release_run_lock(tmp_path)
     assert found is not None and found.name == "step_00000001"
     assert len(lines) == 1 and words in lines[0] and "\n" not in lines[0], lines
     assert (tmp_path / "checkpoints" / "step_00000002.damaged").is_dir()

@@ -50,6 +50,7 @@ from torch import nn
 
 from lmforge import distributed as dist_utils
 from lmforge.errors import UserError
+from lmforge.runlock import holds_run_lock
 
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
@@ -281,8 +282,11 @@ def _stderr_report(message: str) -> None:
 class Checkpointer:
     """Saves and restores full training state under ``run_dir/checkpoints``.
 
-    ``report`` receives the one-line notice about a damaged checkpoint that was set aside (the runtime
-    routes it to the MetricLogger); ``on_damaged="stop"`` raises a UserError instead.
+    ``report`` receives the one-line notice about a damaged checkpoint that was skipped (the runtime
+    routes it to the MetricLogger); ``on_damaged="stop"`` raises a UserError instead. The run that
+    owns the directory (its rank 0 holds the run lock) renames a damaged checkpoint to
+    ``step_X.damaged``, so pruning can never keep it in place of intact ones; readers of another run's
+    directory leave it as it is.
     """
 
     def __init__(self, run_dir: str | Path, keep: int = 2, on_damaged: str = "fallback",
@@ -292,6 +296,7 @@ class Checkpointer:
         self.keep = keep
         self.on_damaged = on_damaged
         self.report = report or _stderr_report
+        self.run_dir = Path(run_dir)
         self._intact: set[Path] = set()
         """Checkpoints verified by a collective check on every rank (no cache shared with one-rank checks)."""
 
@@ -308,11 +313,13 @@ class Checkpointer:
             if self.on_damaged == "stop":
                 raise UserError(f"checkpoint {path} is damaged: {problem}; stopping (checkpoint.on_damaged=stop; "
                                 f"set it to fallback to resume from the previous checkpoint)")
-            aside = _unused_name(path.with_name(path.name + ".damaged"))
-            if dist_utils.rank() == 0:
+            done = "skipped it"
+            if dist_utils.rank() == 0 and holds_run_lock(self.run_dir):
+                aside = _unused_name(path.with_name(path.name + ".damaged"))
                 os.replace(path, aside)
+                done = f"moved to {aside.name}"
             dist_utils.barrier()
-            self.report(f"warning: checkpoint {path.name} is damaged ({problem}); moved to {aside.name}, "
+            self.report(f"warning: checkpoint {path.name} is damaged ({problem}); {done}, "
                         f"falling back to the previous checkpoint")
         return None
 

@@ -55,6 +55,11 @@ def hold_run_lock(run_dir: str | Path) -> Path:
     return path
 
 
+def holds_run_lock(run_dir: str | Path) -> bool:
+    """Whether this process holds the run directory's lock (it owns the directory)."""
+    return str(Path(run_dir).resolve()) in _HELD
+
+
 def release_run_lock(run_dir: str | Path) -> None:
     """Give the lock back before the process ends (it is released at exit anyway)."""
     fd = _HELD.pop(str(Path(run_dir).resolve()), None)
