@@ -3,7 +3,7 @@
 Three tasks, each a one-line answer a tiny byte-level model can learn but not master in minutes:
 
 * ``add`` - the sum of two numbers below 100 (``What is 47 + 38?`` -> ``85``);
-* ``reverse`` - a short lowercase word reversed (``Reverse the word: plant`` -> ``tnalp``);
+* ``reverse`` - a short lowercase word (3-5 letters) reversed (``Reverse the word: plant`` -> ``tnalp``);
 * ``sort`` - three to four numbers below 100 in ascending order (``Sort: 9, 31, 4`` -> ``4, 9, 31``).
 
 Every example comes from its own ``random.Random`` seed, so the lists are identical on every machine.
@@ -62,7 +62,7 @@ def _add(rng: random.Random) -> Problem:
 
 
 def _reverse(rng: random.Random) -> Problem:
-    word = "".join(rng.choice(_LETTERS) for _ in range(rng.randint(3, 6)))
+    word = "".join(rng.choice(_LETTERS) for _ in range(rng.randint(3, 5)))
     prompt = rng.choice(_REVERSE_PROMPTS).format(w=word)
     return ("reverse", word), TaskExample("reverse", prompt, word[::-1])
 
