@@ -16,6 +16,10 @@ $(VENV)/.dev: $(VENV)/.core
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
+$(VENV)/.bench: $(VENV)/.dev
+	$(PY) -m pip install -q -e ".[dev,bench]"
+	touch $@
+
 .PHONY: setup dev train test sft grpo bench report
 setup: $(VENV)/.core
 dev: $(VENV)/.dev
@@ -32,5 +36,6 @@ sft: $(VENV)/.core
 grpo: $(VENV)/.core
 	$(VENV)/bin/lmforge grpo --config configs/grpo_debug.toml
 
-bench: $(VENV)/.dev
+bench: $(VENV)/.bench
 	$(PY) bench/throughput.py
+	$(PY) bench/generate.py
