@@ -3,8 +3,8 @@
 Three tasks, each a one-line answer a tiny byte-level model can learn but not master in minutes:
 
 * ``add`` - the sum of two numbers below 100 (``What is 47 + 38?`` -> ``85``);
-* ``reverse`` - a short lowercase word (3-5 letters) reversed (``Reverse the word: plant`` -> ``tnalp``);
-* ``sort`` - three to four numbers below 100 in ascending order (``Sort: 9, 31, 4`` -> ``4, 9, 31``).
+* ``reverse`` - a short lowercase word (3-4 letters) reversed (``Reverse the word: plan`` -> ``nalp``);
+* ``sort`` - three numbers below 20 in ascending order (``Sort: 9, 13, 4`` -> ``4, 9, 13``).
 
 Every example comes from its own ``random.Random`` seed, so the lists are identical on every machine.
 The test split is drawn from its own seed range and the train split skips every problem that appears
@@ -62,13 +62,13 @@ def _add(rng: random.Random) -> Problem:
 
 
 def _reverse(rng: random.Random) -> Problem:
-    word = "".join(rng.choice(_LETTERS) for _ in range(rng.randint(3, 5)))
+    word = "".join(rng.choice(_LETTERS) for _ in range(rng.randint(3, 4)))
     prompt = rng.choice(_REVERSE_PROMPTS).format(w=word)
     return ("reverse", word), TaskExample("reverse", prompt, word[::-1])
 
 
 def _sort(rng: random.Random) -> Problem:
-    xs = [rng.randrange(100) for _ in range(rng.randint(3, 4))]
+    xs = [rng.randrange(20) for _ in range(3)]
     prompt = rng.choice(_SORT_PROMPTS).format(xs=", ".join(map(str, xs)))
     return ("sort", tuple(xs)), TaskExample("sort", prompt, ", ".join(map(str, sorted(xs))))
 
