@@ -20,7 +20,7 @@ from torch import nn
 from lmforge.checkpoint import load_model_weights, resolve_checkpoint
 from lmforge.config import Config, Section
 from lmforge.data.sources import read_jsonl_records
-from lmforge.data.tasks import TASK_NAMES, TaskExample, task_examples
+from lmforge.data.tasks import DEFAULT_SPLIT_SIZES, TASK_NAMES, TaskExample, task_examples
 from lmforge.errors import UserError
 from lmforge.loop import Guard, StopSignals, do_eval, end_of_step, finish, lr_at, progress_redo, resume
 from lmforge.rl.grpo_loss import GRPOLoss, loss_normalizer, update_metrics
@@ -56,6 +56,8 @@ class GRPOSection(Section):
     """One weight per reward (empty: all 1.0)."""
     eval_examples: int = Field(300, ge=1)
     """Held-out examples for the greedy-decoding accuracy eval."""
+    eval_max_new_tokens: int = Field(16, gt=0)
+    """Generation budget of the greedy eval (the SFT trainer's default, so before/after numbers compare)."""
     eval_at_start: bool = True
     """Evaluate once before the first update (the "before" number of the run)."""
     log_completions_every: int = Field(50, ge=0)
@@ -107,8 +109,9 @@ def check_batch_shape(cfg: GRPOConfig, world_size: int) -> None:
 def prompt_records(cfg: GRPOConfig, split: Literal["train", "test"]) -> list[dict[str, Any]]:
     """Prompts with their other columns: the embedded tasks or a ``.jsonl`` file."""
     spec = cfg.data.train if split == "train" else cfg.data.validation
-    if spec == "embedded":
-        n = None if split == "train" else cfg.grpo.eval_examples
+    if spec == "embedded":  # a subset of the tasks keeps the default per-task share of each split
+        share = DEFAULT_SPLIT_SIZES[split] * len(cfg.grpo.tasks) // len(TASK_NAMES)
+        n = share if split == "train" else min(cfg.grpo.eval_examples, share)
         return [{"prompt": e.prompt, "task": e.task, "answer": e.answer}
                 for e in task_examples(split, n, tasks=cfg.grpo.tasks)]
     records = read_jsonl_records(spec)
@@ -257,7 +260,7 @@ def make_eval(eval_set: list[dict[str, Any]], prompt_field: str):
 
         if not examples:
             return {}
-        acc = task_accuracy(rt.raw_model, rt.tokenizer, examples, max_new_tokens=rt.cfg.grpo.max_new_tokens,
+        acc = task_accuracy(rt.raw_model, rt.tokenizer, examples, max_new_tokens=rt.cfg.grpo.eval_max_new_tokens,
                             batch_size=rt.cfg.eval.batch_size)
         return {"exact_match": acc.pop("all")} | {f"exact_match_{task}": v for task, v in acc.items()}
 
