@@ -1,4 +1,4 @@
-import json
+"""Embedded corpus, file readers, packing and the world-size-independent step loader."""
 
 import numpy as np
 import pytest

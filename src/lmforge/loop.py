@@ -10,7 +10,7 @@ import json
 import math
 import signal
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -30,16 +30,11 @@ EvalFn = Callable[[Runtime], "dict[str, torch.Tensor | float]"]
 
 def train(rt: Runtime, loader: StepLoader, loss_fn: LossFn, run_eval: EvalFn | None) -> Progress:
     """Run steps until a budget or a stop request ends the run; eval and checkpoint on schedule."""
-    cfg, metrics = rt.cfg, rt.metrics
+    metrics = rt.metrics
     progress = resume(rt, loader)
     guard = Guard(rt)
     with StopSignals(progress):
-        metrics.start_clock()
-        while True:
-            keep_going, reason = should_continue_training(progress, cfg.training)
-            if not keep_going:
-                break
-            step = progress.step + 1
+        for step in training_steps(rt, progress):
             t0 = time.perf_counter()
             microbatches = loader.next_step()
             data_wait = time.perf_counter() - t0
@@ -52,8 +47,15 @@ def train(rt: Runtime, loader: StepLoader, loss_fn: LossFn, run_eval: EvalFn | N
                                          metrics=values, data_wait=data_wait, lost=step <= progress_redo(rt))
             guard.after_step(step, values, record)
             end_of_step(rt, progress, loader, values["total_weights"], record is not None, run_eval)
-        finish(rt, progress, loader, reason, run_eval)
+        finish(rt, progress, loader, run_eval)
     return progress
+
+
+def training_steps(rt: Runtime, progress: Progress) -> Iterator[int]:
+    """Start the training clock, then yield the next step number while no budget or stop says halt."""
+    rt.metrics.start_clock()
+    while should_continue_training(progress, rt.cfg.training)[0]:
+        yield progress.step + 1
 
 
 def lr_at(rt: Runtime, step: int) -> float:
@@ -90,8 +92,10 @@ def end_of_step(rt: Runtime, progress: Progress, loader: Any, total_weights: tor
         hook(progress, loader)
 
 
-def finish(rt: Runtime, progress: Progress, loader: Any, reason: str, run_eval: EvalFn | None,
+def finish(rt: Runtime, progress: Progress, loader: Any, run_eval: EvalFn | None,
            extra_state: Callable[[], dict] | None = None) -> None:
+    """Log why the run stopped, final eval (unless asked to stop), final checkpoint, goodput summary."""
+    reason = should_continue_training(progress, rt.cfg.training)[1]
     pending = rt.extras.get("pending_tokens", [])
     if pending:
         progress.tokens_seen += int(torch.stack(pending).sum().item())

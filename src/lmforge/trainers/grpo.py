@@ -22,12 +22,14 @@ from lmforge.config import Config, Section
 from lmforge.data.sources import read_jsonl_records
 from lmforge.data.tasks import DEFAULT_SPLIT_SIZES, TASK_NAMES, TaskExample, task_examples
 from lmforge.errors import UserError
-from lmforge.loop import Guard, StopSignals, do_eval, end_of_step, finish, lr_at, progress_redo, resume
+from lmforge.loop import (
+    Guard, StopSignals, do_eval, end_of_step, finish, lr_at, progress_redo, resume, training_steps,
+)
 from lmforge.rl.grpo_loss import GRPOLoss, loss_normalizer, update_metrics
 from lmforge.rl.rewards import WeightedReward, load_rewards
 from lmforge.rl.rollout import PromptSampler, Rollout, RolloutSettings, collect_rollout
 from lmforge.runtime import Runtime, build_runtime
-from lmforge.train_step import compute_global_loss, gradient_computation, should_continue_training
+from lmforge.train_step import compute_global_loss, gradient_computation
 
 
 class GRPOSection(Section):
@@ -205,12 +207,7 @@ def train_loop(rt: Runtime, rewards: list[WeightedReward], train_set: list[dict[
     guard.spike_factor = 0.0  # the GRPO loss hovers around 0 with either sign: a ratio test means nothing
     rollout: Rollout | None = None
     with StopSignals(progress):
-        metrics.start_clock()
-        while True:
-            keep_going, reason = should_continue_training(progress, cfg.training)
-            if not keep_going:
-                break
-            step = progress.step + 1
+        for step in training_steps(rt, progress):
             if rollout is None or (step - 1) % g.num_iterations == 0:
                 with metrics.timed("rollout"):
                     rollout = sample(sampler.next_indices())
@@ -226,7 +223,7 @@ def train_loop(rt: Runtime, rewards: list[WeightedReward], train_set: list[dict[
             record = metrics.record_step(step, tokens=rollout.tokens, metrics=values, lost=step <= progress_redo(rt))
             guard.after_step(step, values, record)
             end_of_step(rt, progress, sampler, totals["completion_tokens"], record is not None, run_eval, extra_state)
-        finish(rt, progress, sampler, reason, run_eval, extra_state)
+        finish(rt, progress, sampler, run_eval, extra_state)
 
 
 def make_sampler(rt: Runtime, rewards: list[WeightedReward], train_set: list[dict[str, Any]],
