@@ -326,6 +326,8 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         if v == 0 or math.isnan(v) or math.isinf(v):
             return str(v)
+        if v.is_integer() and abs(v) < 1e12:  # counts such as total_weights
+            return str(int(v))
         if abs(v) >= 1e4 or abs(v) < 1e-3:
             return f"{v:.3e}"
         return f"{v:.4g}"
