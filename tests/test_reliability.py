@@ -26,6 +26,7 @@ from torch import nn
 
 from lmforge import checkpoint as ckpt_mod
 from lmforge.checkpoint import Checkpointer, checkpoint_problem, list_checkpoints
+from lmforge.dcp_safe import safe_loading_classes
 from lmforge.errors import UserError
 from lmforge.model import ModelArgs, Transformer
 from lmforge.runlock import hold_run_lock, release_run_lock
@@ -407,7 +408,7 @@ def test_hostile_metadata_pickle_is_refused_without_running_code(tmp_path):
 
 def test_non_tensor_values_are_read_weights_only(tmp_path):
     marker = tmp_path / "code_ran"
-    planner = ckpt_mod._safe_loading()[1]()
+    planner = safe_loading_classes()[1]()
     with pytest.raises(pickle.UnpicklingError):
         planner.load_bytes(None, io.BytesIO(pickle.dumps(_RunsCode(str(marker)), protocol=2)))
     assert not marker.exists()

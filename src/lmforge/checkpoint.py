@@ -21,19 +21,17 @@ the run stops with a one-line error (``on_damaged=stop``).
 No code runs when a checkpoint is loaded: tensors go through ``torch.load(weights_only=True)``, the
 small non-tensor values DCP stores (optimizer hyperparameters) are also read with ``weights_only=True``
 (DCP's default planner would use unrestricted pickle), and DCP's ``.metadata`` file - a pickle - is
-read by an unpickler that only admits DCP's own metadata classes, ``torch.Size``, dtypes and paths.
+read by an unpickler that only admits DCP's own metadata classes, ``torch.Size``, dtypes and paths
+(``lmforge/dcp_safe.py``).
 Everything else is JSON. The checksums guard against damage, not against someone who can rewrite
 the whole directory; the restricted loading is what makes a hostile checkpoint unable to run code.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import io
 import json
 import os
-import pickle
 import random
 import re
 import shutil
@@ -49,6 +47,7 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from lmforge import distributed as dist_utils
+from lmforge.dcp_safe import safe_loading_classes
 from lmforge.errors import UserError
 from lmforge.runlock import holds_run_lock
 
@@ -166,66 +165,6 @@ def _write_manifest(path: Path, collective: bool) -> None:
 
 
 # ---------------------------------------------------------------------------- code-free loading
-_METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Reads DCP's ``.metadata`` pickle but refuses every global outside DCP's plain data classes."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _METADATA_CLASSES.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
-
-
-@functools.cache
-def _safe_loading() -> tuple[type, type]:
-    """DCP's file reader and load planner, made code-free. Built on first use: importing
-    torch.distributed.checkpoint pulls in DTensor, about a second of startup for every command."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            rank = kwargs.get("rank")
-            name = ".metadata" if rank is None else f"__{rank}.metadata"
-            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    class WeightsOnlyPlanner(DefaultLoadPlanner):
-        """DCP's default planner reads non-tensor values with unrestricted pickle; read them safely.
-
-        The value is decoded with ``weights_only=True`` and handed on re-encoded, so what the default
-        planner then decodes holds only what the restricted loader admitted.
-        """
-
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            obj = torch.load(value, weights_only=True)
-            clean = io.BytesIO()
-            torch.save(obj, clean)
-            clean.seek(0)
-            super().load_bytes(read_item, clean)
-
-    return SafeReader, WeightsOnlyPlanner
-
-
 def _checkpoint_exception() -> type[BaseException]:
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
     return CheckpointException
@@ -242,7 +181,7 @@ def safe_dcp_load(state: dict[str, Any], path: str | Path) -> None:
     """``dcp.load`` into ``state`` without executing code from the checkpoint (see module doc)."""
     import torch.distributed.checkpoint as dcp
 
-    reader, planner = _safe_loading()
+    reader, planner = safe_loading_classes()
     try:
         with _quiet_dcp():
             dcp.load(state, storage_reader=reader(str(path)), planner=planner())
