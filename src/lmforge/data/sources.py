@@ -85,15 +85,16 @@ def _read_jsonl(path: Path, text_field: str) -> list[str]:
             raise UserError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
         if text_field not in obj:
             raise UserError(f"{path}:{lineno}: missing field {text_field!r}")
-        value = obj[text_field]
-        if not isinstance(value, str):
-            raise UserError(
-                f"{path}:{lineno}: field {text_field!r} must be a string, "
-                f"got {type(value).__name__}"
-            )
-        if value:
-            docs.append(value)
+        _append_text(docs, obj[text_field], f"{path}:{lineno}: field {text_field!r}")
     return docs
+
+
+def _append_text(docs: list[str], value: object, where: str) -> None:
+    """Keep a non-empty string document; anything but a string is the user's data error."""
+    if not isinstance(value, str):
+        raise UserError(f"{where} must be a string, got {type(value).__name__}")
+    if value:
+        docs.append(value)
 
 
 def _read_parquet(path: Path, text_field: str) -> list[str]:
@@ -115,15 +116,8 @@ def _read_parquet(path: Path, text_field: str) -> list[str]:
     values = column.to_pylist()
     docs: list[str] = []
     for row, value in enumerate(values):
-        if value is None:
-            continue
-        if not isinstance(value, str):
-            raise UserError(
-                f"{path}: row {row}: column {text_field!r} must hold strings, "
-                f"got {type(value).__name__}"
-            )
-        if value:
-            docs.append(value)
+        if value is not None:
+            _append_text(docs, value, f"{path}: row {row}: column {text_field!r}")
     return docs
 
 
