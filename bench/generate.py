@@ -3,7 +3,7 @@
     python bench/generate.py                     # debug and small models, batch 8, 2 threads
     python bench/generate.py --batch 16 --new-tokens 128
 
-Both run greedy decoding on the same weights (the lmforge model converted with ``lmforge.hf``),
+Both run greedy decoding on the same weights (the lmforge model converted with ``lmforge.models.hf``),
 the same prompts (equal lengths, so no padding differences) and the same number of new tokens:
 lmforge with ``eos_id=None`` and transformers with ``min_new_tokens == max_new_tokens``, so neither
 can stop early; the script checks that both returned the same token counts, and reports how many
@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import append_benchmark, loadavg, machine, markdown_table, median, spread  # noqa: E402
 
 from lmforge.data.corpus import embedded_corpus  # noqa: E402
-from lmforge.generate import generate  # noqa: E402
-from lmforge.hf import hf_state_dict_from_lmforge  # noqa: E402
-from lmforge.model import Transformer, model_args_for  # noqa: E402
-from lmforge.tokenizer import load_tokenizer  # noqa: E402
+from lmforge.models.generate import generate  # noqa: E402
+from lmforge.models.hf import hf_state_dict_from_lmforge  # noqa: E402
+from lmforge.models.model import Transformer, model_args_for  # noqa: E402
+from lmforge.models.tokenizer import load_tokenizer  # noqa: E402
 from throughput import hf_config  # noqa: E402
 
 

@@ -51,9 +51,9 @@ from common import append_benchmark, loadavg, machine, markdown_table, median, s
 from lmforge.config import Config, parse_overrides, validate_config  # noqa: E402
 from lmforge.data.corpus import embedded_corpus  # noqa: E402
 from lmforge.data.packing import PackedTokenDataset, collate  # noqa: E402
-from lmforge.flops import default_peak_shapes, flops_per_token, measure_matmul_peak, peak_flops_per_device  # noqa: E402
-from lmforge.model import ModelArgs, Transformer, model_args_for  # noqa: E402
-from lmforge.tokenizer import load_tokenizer  # noqa: E402
+from lmforge.models.flops import default_peak_shapes, flops_per_token, measure_matmul_peak, peak_flops_per_device  # noqa: E402
+from lmforge.models.model import ModelArgs, Transformer, model_args_for  # noqa: E402
+from lmforge.models.tokenizer import load_tokenizer  # noqa: E402
 
 LOG_EVERY = 10
 LR, WD, BETAS = 3e-3, 0.1, (0.9, 0.95)

@@ -4,9 +4,9 @@ import sys
 
 import torch
 
-from lmforge import distributed as dist_utils
-from lmforge.model import Transformer
-from lmforge.train_step import global_target_count, gradient_computation, cross_entropy_loss
+from lmforge.training import distributed as dist_utils
+from lmforge.models.model import Transformer
+from lmforge.training.train_step import global_target_count, gradient_computation, cross_entropy_loss
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_train_step import ARGS, make_batch, split  # noqa: E402

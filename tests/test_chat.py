@@ -9,7 +9,7 @@ from lmforge.data.chat import BYTE_CHAT_TEMPLATE, ByteChatFormat, JinjaChatForma
 from lmforge.data.sft_data import tokenize_records
 from lmforge.errors import UserError
 from lmforge.inference import byte_tokenizer_json, chat_prompt_ids
-from lmforge.tokenizer import ByteTokenizer, load_tokenizer
+from lmforge.models.tokenizer import ByteTokenizer, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -16,7 +16,7 @@ from lmforge.data import (
     read_jsonl_records,
 )
 from lmforge.errors import UserError
-from lmforge.tokenizer import ByteTokenizer
+from lmforge.models.tokenizer import ByteTokenizer
 
 # -- corpus -------------------------------------------------------------------------------------
 

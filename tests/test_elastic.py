@@ -21,10 +21,10 @@ from _torchrun import (STEPS, assert_losses_match, env, lmforge, losses, records
 
 import torch
 
-from lmforge.checkpoint import Checkpointer
+from lmforge.training.checkpoint import Checkpointer
 from lmforge.config import validate_config
 from lmforge.errors import UserError
-from lmforge.faults import FaultPlan, InjectedFault, inject, parse_fault
+from lmforge.training.faults import FaultPlan, InjectedFault, inject, parse_fault
 from lmforge.trainers.elastic import ElasticConfig, TieredCheckpointer, adapt_micro_batch
 
 

@@ -4,8 +4,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from lmforge.flops import flops_per_token, matmul_params, measure_matmul_peak, peak_flops_per_device
-from lmforge.model import Transformer, model_args_for
+from lmforge.models.flops import flops_per_token, matmul_params, measure_matmul_peak, peak_flops_per_device
+from lmforge.models.model import Transformer, model_args_for
 
 
 def test_debug_model_flops_by_hand():

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from lmforge.errors import UserError
-from lmforge.generate import KVCache, generate
-from lmforge.hf import hf_state_dict_from_lmforge
-from lmforge.model import ModelArgs, Transformer
+from lmforge.models.generate import generate
+from lmforge.models.kv_cache import KVCache
+from lmforge.models.hf import hf_state_dict_from_lmforge
+from lmforge.models.model import ModelArgs, Transformer
 
 transformers = pytest.importorskip("transformers")
 

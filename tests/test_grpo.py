@@ -17,7 +17,7 @@ from lmforge.rl.grpo_loss import (
     GRPOLoss, PolicyBatch, STD_EPS, aggregate, aggregation_weight, group_advantages, k3_kl, loss_normalizer,
 )
 from lmforge.rl.rewards import BUILTIN_REWARDS, load_rewards, resolve_reward, score_completions
-from lmforge.train_step import gradient_computation
+from lmforge.training.train_step import gradient_computation
 
 ROOT = Path(__file__).resolve().parents[1]
 

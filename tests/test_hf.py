@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from lmforge.errors import UserError
-from lmforge.hf import (
+from lmforge.models.hf import (
     hf_state_dict_from_lmforge,
     lmforge_state_dict_from_hf,
     load_hf_config,
     load_hf_model,
     save_hf_model,
 )
-from lmforge.model import ModelArgs, Transformer
+from lmforge.models.model import ModelArgs, Transformer
 
 transformers = pytest.importorskip("transformers")
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from lmforge.errors import UserError
-from lmforge.flops import flops_per_token, matmul_params, measure_matmul_peak, peak_flops_per_device
-from lmforge.hf import hf_state_dict_from_lmforge
-from lmforge.model import MODEL_SIZES, ModelArgs, Transformer, model_args_for
+from lmforge.models.flops import flops_per_token, matmul_params, measure_matmul_peak, peak_flops_per_device
+from lmforge.models.hf import hf_state_dict_from_lmforge
+from lmforge.models.model import MODEL_SIZES, ModelArgs, Transformer, model_args_for
 
 transformers = pytest.importorskip("transformers")
 

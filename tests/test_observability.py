@@ -163,7 +163,7 @@ def test_progress_is_off_without_a_terminal_and_lines_stay_plain():
 
 
 def test_progress_eta_from_the_budget_that_ends_first():
-    from lmforge.progress import ProgressBar, progress_bar
+    from lmforge.metrics.progress import ProgressBar, progress_bar
 
     assert progress_bar("auto", 100, stream=io.StringIO()) is None
     assert progress_bar("on", 100, stream=io.StringIO(), is_main=False) is None
@@ -206,8 +206,8 @@ def _in_process_run(run_dir: Path, loss_fn, progress: str = "off", metrics: dict
     from lmforge.config import Config, validate_config
     from lmforge.data.corpus import embedded_corpus
     from lmforge.data.packing import PackedTokenDataset
-    from lmforge.loop import train
-    from lmforge.runtime import build_runtime
+    from lmforge.training.loop import train
+    from lmforge.training.runtime import build_runtime
     from lmforge.trainers.pretrain import make_loader
 
     cfg = validate_config(Config, {
@@ -237,7 +237,7 @@ def _loss_with(changes: dict[int, str | float]):
     A number multiplies the loss (nan, inf, 20.0); ``"nan_grad"`` keeps the loss value but makes
     its gradient NaN (d/dx sqrt(x) at 0 is inf, and the unselected branch of where() gets 0 * inf).
     """
-    from lmforge.train_step import cross_entropy_loss
+    from lmforge.training.train_step import cross_entropy_loss
 
     calls = {"n": 0}
 
@@ -258,7 +258,7 @@ def _loss_with(changes: dict[int, str | float]):
 @pytest.mark.parametrize("change, what", [(float("nan"), "loss (nan)"), ("nan_grad", "grad norm (nan)")])
 def test_nonfinite_stops_the_run_with_a_message_naming_the_step(tmp_path, change, what):
     from lmforge.errors import UserError
-    from lmforge.loop import NonFiniteLoss
+    from lmforge.training.loop import NonFiniteLoss
 
     _, error = _in_process_run(tmp_path / "run", _loss_with({3: change}), steps=5)
     assert isinstance(error, NonFiniteLoss) and isinstance(error, UserError)  # the CLI prints one error line
@@ -328,7 +328,7 @@ def _fake_wandb(runs: list) -> object:
 
 
 def test_wandb_sink_gets_the_tensorboard_scalars_through_the_runtime(tmp_path, monkeypatch):
-    from lmforge.sinks import WANDB_ID_FILE
+    from lmforge.metrics.sinks import WANDB_ID_FILE
 
     runs: list[_FakeWandbRun] = []
     monkeypatch.setitem(sys.modules, "wandb", _fake_wandb(runs))
@@ -344,7 +344,7 @@ def test_wandb_sink_gets_the_tensorboard_scalars_through_the_runtime(tmp_path, m
     assert run.finished == 1
     # A resumed run logs into the same W&B run.
     assert (tmp_path / "run" / WANDB_ID_FILE).read_text() == "fake0001"
-    from lmforge.sinks import WandbSink
+    from lmforge.metrics.sinks import WandbSink
 
     WandbSink.start(tmp_path / "run", {}).close()
     assert runs[-1].kwargs["id"] == "fake0001" and runs[-1].kwargs["resume"] == "allow"
@@ -352,7 +352,7 @@ def test_wandb_sink_gets_the_tensorboard_scalars_through_the_runtime(tmp_path, m
 
 def test_wandb_requested_but_not_installed_is_a_user_error(tmp_path, monkeypatch):
     from lmforge.errors import UserError
-    from lmforge.sinks import WandbSink
+    from lmforge.metrics.sinks import WandbSink
 
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(UserError, match=r"metrics.wandb=true needs the wandb package: pip install 'lmforge\[wandb\]'"):
@@ -361,7 +361,7 @@ def test_wandb_requested_but_not_installed_is_a_user_error(tmp_path, monkeypatch
 
 def test_wandb_offline_with_the_real_package(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    from lmforge.sinks import WandbSink
+    from lmforge.metrics.sinks import WandbSink
 
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "wandb_home"))

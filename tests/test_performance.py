@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmforge.model import Transformer, model_args_for
-from lmforge.runtime import _apply_activation_checkpointing
+from lmforge.models.model import Transformer, model_args_for
+from lmforge.training.runtime import _apply_activation_checkpointing
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -44,7 +44,7 @@ def test_benchmark_hf_model_is_the_same_network():
     pytest.importorskip("transformers")
     from transformers import LlamaForCausalLM
 
-    from lmforge.hf import hf_state_dict_from_lmforge
+    from lmforge.models.hf import hf_state_dict_from_lmforge
 
     sys.path.insert(0, str(BENCH))
     try:

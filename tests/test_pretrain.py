@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from lmforge.checkpoint import Checkpointer, load_model_weights
-from lmforge.model import ModelArgs, Transformer
+from lmforge.training.checkpoint import Checkpointer, load_model_weights
+from lmforge.models.model import ModelArgs, Transformer
 
 TINY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--data.seq_len=64", "--training.global_batch_size=8", "--training.micro_batch_size=4",

@@ -11,7 +11,7 @@ import pytest
 
 from lmforge.cli import main as cli_main
 from lmforge.metrics import MetricLogger
-from lmforge.report import read_run
+from lmforge.metrics.report import read_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_observability import observed_run, read_jsonl  # noqa: E402  (one shared CLI run)
@@ -116,7 +116,7 @@ def test_several_runs_overlay_with_grpo_reward_and_a_running_run(tmp_path):
     # Three runs, three colours on the loss plot: check through matplotlib's own drawing.
     import matplotlib.pyplot as plt
 
-    from lmforge.report import panel_loss_vs_step, panel_reward, read_run as read
+    from lmforge.metrics.report import panel_loss_vs_step, panel_reward, read_run as read
 
     fig, (ax, ax2) = plt.subplots(1, 2)
     runs = [read(p) for p in (run_dir, tmp_path / "grpo", running)]
@@ -145,7 +145,7 @@ def test_report_errors_are_one_line(tmp_path, capsys, monkeypatch):
 def test_nan_losses_are_left_out_of_the_plots(tmp_path):
     _write_run(tmp_path / "n", {1: 3.0, 2: float("nan"), 3: 2.0})
     run = read_run(tmp_path / "n")
-    from lmforge.report import _series
+    from lmforge.metrics.report import _series
 
     assert _series(run.train, "loss") == ([1, 3], [3.0, 2.0])
     assert math.isnan(run.train[1]["loss"])

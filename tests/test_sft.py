@@ -14,9 +14,9 @@ from lmforge.data.packing import IGNORE_INDEX, collate
 from lmforge.data.sft_data import build_sft_dataset, read_sft_records, task_records
 from lmforge.data.tasks import TASK_NAMES, extract_answer, format_ok, is_correct, task_examples
 from lmforge.errors import UserError
-from lmforge.model import ModelArgs, Transformer
-from lmforge.tokenizer import ByteTokenizer
-from lmforge.train_step import cross_entropy_loss
+from lmforge.models.model import ModelArgs, Transformer
+from lmforge.models.tokenizer import ByteTokenizer
+from lmforge.training.train_step import cross_entropy_loss
 
 TINY = ["--model.size=debug", "--model.n_layers=2", "--model.dim=64", "--metrics.tensorboard=false",
         "--data.prefetch=0"]

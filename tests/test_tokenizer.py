@@ -3,7 +3,7 @@ import json
 import pytest
 
 from lmforge.errors import UserError
-from lmforge.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from lmforge.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 
 def test_byte_roundtrip_unicode():

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lmforge.data.packing import IGNORE_INDEX, Batch
-from lmforge.model import ModelArgs, Transformer
-from lmforge.train_step import (
+from lmforge.models.model import ModelArgs, Transformer
+from lmforge.training.train_step import (
     Progress, compute_global_loss, cross_entropy_loss, global_target_count, gradient_computation,
     learning_rate, should_continue_training,
 )

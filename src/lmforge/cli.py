@@ -44,7 +44,7 @@ def _train(name: str, argv: list[str]) -> int:
         d = rt.run_dir
         print(f"run files: {d}/ (metrics.jsonl, config.toml, checkpoints/, tensorboard/)")
         print(f"view in TensorBoard: tensorboard --logdir {d}/tensorboard")
-    from lmforge import distributed
+    from lmforge.training import distributed
 
     distributed.shutdown()
     return 0
@@ -82,7 +82,7 @@ def _export(argv: list[str]) -> int:
 
 
 def _report(argv: list[str]) -> int:
-    from lmforge.report import main as report_main
+    from lmforge.metrics.report import main as report_main
     return report_main(argv)
 
 

@@ -29,7 +29,7 @@ class Section(BaseModel):
 
 class ModelSection(Section):
     size: str = "debug"
-    """Named preset from ``lmforge.model.MODEL_SIZES``; the fields below override it."""
+    """Named preset from ``lmforge.models.model.MODEL_SIZES``; the fields below override it."""
     dim: int | None = Field(None, gt=0)
     n_layers: int | None = Field(None, gt=0)
     n_heads: int | None = Field(None, gt=0)

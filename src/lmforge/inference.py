@@ -14,14 +14,14 @@ from typing import Sequence
 
 import torch
 
-from lmforge.checkpoint import STATE_FILE, load_model_weights, resolve_checkpoint
+from lmforge.training.checkpoint import STATE_FILE, load_model_weights, resolve_checkpoint
 from lmforge.data.chat import BYTE_CHAT_TEMPLATE, chat_format_for
 from lmforge.data.tasks import TaskExample, is_correct
 from lmforge.errors import UserError
-from lmforge.generate import generate
-from lmforge.model import ModelArgs, Transformer
-from lmforge.runtime import MODEL_ARGS_FILE, read_model_args
-from lmforge.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from lmforge.models.generate import generate
+from lmforge.models.model import ModelArgs, Transformer
+from lmforge.training.runtime import MODEL_ARGS_FILE, read_model_args
+from lmforge.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = ["load_for_inference", "chat_prompt_ids", "sample_texts", "exact_match_accuracy", "export_hf",
            "task_accuracy", "byte_tokenizer_json"]
@@ -36,7 +36,7 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu") -> 
     if not p.exists():
         raise UserError(f"{p}: no such run, checkpoint or model directory")
     if _is_hf_dir(p):
-        from lmforge.hf import load_hf_model
+        from lmforge.models.hf import load_hf_model
 
         model, tokenizer = load_hf_model(p), load_tokenizer(str(p))
     else:
@@ -172,7 +172,7 @@ def export_hf(run_or_ckpt: str | Path, out_dir: str | Path) -> Path:
     The byte tokenizer is exported as an equivalent ``tokenizer.json`` with the chat template, so
     ``transformers`` can tokenize, chat-format and decode exactly as lmforge does.
     """
-    from lmforge.hf import save_hf_model
+    from lmforge.models.hf import save_hf_model
 
     model, tokenizer = load_for_inference(run_or_ckpt)
     out = Path(out_dir).expanduser()

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 from lmforge.errors import UserError
-from lmforge.tokenizer import ByteTokenizer, Tokenizer
+from lmforge.models.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = ["ChatFormat", "ByteChatFormat", "JinjaChatFormat", "EncodedChat", "chat_format_for",
            "BYTE_CHAT_TEMPLATE", "validate_messages"]
@@ -81,7 +81,7 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
 
 
 class ByteChatFormat:
-    """The built-in chat format of :class:`~lmforge.tokenizer.ByteTokenizer`."""
+    """The built-in chat format of :class:`~lmforge.models.tokenizer.ByteTokenizer`."""
 
     def __init__(self, tokenizer: ByteTokenizer) -> None:
         self.tok = tokenizer

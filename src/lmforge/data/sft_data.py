@@ -35,7 +35,7 @@ from lmforge.data.packing import IGNORE_INDEX, Sample
 from lmforge.data.sources import _jsonl_lines
 from lmforge.data.tasks import TaskExample
 from lmforge.errors import UserError
-from lmforge.tokenizer import Tokenizer
+from lmforge.models.tokenizer import Tokenizer
 
 __all__ = ["Example", "DataSummary", "SFTDataset", "read_sft_records", "task_records", "tokenize_records",
            "prepare_examples", "build_sft_dataset"]

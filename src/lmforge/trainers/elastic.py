@@ -27,14 +27,14 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from lmforge import distributed as dist_utils
-from lmforge import faults
-from lmforge.checkpoint import Checkpointer
+from lmforge.training import distributed as dist_utils
+from lmforge.training import faults
+from lmforge.training.checkpoint import Checkpointer
 from lmforge.config import Config, Section
 from lmforge.errors import UserError
-from lmforge.loop import save
+from lmforge.training.loop import save
 from lmforge.metrics import PROCESS_START
-from lmforge.runtime import Runtime
+from lmforge.training.runtime import Runtime
 from lmforge.trainers import pretrain
 
 RUN_ID_FILE = "elastic_run_id"
@@ -51,7 +51,7 @@ class ElasticSection(Section):
     """If the global batch does not split over the new world size, lower micro_batch_size until it does."""
     fault_rank: int = Field(0, ge=0)
     fault_step: int = Field(0, ge=0)
-    """Inject a fault at the end of this step (0: none); ``LMFORGE_FAULT`` overrides (see lmforge.faults)."""
+    """Inject a fault at the end of this step (0: none); ``LMFORGE_FAULT`` overrides (see lmforge.training.faults)."""
     fault_mode: Literal["kill", "raise"] = "kill"
     fault_attempt: int = Field(0, ge=0)
     """Fire only on this attempt (torchrun restart count), so the restarted group survives."""

@@ -17,19 +17,19 @@ import torch
 from pydantic import Field, field_validator, model_validator
 from torch import nn
 
-from lmforge.checkpoint import load_model_weights, resolve_checkpoint
+from lmforge.training.checkpoint import load_model_weights, resolve_checkpoint
 from lmforge.config import Config, Section
 from lmforge.data.sources import read_jsonl_records
 from lmforge.data.tasks import DEFAULT_SPLIT_SIZES, TASK_NAMES, TaskExample, task_examples
 from lmforge.errors import UserError
-from lmforge.loop import (
+from lmforge.training.loop import (
     Guard, StopSignals, do_eval, end_of_step, finish, lr_at, progress_redo, resume, training_steps,
 )
 from lmforge.rl.grpo_loss import GRPOLoss, loss_normalizer, update_metrics
 from lmforge.rl.rewards import WeightedReward, load_rewards
 from lmforge.rl.rollout import PromptSampler, Rollout, RolloutSettings, collect_rollout
-from lmforge.runtime import Runtime, build_runtime
-from lmforge.train_step import compute_global_loss, gradient_computation
+from lmforge.training.runtime import Runtime, build_runtime
+from lmforge.training.train_step import compute_global_loss, gradient_computation
 
 
 class GRPOSection(Section):
@@ -145,7 +145,7 @@ def load_reference(rt: Runtime, spec: str, initial: nn.Module | None) -> nn.Modu
         elif kind == "init":
             ref.init_weights(seed=int(where))
         else:
-            from lmforge.hf import load_hf_model
+            from lmforge.models.hf import load_hf_model
             ref.load_state_dict(load_hf_model(where).state_dict())
         rt.metrics.record_event("reference", 0, f"reference model: {spec} (recorded in the checkpoint)")
     return ref.eval().requires_grad_(False)

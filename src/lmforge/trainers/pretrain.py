@@ -9,10 +9,10 @@ from lmforge.data.corpus import embedded_corpus
 from lmforge.data.loader import StepLoader, eval_batches
 from lmforge.data.packing import PackedTokenDataset
 from lmforge.data.sources import read_documents
-from lmforge.loop import evaluate_loss, train
-from lmforge.runtime import Runtime, build_runtime
-from lmforge.tokenizer import Tokenizer
-from lmforge.train_step import cross_entropy_loss
+from lmforge.training.loop import evaluate_loss, train
+from lmforge.training.runtime import Runtime, build_runtime
+from lmforge.models.tokenizer import Tokenizer
+from lmforge.training.train_step import cross_entropy_loss
 
 
 def documents(spec: str, split: str, text_field: str) -> list[str]:

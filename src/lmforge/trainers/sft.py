@@ -14,16 +14,16 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from lmforge.checkpoint import STATE_FILE, Checkpointer
+from lmforge.training.checkpoint import STATE_FILE, Checkpointer
 from lmforge.config import Config, RunSection, Section
 from lmforge.data.chat import ChatFormat, chat_format_for
 from lmforge.data.loader import eval_batches
 from lmforge.data.sft_data import SFTDataset, build_sft_dataset, read_sft_records, task_records
 from lmforge.data.tasks import TASK_NAMES, task_examples
 from lmforge.errors import UserError
-from lmforge.loop import do_eval, evaluate_loss, train
-from lmforge.runtime import Runtime, build_runtime
-from lmforge.train_step import Progress, cross_entropy_loss
+from lmforge.training.loop import do_eval, evaluate_loss, train
+from lmforge.training.runtime import Runtime, build_runtime
+from lmforge.training.train_step import Progress, cross_entropy_loss
 from lmforge.trainers.pretrain import make_loader
 
 

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from lmforge.model import ModelArgs
+from lmforge.models.model import ModelArgs
 
 
 def matmul_params(args: ModelArgs) -> int:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge import distributed as dist_utils
+from lmforge.training import distributed as dist_utils
 from lmforge.data.packing import IGNORE_INDEX, Batch
 
 LossFn = Callable[[nn.Module, Batch], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]

@@ -16,18 +16,18 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from lmforge import distributed as dist_utils
-from lmforge.checkpoint import Checkpointer, load_model_weights, resolve_checkpoint
+from lmforge.training import distributed as dist_utils
+from lmforge.training.checkpoint import Checkpointer, load_model_weights, resolve_checkpoint
 from lmforge.config import Config
 from lmforge.errors import UserError
-from lmforge.flops import flops_per_token, peak_flops_per_device
+from lmforge.models.flops import flops_per_token, peak_flops_per_device
 from lmforge.metrics import MetricLogger
-from lmforge.model import ModelArgs, Transformer, model_args_for
-from lmforge.progress import progress_bar
-from lmforge.runlock import hold_run_lock
-from lmforge.sinks import WandbSink
-from lmforge.tokenizer import Tokenizer, load_tokenizer
-from lmforge.train_step import build_optimizer
+from lmforge.models.model import ModelArgs, Transformer, model_args_for
+from lmforge.metrics.progress import progress_bar
+from lmforge.training.runlock import hold_run_lock
+from lmforge.metrics.sinks import WandbSink
+from lmforge.models.tokenizer import Tokenizer, load_tokenizer
+from lmforge.training.train_step import build_optimizer
 
 MODEL_ARGS_FILE = "model_args.json"
 
@@ -96,7 +96,7 @@ def build_model(cfg: Config) -> tuple[Transformer, ModelArgs, Tokenizer]:
         "ffn_hidden_dim": m.ffn_hidden_dim, "max_seq_len": m.max_seq_len, "tie_embeddings": m.tie_embeddings,
     }.items() if v is not None}
     if m.from_hf:
-        from lmforge.hf import load_hf_model
+        from lmforge.models.hf import load_hf_model
 
         tokenizer = load_tokenizer(m.tokenizer if m.tokenizer != "byte" else m.from_hf)
         model = load_hf_model(m.from_hf)

@@ -14,13 +14,13 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from lmforge import distributed as dist_utils
+from lmforge.training import distributed as dist_utils
 from lmforge.data.loader import StepLoader
 from lmforge.data.packing import Batch
 from lmforge.errors import UserError
 from lmforge.metrics import to_python
-from lmforge.runtime import Runtime
-from lmforge.train_step import (
+from lmforge.training.runtime import Runtime
+from lmforge.training.train_step import (
     LossFn, Progress, compute_global_loss, global_target_count, gradient_computation,
     learning_rate, run_optimizer_step, should_continue_training,
 )

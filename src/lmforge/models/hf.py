@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from lmforge.errors import UserError
-from lmforge.model import ModelArgs, Transformer
+from lmforge.models.model import ModelArgs, Transformer
 
 # lmforge per-layer suffix -> Hugging Face per-layer suffix
 _LAYER_MAP = {

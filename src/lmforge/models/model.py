@@ -2,7 +2,7 @@
 
 The layout follows Llama exactly (RMSNorm, rotary embeddings in the Hugging Face
 ``rotate_half`` convention, grouped-query attention, SwiGLU MLP) so that Hugging Face
-Llama checkpoints map onto it tensor-for-tensor with no permutation (see ``lmforge.hf``).
+Llama checkpoints map onto it tensor-for-tensor with no permutation (see ``lmforge.models.hf``).
 
 Attention always goes through ``F.scaled_dot_product_attention`` so PyTorch can pick
 flash / memory-efficient kernels; the plain causal case passes ``is_causal=True`` (no mask
@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from lmforge.errors import UserError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lmforge.generate import KVCache
+    from lmforge.models.kv_cache import KVCache
 
 
 @dataclass
@@ -363,7 +363,7 @@ class Transformer(nn.Module):
         ``document_ids`` [B, T] switches to block-diagonal causal attention for packed
         sequences; the caller then supplies ``position_ids`` that restart at 0 per document.
         With a ``kv_cache`` the new keys/values are appended to the cache and attention
-        covers everything cached so far (see ``lmforge.generate.KVCache``).
+        covers everything cached so far (see ``lmforge.models.kv_cache.KVCache``).
         """
         return self.output(self.hidden_states(tokens, position_ids, document_ids, kv_cache))
 
@@ -372,7 +372,7 @@ class Transformer(nn.Module):
 
         ``exclude_embeddings`` subtracts the embedding table (the usual "non-embedding"
         count); an untied output projection stays in. FLOP accounting lives in
-        ``lmforge.flops`` and always counts the output matmul.
+        ``lmforge.models.flops`` and always counts the output matmul.
         """
         n = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:

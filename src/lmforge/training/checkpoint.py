@@ -46,10 +46,10 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from lmforge import distributed as dist_utils
-from lmforge.dcp_safe import safe_loading_classes
+from lmforge.training import distributed as dist_utils
+from lmforge.training.dcp_safe import safe_loading_classes
 from lmforge.errors import UserError
-from lmforge.runlock import holds_run_lock
+from lmforge.training.runlock import holds_run_lock
 
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"

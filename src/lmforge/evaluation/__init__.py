@@ -1,0 +1,1 @@
+"""Evaluation during and after training: token-weighted eval loss and held-out task exact match."""
