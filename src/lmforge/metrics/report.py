@@ -19,15 +19,14 @@ every step has the same count and this is exact; with variable-length data it is
 from __future__ import annotations
 
 import argparse
-import json
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
 from typing import Any, Callable
 
 from lmforge.errors import UserError
-from lmforge.metrics import GOODPUT_CATEGORIES
+from lmforge.metrics.logger import GOODPUT_CATEGORIES
+from lmforge.metrics.records import RunRecords, read_run
 
 REWARD_KEY = "reward/mean"
 GOODPUT_COLORS = {
@@ -35,83 +34,6 @@ GOODPUT_COLORS = {
     "checkpoint_save": "#1f77b4", "checkpoint_restore": "#aec7e8", "eval": "#9467bd", "rollout": "#ff7f0e",
     "lost_progress": "#d62728", "recovery": "#e377c2", "other": "#c7c7c7",
 }
-
-
-@dataclass
-class RunRecords:
-    """What one run's metrics.jsonl says, with superseded records of redone steps removed."""
-
-    name: str
-    path: Path
-    train: list[dict[str, Any]] = field(default_factory=list)
-    eval: list[dict[str, Any]] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
-    setup: dict[str, Any] | None = None
-    attempt_goodput: list[dict[str, Any] | None] = field(default_factory=list)
-    """Per process that wrote to the run (in order): its newest goodput record, if any."""
-
-    @property
-    def goodput(self) -> dict[str, Any] | None:
-        """Seconds per category and ``wall`` summed over attempts; ``final`` from the newest one."""
-        records = [g for g in self.attempt_goodput if g]
-        if not records:
-            return None
-        total = {k: sum(g.get(k, 0.0) for g in records) for k in (*GOODPUT_CATEGORIES, "wall")}
-        return {**total, "final": bool(self.attempt_goodput[-1] and self.attempt_goodput[-1].get("final")),
-                "attempts": len(self.attempt_goodput)}
-
-    @property
-    def finished(self) -> bool:
-        return bool(self.goodput and self.goodput.get("final"))
-
-    def cumulative_tokens(self) -> list[tuple[int, float]]:
-        """(step, target tokens trained on up to that step) for each train record with weights."""
-        out, total, prev = [], 0.0, 0
-        for r in self.train:
-            if "total_weights" not in r:
-                return []
-            total += r["total_weights"] * (r["step"] - prev)
-            prev = r["step"]
-            out.append((r["step"], total))
-        return out
-
-
-def read_run(path: str | Path, name: str | None = None) -> RunRecords:
-    """Read a run directory (or a metrics.jsonl file) into :class:`RunRecords`."""
-    p = Path(path)
-    f = p if p.is_file() else p / "metrics.jsonl"
-    if not f.is_file():
-        raise UserError(f"{p}: no metrics.jsonl (not an lmforge run directory?)")
-    run = RunRecords(name=name or (f.parent.resolve().name), path=f.parent)
-    for line in f.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:  # e.g. the line a running process is writing
-            continue
-        if not isinstance(rec, dict):
-            continue
-        kind = rec.get("kind")
-        if kind == "resume":
-            keep = rec.get("step", 0)
-            run.train = [r for r in run.train if r["step"] <= keep]
-            run.eval = [r for r in run.eval if r["step"] <= keep]
-        if kind == "train" and "step" in rec:
-            run.train.append(rec)
-        elif kind == "eval" and "step" in rec:
-            run.eval.append(rec)
-        elif kind == "setup":
-            run.setup = rec
-            run.attempt_goodput.append(None)
-        elif kind == "goodput":
-            if not run.attempt_goodput:
-                run.attempt_goodput.append(None)
-            run.attempt_goodput[-1] = rec
-        elif kind not in ("text", "train", "eval"):
-            run.events.append(rec)
-    for attr in ("train", "eval"):
-        by_step = {r["step"]: r for r in getattr(run, attr)}
-        setattr(run, attr, [by_step[s] for s in sorted(by_step)])
-    return run
 
 
 def _finite(v: Any) -> bool:
