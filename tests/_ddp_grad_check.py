@@ -4,7 +4,7 @@ import sys
 
 import torch
 
-from lmforge.training import distributed as dist_utils
+from lmforge import distributed as dist_utils
 from lmforge.models.model import Transformer
 from lmforge.training.train_step import global_target_count, gradient_computation, cross_entropy_loss
 

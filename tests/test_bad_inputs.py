@@ -21,7 +21,7 @@ from typing import Callable
 import pytest
 
 from lmforge.errors import UserError
-from lmforge.training.runlock import hold_run_lock, release_run_lock
+from lmforge.checkpoint.runlock import hold_run_lock, release_run_lock
 from test_reliability import STEPS, TINY, fault_runner, reference_run  # noqa: F401 (a shared fixture)
 
 
@@ -156,7 +156,7 @@ def test_bad_input_fails_in_one_line_and_harms_nothing(outcomes, name):
 
 def test_lock_of_a_killed_run_does_not_block(tmp_path):
     """flock dies with its process: a SIGKILLed holder leaves a .lock file but no lock."""
-    code = ("import sys, time; from lmforge.training.runlock import hold_run_lock; hold_run_lock(sys.argv[1]); "
+    code = ("import sys, time; from lmforge.checkpoint.runlock import hold_run_lock; hold_run_lock(sys.argv[1]); "
             "print('held', flush=True); time.sleep(600)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:

@@ -21,7 +21,7 @@ from _torchrun import (STEPS, assert_losses_match, env, lmforge, losses, records
 
 import torch
 
-from lmforge.training.checkpoint import Checkpointer
+from lmforge.checkpoint.checkpointer import Checkpointer
 from lmforge.config import validate_config
 from lmforge.errors import UserError
 from lmforge.training.faults import FaultPlan, InjectedFault, inject, parse_fault

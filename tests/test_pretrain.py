@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from lmforge.training.checkpoint import Checkpointer, load_model_weights
+from lmforge.checkpoint.checkpointer import Checkpointer, load_model_weights
 from lmforge.models.model import ModelArgs, Transformer
 
 TINY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",

@@ -24,12 +24,12 @@ import pytest
 import torch
 from torch import nn
 
-from lmforge.training import checkpoint as ckpt_mod
-from lmforge.training.checkpoint import Checkpointer, checkpoint_problem, list_checkpoints
-from lmforge.training.dcp_safe import safe_loading_classes
+from lmforge.checkpoint import checkpointer as ckpt_mod
+from lmforge.checkpoint.checkpointer import Checkpointer, checkpoint_problem, list_checkpoints
+from lmforge.checkpoint.dcp_safe import safe_loading_classes
 from lmforge.errors import UserError
 from lmforge.models.model import ModelArgs, Transformer
-from lmforge.training.runlock import hold_run_lock, release_run_lock
+from lmforge.checkpoint.runlock import hold_run_lock, release_run_lock
 from lmforge.training.train_step import build_optimizer
 
 STEPS = 12
@@ -46,7 +46,7 @@ import contextlib, errno, io, os, sys, time
 fault = os.environ.get("LMFORGE_TEST_FAULT", "")
 kind, _, arg = fault.partition(":")
 if kind in ("pause_before_manifest", "pause_before_commit"):
-    from lmforge.training import checkpoint as c
+    from lmforge.checkpoint import checkpointer as c
 
     def paused(original):
         def run(*a, **k):

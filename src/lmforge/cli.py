@@ -44,7 +44,7 @@ def _train(name: str, argv: list[str]) -> int:
         d = rt.run_dir
         print(f"run files: {d}/ (metrics.jsonl, config.toml, checkpoints/, tensorboard/)")
         print(f"view in TensorBoard: tensorboard --logdir {d}/tensorboard")
-    from lmforge.training import distributed
+    from lmforge import distributed
 
     distributed.shutdown()
     return 0
@@ -74,7 +74,7 @@ def _export(argv: list[str]) -> int:
     p.add_argument("--hf", required=True, metavar="OUT_DIR", help="write a Hugging Face Llama directory here")
     p.add_argument("run_dir", help="run directory or checkpoint directory")
     a = p.parse_args(argv)
-    from lmforge.inference import export_hf
+    from lmforge.export import export_hf
 
     out = export_hf(a.run_dir, a.hf)
     print(f"exported Hugging Face model to {out}")

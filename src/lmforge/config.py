@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from lmforge.data.tasks import TASK_NAMES
 from lmforge.errors import UserError
 
 if sys.version_info >= (3, 11):
@@ -103,6 +104,40 @@ class EvalSection(Section):
     """Evaluate every this many steps and at the end (0: never)."""
     steps: int = Field(8, gt=0)
     batch_size: int = Field(16, gt=0)
+    at_start: bool = False
+    """Also evaluate the starting model before the first step (the "before" of a fine-tuning run)."""
+
+
+class StartEvalSection(EvalSection):
+    """The eval section of fine-tuning trainers (SFT, GRPO): the starting model is scored too."""
+
+    at_start: bool = True
+
+
+class TasksSection(Section):
+    """The embedded tasks (add, reverse, sort) that SFT and GRPO train on when ``data.train`` is
+    ``embedded``, and their held-out greedy exact-match eval (run with every eval)."""
+
+    names: list[str] = list(TASK_NAMES)
+    train_examples: int = Field(0, ge=0)
+    """Embedded training examples to use (0: the whole train split)."""
+    eval_examples: int = Field(300, ge=0)
+    """Held-out examples scored by greedy exact match at each eval (0: off)."""
+    eval_max_new_tokens: int = Field(16, gt=0)
+    """Generation budget of the exact-match eval."""
+
+    @field_validator("names", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:
+        return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
+
+    @field_validator("names")
+    @classmethod
+    def _known(cls, v: list[str]) -> list[str]:
+        unknown = [t for t in v if t not in TASK_NAMES]
+        if unknown or not v:
+            raise ValueError(f"unknown task(s) {unknown or '(none)'}; known: {', '.join(TASK_NAMES)}")
+        return v
 
 
 class CheckpointSection(Section):

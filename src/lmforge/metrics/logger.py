@@ -76,7 +76,13 @@ class MetricLogger:
         tensorboard: bool = True,
         console: Callable[[str], None] | None = None,
         process_start: float | None = None,
+        sinks: list[Any] | None = None,
+        progress: Any = None,
     ) -> None:
+        """``process_start`` earlier than this process's own start (an elastic restart passes the time
+        its predecessor failed) makes goodput cover the gap as ``recovery``. ``sinks`` receive every
+        scalar (``.scalars(step, dict)``, ``.close()``, e.g. W&B); ``progress`` observes every step
+        (``.update(step, metrics)``, ``.close()``, e.g. the progress bar)."""
         self.run_dir = Path(run_dir)
         self.rank = rank
         self.world_size = world_size
@@ -85,8 +91,11 @@ class MetricLogger:
         self.peak_flops = peak_flops
         self.writes = rank == 0
         self._console = console or (lambda line: print(line, flush=True))
-        self.process_start = process_start if process_start is not None else PROCESS_START
+        self.process_start = PROCESS_START
         self.goodput = {c: 0.0 for c in GOODPUT_CATEGORIES}
+        if process_start is not None:
+            self.process_start = process_start
+            self.goodput["recovery"] = max(PROCESS_START - process_start, 0.0)
         self._clock_start: float | None = None
         self._last_mark = 0.0
         self._excluded = 0.0  # seconds of timed() work since the last step ended
@@ -95,8 +104,8 @@ class MetricLogger:
         self._steps_seen = 0
         self._jsonl = None
         self._tb = None
-        self.sinks: list[Any] = []  # extra sinks with .scalars(step, dict) / .close() (e.g. wandb)
-        self.progress: Any = None  # per-step observer with .update(step, metrics) / .close() (progress bar)
+        self.sinks: list[Any] = list(sinks or []) if rank == 0 else []
+        self.progress: Any = progress
         if self.writes:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
@@ -180,6 +189,17 @@ class MetricLogger:
             elif self._clock_start is not None:
                 self._excluded += dt
 
+    @contextmanager
+    def waiting_for_data(self) -> Iterator["DataWait"]:
+        """Measure how long a step waits for its input; time spent inside :meth:`timed` blocks meanwhile
+        (e.g. a GRPO rollout) belongs to their own category and is not counted as waiting."""
+        wait = DataWait()
+        t0, excluded0 = time.perf_counter(), self._excluded
+        try:
+            yield wait
+        finally:
+            wait.seconds = max(time.perf_counter() - t0 - (self._excluded - excluded0), 0.0)
+
     def add_time(self, category: str, seconds: float) -> None:
         """Attribute seconds measured elsewhere (e.g. recovery before this process existed)."""
         self.goodput[category] += seconds
@@ -197,12 +217,14 @@ class MetricLogger:
         data_wait: float = 0.0,
         force_log: bool = False,
         lost: bool = False,
+        console_keys: tuple[str, ...] = ("accuracy",),
     ) -> dict[str, Any] | None:
         """Close the timing of ``step`` and log it on log steps.
 
         ``tokens`` is this device's processed tokens (inputs, padding included) — the throughput
         numerator; ``metrics`` holds device tensors (loss, total_weights, lr, grad_norm, ...) that are
-        only read on log steps. ``lost`` marks a step redone after a restart (goodput
+        only read on log steps; ``console_keys`` are the trainer's fields shown on the console line
+        (every field goes to JSONL and TensorBoard). ``lost`` marks a step redone after a restart (goodput
         ``lost_progress``). Returns the logged record, or None on a non-log step.
         """
         now = time.perf_counter()
@@ -223,9 +245,10 @@ class MetricLogger:
             self.progress.update(step, metrics)
         if not (first or force_log or step % self.log_every == 0):
             return None
-        return self._flush(step, metrics, first)
+        return self._flush(step, metrics, first, console_keys)
 
-    def _flush(self, step: int, metrics: dict[str, torch.Tensor | float], first: bool) -> dict[str, Any]:
+    def _flush(self, step: int, metrics: dict[str, torch.Tensor | float], first: bool,
+               console_keys: tuple[str, ...]) -> dict[str, Any]:
         n = len(self._window)
         seconds = sum(w[0] for w in self._window) / n
         tokens = sum(w[1] for w in self._window) / n
@@ -244,7 +267,7 @@ class MetricLogger:
         if self.writes:
             self._write(rec)
             self._scalars(step, {k: v for k, v in rec.items() if k not in ("step", "kind", "steps_averaged")})
-            self.console(format_train_line(rec))
+            self.console(format_train_line(rec, console_keys))
             self.log_goodput(step)
         return rec
 
@@ -312,6 +335,10 @@ class MetricLogger:
             self.progress = None
 
 
+class DataWait:
+    seconds: float = 0.0
+
+
 def to_python(metrics: dict[str, torch.Tensor | float]) -> dict[str, float]:
     """Convert a dict of scalars/tensors to floats with one device-to-host transfer."""
     tensors = {k: v for k, v in metrics.items() if isinstance(v, torch.Tensor)}
@@ -334,22 +361,18 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-_LINE_ORDER = ("lr", "grad_norm", "accuracy")
-_LINE_SKIP = {"kind", "step", "seconds", "tflops_per_device", "tokens_per_sec_per_device", "total_weights",
-              "loss", "steps_averaged", "first_step", "mfu", "data_wait_seconds", "world_size", "time"}
-
-
-def format_train_line(rec: dict[str, Any]) -> str:
-    """The per-step console line shared by all trainers."""
+def format_train_line(rec: dict[str, Any], trainer_keys: tuple[str, ...] = ("accuracy",)) -> str:
+    """The per-step console line shared by all trainers: the same fields first everywhere, then lr and
+    grad norm, then at most a handful of the trainer's own (``trainer_keys``) and MFU."""
     line = (
         f"completed step: {rec['step']}, seconds: {rec['seconds']:.3f}, "
         f"TFLOP/s/device: {rec['tflops_per_device']:.3f}, "
         f"Tokens/s/device: {rec['tokens_per_sec_per_device']:.1f}, "
         f"total_weights: {int(rec.get('total_weights', 0))}, loss: {rec.get('loss', float('nan')):.4f}"
     )
-    extras = [k for k in _LINE_ORDER if k in rec] + sorted(k for k in rec if k not in _LINE_SKIP and k not in _LINE_ORDER)
-    for k in extras:
-        line += f", {k}: {_fmt(rec[k])}"
+    for k in ("lr", "grad_norm", *trainer_keys):
+        if k in rec:
+            line += f", {k}: {_fmt(rec[k])}"
     line += f", mfu: {100 * rec['mfu']:.1f}%"
     if rec.get("world_size", 1) > 1:
         line += f", world_size: {rec['world_size']}"

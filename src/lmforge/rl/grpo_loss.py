@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lmforge.training import distributed as dist_utils
+from lmforge import distributed as dist_utils
 
 Aggregation = Literal["grpo", "dapo", "dr_grpo"]
 AdvantageScale = Literal["group", "batch", "none"]
@@ -203,3 +203,27 @@ def update_metrics(totals: dict[str, Tensor]) -> dict[str, Tensor]:
         "grpo/clip_high": totals["clip_high_count"] / tokens,
         "grpo/entropy": totals["entropy_sum"] / tokens,
     }
+
+
+class GRPOObjective:
+    """What the shared loop needs from GRPO: the loss, its global normalizer, and the logged values.
+
+    ``total_weights`` on the log line is the completion tokens that carry loss (as for every trainer:
+    the non-padding target tokens); ``loss`` stays the aggregated objective over its normalizer.
+    """
+
+    console_keys = ("reward/mean", "grpo/kl", "grpo/clip_high", "completion/mean_length")
+    watch_spikes = False  # the GRPO loss hovers around 0 with either sign: a ratio test means nothing
+
+    def __init__(self, *, eps_low: float, eps_high: float, beta: float, aggregation: Aggregation,
+                 max_new_tokens: int, temperature: float) -> None:
+        self.loss_fn = GRPOLoss(eps_low=eps_low, eps_high=eps_high, beta=beta, aggregation=aggregation,
+                                max_new_tokens=max_new_tokens, temperature=temperature)
+        self.aggregation, self.max_new_tokens = aggregation, max_new_tokens
+
+    def normalizer(self, microbatches: list[PolicyBatch]) -> Tensor:
+        return loss_normalizer(microbatches, self.aggregation, self.max_new_tokens)
+
+    def log_values(self, totals: dict[str, Tensor]) -> dict[str, Tensor]:
+        kept = {k: v for k, v in totals.items() if not k.endswith(("_sum", "_count"))}
+        return kept | update_metrics(totals) | {"total_weights": totals["completion_tokens"]}

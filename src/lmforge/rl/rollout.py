@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from lmforge.training import distributed as dist_utils
+from lmforge import distributed as dist_utils
 from lmforge.models.generate import generate
 from lmforge.rl.grpo_loss import AdvantageScale, PolicyBatch, group_advantages, token_logprobs
 from lmforge.rl.rewards import WeightedReward, score_completions

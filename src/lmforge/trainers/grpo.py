@@ -1,40 +1,32 @@
 """GRPO: reinforcement learning with verifiable rewards on prompts (the embedded tasks by default).
 
-Each rollout samples ``grpo.num_generations`` completions per prompt from the current policy and
-scores them with the reward functions; then ``grpo.num_iterations`` optimizer updates train on that
-batch through the shared train step (``gradient_computation`` with :class:`GRPOLoss`,
-``run_optimizer_step``, ``compute_global_loss``). ``training.steps`` counts optimizer updates and
-``training.global_batch_size`` counts completions (prompts per rollout x num_generations).
+GRPO runs the shared loop (:func:`lmforge.training.loop.train`) like every trainer. What differs is
+its step source, :class:`lmforge.rl.rollout_source.RolloutSource` (a rollout of
+``grpo.num_generations`` completions per prompt, scored by the reward functions, reused for
+``grpo.num_iterations`` updates), and its objective, :class:`lmforge.rl.grpo_loss.GRPOObjective`.
+``training.steps`` counts optimizer updates and ``training.global_batch_size`` counts completions
+(prompts per rollout x num_generations).
 """
 
 from __future__ import annotations
 
-import copy
-import math
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
-import torch
 from pydantic import Field, field_validator, model_validator
-from torch import nn
 
-from lmforge.training.checkpoint import load_model_weights, resolve_checkpoint
-from lmforge.config import Config, Section
+from lmforge.config import Config, StartEvalSection, Section, TasksSection
 from lmforge.data.sources import read_jsonl_records
 from lmforge.data.tasks import DEFAULT_SPLIT_SIZES, TASK_NAMES, TaskExample, task_examples
 from lmforge.errors import UserError
-from lmforge.training.loop import (
-    Guard, StopSignals, do_eval, end_of_step, finish, lr_at, progress_redo, resume, training_steps,
-)
-from lmforge.rl.grpo_loss import GRPOLoss, loss_normalizer, update_metrics
-from lmforge.rl.rewards import WeightedReward, load_rewards
-from lmforge.rl.rollout import PromptSampler, Rollout, RolloutSettings, collect_rollout
+from lmforge.evaluation.tasks import TaskEval, record_task_summary
+from lmforge.rl.grpo_loss import GRPOObjective
+from lmforge.rl.rewards import load_rewards
+from lmforge.rl.rollout_source import RolloutSource
+from lmforge.training.loop import train
 from lmforge.training.runtime import Runtime, build_runtime
-from lmforge.training.train_step import compute_global_loss, gradient_computation
 
 
 class GRPOSection(Section):
-    tasks: list[str] = list(TASK_NAMES)
-    """Embedded tasks to train and evaluate on (when ``data.train`` is ``embedded``)."""
     prompt_field: str = "prompt"
     """Column of a ``.jsonl`` prompt file holding the user message; the other columns reach the rewards."""
     num_generations: int = Field(8, ge=2)
@@ -56,16 +48,10 @@ class GRPOSection(Section):
     """Built-in reward names or ``module:function``."""
     rewards_weights: list[float] = []
     """One weight per reward (empty: all 1.0)."""
-    eval_examples: int = Field(300, ge=1)
-    """Held-out examples for the greedy-decoding accuracy eval."""
-    eval_max_new_tokens: int = Field(16, gt=0)
-    """Generation budget of the greedy eval (the SFT trainer's default, so before/after numbers compare)."""
-    eval_at_start: bool = True
-    """Evaluate once before the first update (the "before" number of the run)."""
     log_completions_every: int = Field(50, ge=0)
     """Write one group of sampled completions with their rewards every this many steps (0: never)."""
 
-    @field_validator("rewards", "tasks", mode="before")
+    @field_validator("rewards", mode="before")
     @classmethod
     def _split_names(cls, v: Any) -> Any:
         return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
@@ -80,6 +66,8 @@ class GRPOSection(Section):
 
 class GRPOConfig(Config):
     grpo: GRPOSection = GRPOSection()
+    tasks: TasksSection = TasksSection()
+    eval: StartEvalSection = StartEvalSection()
 
     @model_validator(mode="before")
     @classmethod
@@ -112,59 +100,16 @@ def prompt_records(cfg: GRPOConfig, split: Literal["train", "test"]) -> list[dic
     """Prompts with their other columns: the embedded tasks or a ``.jsonl`` file."""
     spec = cfg.data.train if split == "train" else cfg.data.validation
     if spec == "embedded":  # a subset of the tasks keeps the default per-task share of each split
-        share = DEFAULT_SPLIT_SIZES[split] * len(cfg.grpo.tasks) // len(TASK_NAMES)
-        n = share if split == "train" else min(cfg.grpo.eval_examples, share)
+        share = DEFAULT_SPLIT_SIZES[split] * len(cfg.tasks.names) // len(TASK_NAMES)
+        n = share if split == "train" else min(cfg.tasks.eval_examples, share)
         return [{"prompt": e.prompt, "task": e.task, "answer": e.answer}
-                for e in task_examples(split, n, tasks=cfg.grpo.tasks)]
+                for e in task_examples(split, n, tasks=cfg.tasks.names)]
     records = read_jsonl_records(spec)
     key = cfg.grpo.prompt_field
     bad = next((i for i, r in enumerate(records) if not isinstance(r.get(key), str)), None)
     if bad is not None:
         raise UserError(f"{spec}: record {bad + 1} has no string `{key}` column (set grpo.prompt_field)")
-    return records if split == "train" else records[: cfg.grpo.eval_examples]
-
-
-def starting_point(cfg: Config) -> str:
-    """Where the initial weights come from; the reference model is rebuilt from exactly this."""
-    if cfg.model.from_checkpoint:
-        return f"checkpoint:{resolve_checkpoint(cfg.model.from_checkpoint).resolve()}"
-    if cfg.model.from_hf:
-        return f"hf:{cfg.model.from_hf}"
-    return f"init:{cfg.training.seed}"
-
-
-def load_reference(rt: Runtime, spec: str, initial: nn.Module | None) -> nn.Module | None:
-    """The frozen reference (only with beta > 0): the run's starting weights, kept across resumes."""
-    if rt.cfg.grpo.beta == 0:
-        return None
-    ref = initial if initial is not None else copy.deepcopy(rt.raw_model)
-    if spec != starting_point(rt.cfg):  # resumed with another start configured: keep the recorded one
-        kind, _, where = spec.partition(":")
-        if kind == "checkpoint":
-            load_model_weights(where, ref)
-        elif kind == "init":
-            ref.init_weights(seed=int(where))
-        else:
-            from lmforge.models.hf import load_hf_model
-            ref.load_state_dict(load_hf_model(where).state_dict())
-        rt.metrics.record_event("reference", 0, f"reference model: {spec} (recorded in the checkpoint)")
-    return ref.eval().requires_grad_(False)
-
-
-def rollout_generator(rt: Runtime) -> torch.Generator:
-    gen = torch.Generator(device=rt.dist.device)
-    gen.manual_seed(rt.cfg.training.seed * 1_000_003 + 7919 * rt.dist.rank + 1)
-    return gen
-
-
-def gather_rng_states(gen: torch.Generator) -> list[list[int]]:
-    """Every rank's rollout-generator state (collective), for the checkpoint's JSON trainer state."""
-    state = gen.get_state().tolist()
-    if not torch.distributed.is_initialized():
-        return [state]
-    out: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, state)
-    return out
+    return records if split == "train" else records[: cfg.tasks.eval_examples]
 
 
 def run(cfg: GRPOConfig) -> Runtime:
@@ -176,102 +121,14 @@ def run(cfg: GRPOConfig) -> Runtime:
     rt = build_runtime(cfg, "grpo")
     try:
         check_batch_shape(cfg, rt.dist.world_size)
-        train_loop(rt, rewards, *data)
+        train_set, eval_set = data
+        objective = GRPOObjective(eps_low=g.epsilon_low, eps_high=g.epsilon_high, beta=g.beta,
+                                  aggregation=g.loss_aggregation, max_new_tokens=g.max_new_tokens,
+                                  temperature=g.temperature)
+        evaluate = TaskEval([TaskExample(r.get("task", "file"), r[g.prompt_field], str(r["answer"]))
+                             for r in eval_set if r.get("answer") is not None], cfg.tasks.eval_max_new_tokens)
+        state = train(rt, RolloutSource(rt, rewards, train_set), objective, evaluate if evaluate else None)
+        record_task_summary(rt, state.step)
     finally:
         rt.metrics.close()
     return rt
-
-
-def train_loop(rt: Runtime, rewards: list[WeightedReward], train_set: list[dict[str, Any]],
-               eval_set: list[dict[str, Any]]) -> None:
-    """Rollout, then num_iterations updates through the shared train step; eval/checkpoint on schedule."""
-    cfg, g, metrics = rt.cfg, rt.cfg.grpo, rt.metrics
-    sampler = PromptSampler(len(train_set), cfg.training.global_batch_size // g.num_generations,
-                            rt.dist.rank, rt.dist.world_size, cfg.training.seed)
-    generator, start = rollout_generator(rt), starting_point(cfg)
-    initial = copy.deepcopy(rt.raw_model) if g.beta > 0 else None  # before resume overwrites the weights
-    progress = resume(rt, sampler)
-    saved = rt.extras.get("resumed_state", {}).get("extra", {})
-    if "rollout_rng" in saved:
-        states = saved["rollout_rng"]
-        generator.set_state(torch.tensor(states[min(rt.dist.rank, len(states) - 1)], dtype=torch.uint8))
-    sample = make_sampler(rt, rewards, train_set, generator, load_reference(rt, saved.get("reference", start), initial))
-    loss_fn = GRPOLoss(eps_low=g.epsilon_low, eps_high=g.epsilon_high, beta=g.beta, aggregation=g.loss_aggregation,
-                       max_new_tokens=g.max_new_tokens, temperature=g.temperature)
-    run_eval = make_eval(eval_set, g.prompt_field)
-    extra_state = lambda: {"rollout_rng": gather_rng_states(generator),  # noqa: E731
-                           "reference": saved.get("reference", start)}
-    if g.eval_at_start and progress.step == 0 and cfg.eval.interval:
-        do_eval(rt, progress, run_eval)
-    guard = Guard(rt)
-    guard.spike_factor = 0.0  # the GRPO loss hovers around 0 with either sign: a ratio test means nothing
-    rollout: Rollout | None = None
-    with StopSignals(progress):
-        for step in training_steps(rt, progress):
-            if rollout is None or (step - 1) % g.num_iterations == 0:
-                with metrics.timed("rollout"):
-                    rollout = sample(sampler.next_indices())
-                if g.log_completions_every and (step == 1 or step % g.log_completions_every == 0):
-                    metrics.record_text(step, "completions", completions_table(rollout, g.num_generations))
-            normalizer = loss_normalizer(rollout.batches, g.loss_aggregation, g.max_new_tokens)
-            stats = gradient_computation(rt.model, rollout.batches, loss_fn, normalizer, rt.autocast())
-            grad_norm = guard.optimizer_step(step, lr := lr_at(rt, step))
-            progress.step = step
-            totals = compute_global_loss(stats)
-            values = {k: v for k, v in totals.items() if not k.endswith(("_sum", "_count"))} | update_metrics(totals) \
-                | rollout.metrics | {"lr": lr, "grad_norm": grad_norm}
-            record = metrics.record_step(step, tokens=rollout.tokens, metrics=values, lost=step <= progress_redo(rt))
-            guard.after_step(step, values, record)
-            end_of_step(rt, progress, sampler, totals["completion_tokens"], record is not None, run_eval, extra_state)
-        finish(rt, progress, sampler, run_eval, extra_state)
-
-
-def make_sampler(rt: Runtime, rewards: list[WeightedReward], train_set: list[dict[str, Any]],
-                 generator: torch.Generator, reference: nn.Module | None) -> Callable[[list[int]], Rollout]:
-    """``sample(prompt_indices) -> Rollout`` with the run's settings, from the current (unwrapped) policy."""
-    from lmforge.inference import chat_prompt_ids
-
-    g = rt.cfg.grpo
-    settings = RolloutSettings(g.num_generations, g.max_new_tokens, g.temperature, g.top_p,
-                               rt.cfg.training.micro_batch_size, g.scale_rewards, g.mask_truncated,
-                               need_old_logprobs=g.num_iterations > 1)
-    tok = rt.tokenizer
-
-    def sample(indices: list[int]) -> Rollout:
-        records = [train_set[i] for i in indices]
-        prompt_ids = [chat_prompt_ids(tok, r[g.prompt_field]) for r in records]
-        return collect_rollout(rt.raw_model, records, prompt_ids, rewards, settings, stop_id=tok.eos_id,
-                               pad_id=tok.pad_id, decode=tok.decode, generator=generator, reference=reference,
-                               autocast=rt.autocast(), prompt_field=g.prompt_field)
-
-    return sample
-
-
-def make_eval(eval_set: list[dict[str, Any]], prompt_field: str):
-    """Held-out exact-match accuracy with greedy decoding, overall and per task (needs an ``answer`` column)."""
-    examples = [TaskExample(r.get("task", "file"), r[prompt_field], str(r["answer"]))
-                for r in eval_set if r.get("answer") is not None]
-
-    def run_eval(rt: Runtime) -> dict[str, float]:
-        from lmforge.inference import task_accuracy
-
-        if not examples:
-            return {}
-        acc = task_accuracy(rt.raw_model, rt.tokenizer, examples, max_new_tokens=rt.cfg.grpo.eval_max_new_tokens,
-                            batch_size=rt.cfg.eval.batch_size)
-        return {"exact_match": acc.pop("all")} | {f"exact_match_{task}": v for task, v in acc.items()}
-
-    return run_eval
-
-
-def completions_table(rollout: Rollout, group_size: int) -> str:
-    """The first group of the rollout as a Markdown table: completion, each reward, weighted total."""
-    names = list(rollout.per_function)
-    head = "| completion | " + " | ".join(names) + " | reward |\n|---|" + "---|" * (len(names) + 1)
-    rows = []
-    for i in range(min(group_size, len(rollout.completions))):
-        text = rollout.completions[i].replace("|", "\\|").replace("\n", "\\n")
-        vals = " | ".join("-" if math.isnan(rollout.per_function[n][i]) else f"{rollout.per_function[n][i]:g}"
-                          for n in names)
-        rows.append(f"| `{text}` | {vals} | {rollout.rewards[i]:g} |")
-    return f"prompt: `{rollout.prompts[0]}`\n\n" + head + "\n" + "\n".join(rows)

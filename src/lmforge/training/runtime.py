@@ -9,31 +9,39 @@ from __future__ import annotations
 
 import json
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from lmforge.training import distributed as dist_utils
-from lmforge.training.checkpoint import Checkpointer, load_model_weights, resolve_checkpoint
+from lmforge import distributed as dist_utils
+from lmforge.checkpoint import STATE_FILE, Checkpointer, RunDir, list_checkpoints, resolve_checkpoint
+from lmforge.checkpoint.layout import write_json, write_text
+from lmforge.checkpoint.runlock import hold_run_lock
+from lmforge.checkpoint.tiers import CheckpointTiers
 from lmforge.config import Config
 from lmforge.errors import UserError
-from lmforge.models.flops import flops_per_token, peak_flops_per_device
 from lmforge.metrics import MetricLogger
-from lmforge.models.model import ModelArgs, Transformer, model_args_for
 from lmforge.metrics.progress import progress_bar
-from lmforge.training.runlock import hold_run_lock
 from lmforge.metrics.sinks import WandbSink
-from lmforge.models.tokenizer import Tokenizer, load_tokenizer
+from lmforge.models.flops import flops_per_token, peak_flops_per_device
+from lmforge.models.load import LoadedModel, ModelSource, load_model
+from lmforge.models.model import ModelArgs, Transformer
+from lmforge.models.tokenizer import Tokenizer
 from lmforge.training.train_step import build_optimizer
 
-MODEL_ARGS_FILE = "model_args.json"
+StepHook = Callable[["Runtime", Any, Any], None]
+"""``hook(rt, state, source)``, called at the very end of every step of the loop."""
+SnapshotRoot = Callable[[Config, RunDir, dist_utils.DistInfo], "tuple[Path | None, str]"]
+"""Where a fast checkpoint tier lives for this run, or (None, why not)."""
 
 
 @dataclass
 class Runtime:
+    """The services every trainer runs on, all built by :func:`build_runtime` and never replaced."""
+
     cfg: Config
     dist: dist_utils.DistInfo
     tokenizer: Tokenizer
@@ -44,20 +52,18 @@ class Runtime:
     """The model the train step calls: DDP/FSDP-wrapped and/or compiled."""
     optimizer: torch.optim.Optimizer
     metrics: MetricLogger
-    checkpointer: Checkpointer
+    checkpoints: CheckpointTiers
     run_dir: Path
-    extras: dict[str, Any] = field(default_factory=dict)
-    step_hooks: list[Callable[[Any, Any], None]] = field(default_factory=list)
-    """Called as ``hook(progress, loader)`` at the very end of every step of the shared loop."""
+    model_source: ModelSource
+    """Where the starting weights came from (GRPO rebuilds its reference model from it)."""
+    model_description: dict[str, Any]
+    """Model shape and tokenizer, stored in every checkpoint so it describes itself."""
+    step_hooks: tuple[StepHook, ...] = ()
 
     def autocast(self) -> Any:
         if self.cfg.training.dtype == "bfloat16":
             return torch.autocast(self.dist.device.type, dtype=torch.bfloat16)
         return nullcontext()
-
-    @property
-    def tokens_per_sample(self) -> int:
-        return self.cfg.data.seq_len
 
 
 def prepare_run_dir(run_dir: Path, is_main: bool) -> None:
@@ -88,57 +94,52 @@ def claim_run_dir(run_dir: Path, is_main: bool) -> None:
         raise UserError(problem)
 
 
-def build_model(cfg: Config) -> tuple[Transformer, ModelArgs, Tokenizer]:
-    """Fresh model from a named size, or weights from a HF directory / an lmforge checkpoint."""
+def model_source(cfg: Config) -> ModelSource:
+    """Where a run's starting weights come from: a Hugging Face directory, an lmforge checkpoint, or
+    a fresh initialization with the run's seed."""
+    m = cfg.model
+    if m.from_hf:
+        return ModelSource("hf", m.from_hf)
+    if m.from_checkpoint:
+        p = Path(m.from_checkpoint)
+        if not (p / STATE_FILE).is_file() and not list_checkpoints(RunDir(p).checkpoints):
+            raise UserError(f"model.from_checkpoint={p}: no checkpoint there; train the starting model first "
+                            f"(e.g. lmforge pretrain --config configs/debug.toml --run.dir={p})")
+        return ModelSource("checkpoint", str(resolve_checkpoint(p).resolve()))
+    return ModelSource("init", str(cfg.training.seed))
+
+
+def build_model(cfg: Config) -> LoadedModel:
+    """The run's starting model (see :func:`model_source`), checked against the data's sequence length."""
     m = cfg.model
     overrides = {k: v for k, v in {
         "dim": m.dim, "n_layers": m.n_layers, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads,
         "ffn_hidden_dim": m.ffn_hidden_dim, "max_seq_len": m.max_seq_len, "tie_embeddings": m.tie_embeddings,
     }.items() if v is not None}
-    if m.from_hf:
-        from lmforge.models.hf import load_hf_model
-
-        tokenizer = load_tokenizer(m.tokenizer if m.tokenizer != "byte" else m.from_hf)
-        model = load_hf_model(m.from_hf)
-        args = model.args
-    elif m.from_checkpoint:
-        ckpt = resolve_checkpoint(m.from_checkpoint)
-        source_run = ckpt.parent.parent
-        saved = read_model_args(source_run)
-        tokenizer = load_tokenizer(saved.get("tokenizer", m.tokenizer))
-        args = ModelArgs.from_dict(saved["model_args"])
-        model = Transformer(args)
-        load_model_weights(ckpt, model)
-    else:
-        tokenizer = load_tokenizer(m.tokenizer)
-        args = model_args_for(m.size, tokenizer.vocab_size, **overrides)
-        model = Transformer(args)
-        model.init_weights(seed=cfg.training.seed)
-    if tokenizer.vocab_size > args.vocab_size:
-        raise UserError(f"tokenizer vocabulary ({tokenizer.vocab_size}) does not fit the model's "
-                        f"vocab_size ({args.vocab_size}): model.tokenizer does not match the checkpoint")
-    if cfg.data.seq_len > args.max_seq_len:
+    loaded = load_model(model_source(cfg), tokenizer=m.tokenizer, size=m.size, overrides=overrides)
+    if cfg.data.seq_len > loaded.args.max_seq_len:
         raise UserError(f"data.seq_len={cfg.data.seq_len} is longer than the model allows "
-                        f"(max_seq_len={args.max_seq_len})")
-    return model, args, tokenizer
+                        f"(max_seq_len={loaded.args.max_seq_len})")
+    return loaded
 
 
-def read_model_args(run_dir: Path) -> dict[str, Any]:
-    f = Path(run_dir) / MODEL_ARGS_FILE
-    if not f.is_file():
-        raise UserError(f"{run_dir}: not an lmforge run directory (no {MODEL_ARGS_FILE})")
-    return json.loads(f.read_text())
+def build_runtime(cfg: Config, trainer: str, *, step_hooks: tuple[StepHook, ...] = (),
+                  snapshot_root: SnapshotRoot | None = None, snapshot_keep: int = 1,
+                  process_start: float | None = None) -> Runtime:
+    """Process group, run directory, model, optimizer, MetricLogger and checkpoint tiers.
 
-
-def build_runtime(cfg: Config, trainer: str) -> Runtime:
+    ``step_hooks`` run after every step; ``snapshot_root`` adds a fast checkpoint tier;
+    ``process_start`` moves the start of goodput accounting earlier (see MetricLogger).
+    """
     if cfg.training.threads:
         torch.set_num_threads(cfg.training.threads)
     info = dist_utils.init_distributed(cfg.training.device)
-    run_dir = Path(cfg.run.dir)
-    claim_run_dir(run_dir, info.is_main)
+    run = RunDir(cfg.run.dir)
+    claim_run_dir(run.root, info.is_main)
     torch.manual_seed(cfg.training.seed)
-    model, args, tokenizer = build_model(cfg)
-    _check_resume_compatible(run_dir, args)
+    loaded = build_model(cfg)
+    model, args = loaded.model, loaded.args
+    _check_resume_compatible(run, args)
     model.to(info.device)
     raw = model
     if cfg.training.activation_checkpointing:
@@ -154,45 +155,42 @@ def build_runtime(cfg: Config, trainer: str) -> Runtime:
         cfg.metrics.peak_tflops * 1e12 if cfg.metrics.peak_tflops else None)
     fpt = flops_per_token(args, cfg.data.seq_len)
     bar = progress_bar(cfg.metrics.progress, cfg.training.steps, cfg.training.max_tokens, is_main=info.is_main)
-    metrics = MetricLogger(run_dir, rank=info.rank, world_size=info.world_size, log_every=cfg.metrics.log_every,
+    sinks = [WandbSink.start(run.root, cfg.to_dict())] if cfg.metrics.wandb and info.is_main else []
+    metrics = MetricLogger(run.root, rank=info.rank, world_size=info.world_size, log_every=cfg.metrics.log_every,
                            flops_per_token=fpt, peak_flops=peak, tensorboard=cfg.metrics.tensorboard,
-                           console=bar.write if bar else None)
-    metrics.progress = bar
-    if cfg.metrics.wandb and info.is_main:
-        metrics.sinks.append(WandbSink.start(run_dir, cfg.to_dict()))
+                           console=bar.write if bar else None, process_start=process_start, sinks=sinks,
+                           progress=bar)
     if info.is_main:
-        (run_dir / "config.toml").write_text(cfg.to_toml())
-        (run_dir / MODEL_ARGS_FILE).write_text(json.dumps(
-            {"model_args": args.to_dict(), "tokenizer": _tokenizer_spec(cfg)}, indent=2))
+        write_text(run.config, cfg.to_toml())
+        write_json(run.model_args, loaded.description())
     metrics.log_setup({
         "trainer": trainer, "parameters": raw.num_params(), "non_embedding_parameters":
         raw.num_params(exclude_embeddings=True), "flops_per_token": fpt, "peak_tflops_per_device": peak / 1e12,
         "peak_source": peak_src, "world_size": info.world_size, "device": str(info.device),
         "parallel": cfg.parallel.mode if info.world_size > 1 else "none", "dtype": cfg.training.dtype,
-        "threads": torch.get_num_threads(), "run_dir": str(run_dir),
+        "threads": torch.get_num_threads(), "run_dir": str(run.root),
     }, cfg.to_toml())
-    return Runtime(cfg=cfg, dist=info, tokenizer=tokenizer, model_args=args, raw_model=raw, model=wrapped,
-                   optimizer=optimizer, metrics=metrics, checkpointer=Checkpointer(
-                       run_dir, cfg.checkpoint.keep, on_damaged=cfg.checkpoint.on_damaged,
-                       report=lambda line: metrics.record_event("checkpoint_damaged", 0, line)),
-                   run_dir=run_dir)
+    report = lambda line: metrics.record_event("checkpoint_damaged", 0, line)  # noqa: E731
+    durable = Checkpointer(run.root, cfg.checkpoint.keep, on_damaged=cfg.checkpoint.on_damaged, report=report)
+    fast = None
+    if snapshot_root is not None:
+        root, why_not = snapshot_root(cfg, run, info)
+        if root is None:
+            metrics.console(f"{trainer}: fast snapshots off ({why_not})")
+        else:
+            fast = Checkpointer(run.root, snapshot_keep, on_damaged=cfg.checkpoint.on_damaged, report=report, root=root)
+    return Runtime(cfg=cfg, dist=info, tokenizer=loaded.tokenizer, model_args=args, raw_model=raw, model=wrapped,
+                   optimizer=optimizer, metrics=metrics, checkpoints=CheckpointTiers(durable, fast),
+                   run_dir=run.root, model_source=loaded.source, model_description=loaded.description(),
+                   step_hooks=tuple(step_hooks))
 
 
-def _tokenizer_spec(cfg: Config) -> str:
-    if cfg.model.from_hf and cfg.model.tokenizer == "byte":
-        return str(Path(cfg.model.from_hf).resolve())
-    if cfg.model.from_checkpoint:
-        ckpt = resolve_checkpoint(cfg.model.from_checkpoint)
-        return read_model_args(ckpt.parent.parent).get("tokenizer", cfg.model.tokenizer)
-    return cfg.model.tokenizer if cfg.model.tokenizer == "byte" else str(Path(cfg.model.tokenizer).resolve())
-
-
-def _check_resume_compatible(run_dir: Path, args: ModelArgs) -> None:
+def _check_resume_compatible(run: RunDir, args: ModelArgs) -> None:
     """Refuse to resume a run directory whose checkpoints were made for another model shape."""
-    f = run_dir / MODEL_ARGS_FILE
-    if not f.is_file() or not (run_dir / "checkpoints").is_dir():
+    run_dir = run.root
+    if not run.model_args.is_file() or not run.checkpoints.is_dir():
         return
-    saved = json.loads(f.read_text()).get("model_args", {})
+    saved = json.loads(run.model_args.read_text()).get("model_args", {})
     new = args.to_dict()
     diff = sorted((k for k in new if k in saved and saved[k] != new[k]), key=lambda k: k != "vocab_size")
     if diff and diff[0] == "vocab_size":

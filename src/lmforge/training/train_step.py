@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.training import distributed as dist_utils
+from lmforge import distributed as dist_utils
 from lmforge.data.packing import IGNORE_INDEX, Batch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lmforge.training.state import TrainState
 
 LossFn = Callable[[nn.Module, Batch], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
 """(model, microbatch) -> (objective summed over its terms, summed statistics as device tensors)."""
@@ -119,17 +121,7 @@ class Budgets(Protocol):
     target_eval_loss: float
 
 
-@dataclass
-class Progress:
-    step: int = 0
-    tokens_seen: int = 0
-    """Target tokens (total_weights) trained on so far, over all ranks."""
-    training_seconds: float = 0.0
-    last_eval_loss: float | None = None
-    stop_requested: str | None = None
-
-
-def should_continue_training(progress: Progress, budgets: Budgets) -> tuple[bool, str]:
+def should_continue_training(progress: "TrainState", budgets: Budgets) -> tuple[bool, str]:
     """Decide whether to run another step; the reason is logged when it says stop.
 
     All inputs are host values, so calling this every step costs no device sync.

@@ -11,9 +11,14 @@ from __future__ import annotations
 import functools
 import io
 import pickle
-from typing import Any
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
 
 import torch
+
+from lmforge.errors import UserError
 
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
@@ -73,3 +78,46 @@ def safe_loading_classes() -> tuple[type, type]:
             super().load_bytes(read_item, clean)
 
     return SafeReader, WeightsOnlyPlanner
+
+
+def checkpoint_exception() -> type[BaseException]:
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+    return CheckpointException
+
+
+@contextmanager
+def quiet_dcp() -> Iterator[None]:
+    with warnings.catch_warnings():  # single-process saves/loads are intended here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def safe_dcp_load(state: dict[str, Any], path: str | Path) -> None:
+    """``dcp.load`` into ``state`` without executing code from the checkpoint (see module doc)."""
+    import torch.distributed.checkpoint as dcp
+
+    reader, planner = safe_loading_classes()
+    try:
+        with quiet_dcp():
+            dcp.load(state, storage_reader=reader(str(path)), planner=planner())
+    except (Exception, checkpoint_exception()) as e:
+        if isinstance(e, UserError):
+            raise
+        raise UserError(f"checkpoint {path} could not be loaded: {one_line(e)}") from None
+
+
+def one_line(e: BaseException) -> str:
+    """The root cause of an error in one line: DCP wraps the real OSError in per-rank tracebacks."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        return one_line(inner[0] if isinstance(inner, tuple) else inner)
+    while isinstance(e.__cause__, BaseException) and not isinstance(e, OSError):
+        e = e.__cause__
+    if isinstance(e, OSError) and e.strerror:
+        where = f" ({e.filename})" if e.filename else ""
+        return f"{e.strerror}{where}"
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1] if text else ''}".strip()
+
+

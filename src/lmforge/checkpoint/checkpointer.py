@@ -29,167 +29,27 @@ the whole directory; the restricted loading is what makes a hostile checkpoint u
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
-import re
 import shutil
 import sys
-import warnings
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from lmforge.training import distributed as dist_utils
-from lmforge.training.dcp_safe import safe_loading_classes
+from lmforge import distributed as dist_utils
+from lmforge.checkpoint.dcp_safe import checkpoint_exception, one_line, quiet_dcp, safe_dcp_load
+from lmforge.checkpoint.layout import (
+    MANIFEST_FILE, STATE_FILE, _step_of, fsync_dir, list_checkpoints, step_dir_name, write_json,
+)
+from lmforge.checkpoint.runlock import holds_run_lock
+from lmforge.checkpoint.verify import cached_problem, checkpoint_problem, write_manifest
 from lmforge.errors import UserError
-from lmforge.training.runlock import holds_run_lock
-
-STATE_FILE = "trainer_state.json"
-MANIFEST_FILE = "manifest.json"
-_STEP_DIR = re.compile(r"step_(\d+)")
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def _step_of(p: Path) -> int | None:
-    m = _STEP_DIR.fullmatch(p.name)
-    return int(m.group(1)) if m else None
-
-
-def list_checkpoints(ckpt_root: Path) -> list[Path]:
-    """Committed checkpoint directories, oldest first, damaged or not.
-
-    ``.partial`` (interrupted save), ``.old`` (being replaced) and ``.damaged`` (set aside) never count.
-    """
-    if not ckpt_root.is_dir():
-        return []
-    found = [p for p in ckpt_root.iterdir() if p.is_dir() and _step_of(p) is not None]
-    return sorted(found, key=lambda p: _step_of(p))
-
-
-# ---------------------------------------------------------------------------- verification
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _hash_files(files: list[Path], collective: bool) -> dict[str, str]:
-    """SHA-256 of each file by name. Collective: the ranks split the files and share the digests.
-
-    Hashing runs at roughly 0.5-2 GB/s per process, so splitting it keeps large checkpoints cheap.
-    """
-    spread = collective and torch_dist.is_initialized() and torch_dist.get_world_size() > 1
-    r, w = (torch_dist.get_rank(), torch_dist.get_world_size()) if spread else (0, 1)
-    mine: dict[str, str] = {}
-    for f in files[r::w]:
-        try:
-            mine[f.name] = _sha256(f)
-        except OSError as e:
-            mine[f.name] = f"unreadable ({e.strerror or e})"
-    if not spread:
-        return mine
-    parts: list[Any] = [None] * w
-    torch_dist.all_gather_object(parts, mine)
-    return {k: v for part in parts for k, v in part.items()}
-
-
-def checkpoint_problem(path: Path, collective: bool = False) -> str | None:
-    """Why ``path`` cannot be trusted (missing/truncated/altered files), or None if it is intact.
-
-    With ``collective=True`` every rank must call it (the hashing is split across ranks).
-    """
-    path = Path(path)
-    try:
-        manifest = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))
-        files: dict[str, dict[str, Any]] = manifest["files"]
-    except FileNotFoundError:
-        return f"no {MANIFEST_FILE} (written last by every save, so the save never finished)"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"unreadable {MANIFEST_FILE} ({type(e).__name__})"
-    if STATE_FILE not in files:
-        return f"{MANIFEST_FILE} does not list {STATE_FILE}"
-    for name, entry in sorted(files.items()):
-        f = path / name
-        if not f.is_file():
-            return f"{name} is missing"
-        size = f.stat().st_size
-        if size != entry.get("size"):
-            what = "truncated" if size < entry.get("size", 0) else "longer than written"
-            return f"{name} is {what} ({size} of {entry.get('size')} bytes)"
-    digests = _hash_files([path / n for n in sorted(files)], collective)
-    for name, entry in sorted(files.items()):
-        if digests.get(name) != entry.get("sha256"):
-            return f"{name} is corrupted (SHA-256 differs from {MANIFEST_FILE})"
-    return None
-
-
-_VERIFIED: dict[tuple[str, int, int], str | None] = {}
-
-
-def _cached_problem(path: Path) -> str | None:
-    """A one-process checkpoint_problem, remembered per manifest file (committed checkpoints never change).
-
-    Never used for collective checks: a rank with a cached answer would skip a collective the others enter.
-    """
-    try:
-        st = (path / MANIFEST_FILE).stat()
-        key: tuple[str, int, int] | None = (str(path.resolve()), st.st_ino, st.st_mtime_ns)
-    except OSError:
-        key = None
-    if key is not None and key in _VERIFIED:
-        return _VERIFIED[key]
-    problem = checkpoint_problem(path)
-    if key is not None:
-        _VERIFIED[key] = problem
-    return problem
-
-
-def _write_manifest(path: Path, collective: bool) -> None:
-    files = sorted(p for p in path.iterdir() if p.is_file() and p.name != MANIFEST_FILE)
-    digests = _hash_files(files, collective)
-    if dist_utils.rank() == 0:
-        entries = {p.name: {"size": p.stat().st_size, "sha256": digests[p.name]} for p in files}
-        _write_json(path / MANIFEST_FILE, {"format": 1, "files": entries})
-
-
-# ---------------------------------------------------------------------------- code-free loading
-def _checkpoint_exception() -> type[BaseException]:
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
-    return CheckpointException
-
-
-@contextmanager
-def _quiet_dcp() -> Iterator[None]:
-    with warnings.catch_warnings():  # single-process saves/loads are intended here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
-def safe_dcp_load(state: dict[str, Any], path: str | Path) -> None:
-    """``dcp.load`` into ``state`` without executing code from the checkpoint (see module doc)."""
-    import torch.distributed.checkpoint as dcp
-
-    reader, planner = safe_loading_classes()
-    try:
-        with _quiet_dcp():
-            dcp.load(state, storage_reader=reader(str(path)), planner=planner())
-    except (Exception, _checkpoint_exception()) as e:
-        if isinstance(e, UserError):
-            raise
-        raise UserError(f"checkpoint {path} could not be loaded: {_one_line(e)}") from None
-
 
 # ---------------------------------------------------------------------------- RNG
 def capture_rng() -> dict[str, Any]:
@@ -286,7 +146,7 @@ class Checkpointer:
         phases: list[tuple[bool, Callable[[], None]]] = [
             (rank == 0, lambda: self._start(partial)),
             (True, lambda: self._write_files(partial, step, model, optimizer, trainer_state)),
-            (True, lambda: _write_manifest(partial, collective=True)),
+            (True, lambda: write_manifest(partial, collective=True)),
             (rank == 0, lambda: self._commit(partial, final)),
         ]
         problem = None
@@ -316,12 +176,12 @@ class Checkpointer:
             state = {"model": model_sd, "optim": optim_sd}
         else:
             state = {"model": get_model_state_dict(model)}
-        with _quiet_dcp():
+        with quiet_dcp():
             dcp.save(state, checkpoint_id=str(partial))
         rank = dist_utils.rank()
-        _write_json(partial / f"rng_rank{rank}.json", capture_rng())
+        write_json(partial / f"rng_rank{rank}.json", capture_rng())
         if rank == 0:
-            _write_json(partial / STATE_FILE, {"step": step, **trainer_state})
+            write_json(partial / STATE_FILE, {"step": step, **trainer_state})
 
     def _start(self, partial: Path) -> None:
         self._remove_partials()
@@ -329,12 +189,12 @@ class Checkpointer:
 
     def _commit(self, partial: Path, final: Path) -> None:
         """The commit point: rename ``.partial`` into place (moving an older save of the same step aside)."""
-        _fsync_dir(partial)
+        fsync_dir(partial)
         old = final.with_name(final.name + ".old")
         if final.exists():  # an earlier attempt saved this step already
             os.replace(final, old)
         os.replace(partial, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         if old.exists():
             shutil.rmtree(old)
 
@@ -387,12 +247,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """
     p = Path(path)
     if (p / STATE_FILE).is_file() or (p / MANIFEST_FILE).is_file() or _step_of(p) is not None:
-        problem = _cached_problem(p)
+        problem = cached_problem(p)
         if problem is not None:
             raise UserError(f"checkpoint {p} is damaged: {problem}")
         return p
     for ckpt in reversed(list_checkpoints(p / "checkpoints")):
-        problem = _cached_problem(ckpt)
+        problem = cached_problem(ckpt)
         if problem is None:
             return ckpt
         _stderr_report(f"warning: skipping damaged checkpoint {ckpt} ({problem})")
@@ -416,8 +276,8 @@ def _attempt(fn: Callable[[], None]) -> str | None:
     try:
         fn()
         return None
-    except (Exception, _checkpoint_exception()) as e:
-        return _one_line(e)
+    except (Exception, checkpoint_exception()) as e:
+        return one_line(e)
 
 
 def _agree(problem: str | None) -> str | None:
@@ -429,21 +289,6 @@ def _agree(problem: str | None) -> str | None:
     return next((p for p in found if p is not None), None)
 
 
-def _one_line(e: BaseException) -> str:
-    """The root cause of an error in one line: DCP wraps the real OSError in per-rank tracebacks."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        inner = next(iter(failures.values()))
-        return _one_line(inner[0] if isinstance(inner, tuple) else inner)
-    while isinstance(e.__cause__, BaseException) and not isinstance(e, OSError):
-        e = e.__cause__
-    if isinstance(e, OSError) and e.strerror:
-        where = f" ({e.filename})" if e.filename else ""
-        return f"{e.strerror}{where}"
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[-1] if text else ''}".strip()
-
-
 def _unused_name(p: Path) -> Path:
     n, candidate = 1, p
     while candidate.exists():
@@ -452,23 +297,3 @@ def _unused_name(p: Path) -> Path:
     return candidate
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -1,0 +1,124 @@
+"""One way to get a model: from a :class:`ModelSource` (fresh, a Hugging Face directory, an lmforge
+run or checkpoint), used by the runtime, inference, generation, export and GRPO's reference model.
+
+A source has a one-line spelling, ``init:SEED``, ``hf:DIR`` or ``checkpoint:DIR``, which GRPO keeps in
+its checkpoints to rebuild the same reference model on resume. lmforge checkpoints describe their
+own model (``trainer_state.json`` holds the model shape and tokenizer), so a checkpoint directory is
+enough to rebuild it; older ones fall back to their run directory's ``model_args.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from lmforge.checkpoint import RunDir, STATE_FILE, load_model_weights, read_trainer_state, resolve_checkpoint
+from lmforge.errors import UserError
+from lmforge.models.model import ModelArgs, Transformer
+from lmforge.models.tokenizer import Tokenizer, load_tokenizer
+
+SourceKind = Literal["init", "hf", "checkpoint"]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: SourceKind
+    where: str
+    """The seed (``init``), a Hugging Face directory (``hf``) or a resolved checkpoint directory."""
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.where}"
+
+    @classmethod
+    def parse(cls, spec: str) -> "ModelSource":
+        kind, _, where = spec.partition(":")
+        if kind not in ("init", "hf", "checkpoint") or not where:
+            raise UserError(f"model source {spec!r}: expected init:SEED, hf:DIR or checkpoint:DIR")
+        return cls(kind, where)  # type: ignore[arg-type]
+
+    @classmethod
+    def at(cls, path: str | Path) -> "ModelSource":
+        """The model stored at ``path``: a Hugging Face directory, or an lmforge run / checkpoint directory."""
+        p = Path(path).expanduser()
+        if not p.exists():
+            raise UserError(f"{p}: no such run, checkpoint or model directory")
+        if is_hf_dir(p):
+            return cls("hf", str(p))
+        return cls("checkpoint", str(resolve_checkpoint(p).resolve()))
+
+
+def is_hf_dir(p: Path) -> bool:
+    return (p / "config.json").is_file() and not RunDir(p).is_run() and not (p / STATE_FILE).is_file()
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: Tokenizer
+    tokenizer_spec: str
+    """How to load the tokenizer again: ``byte`` or an absolute directory."""
+    source: ModelSource
+
+    @property
+    def args(self) -> ModelArgs:
+        return self.model.args
+
+    def description(self) -> dict[str, Any]:
+        """What a checkpoint stores to describe its model (see the module doc)."""
+        return {"model_args": self.args.to_dict(), "tokenizer": self.tokenizer_spec}
+
+
+def checkpoint_description(checkpoint: Path) -> dict[str, Any]:
+    """The model shape and tokenizer a checkpoint was saved with."""
+    described = read_trainer_state(checkpoint).get("model")
+    if isinstance(described, dict) and "model_args" in described:
+        return described
+    run = RunDir.of_checkpoint(checkpoint)
+    if not run.model_args.is_file():
+        raise UserError(f"{checkpoint}: no model description in the checkpoint and no {run.model_args}")
+    try:
+        return json.loads(run.model_args.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{run.model_args}: unreadable ({e})") from None
+
+
+def load_model(source: ModelSource, *, tokenizer: str = "byte", args: ModelArgs | None = None,
+               size: str = "debug", overrides: dict[str, Any] | None = None) -> LoadedModel:
+    """Build the model ``source`` names, with its tokenizer, in fp32 on the CPU.
+
+    ``init`` sources are new models: ``args`` if given, else the named ``size`` with ``overrides``
+    and the vocabulary of ``tokenizer``. ``hf`` and ``checkpoint`` sources bring their own shape and
+    tokenizer (``tokenizer`` other than ``byte`` overrides a Hugging Face directory's own).
+    """
+    if source.kind == "init":
+        spec = _tokenizer_spec(tokenizer)
+        tok = load_tokenizer(spec)
+        if args is None:
+            from lmforge.models.model import model_args_for
+
+            args = model_args_for(size, tok.vocab_size, **(overrides or {}))
+        model = Transformer(args)
+        model.init_weights(seed=int(source.where))
+    elif source.kind == "hf":
+        from lmforge.models.hf import load_hf_model
+
+        spec = _tokenizer_spec(tokenizer if tokenizer != "byte" else source.where)
+        tok = load_tokenizer(spec)
+        model = load_hf_model(source.where)
+    else:
+        ckpt = Path(source.where)
+        described = checkpoint_description(ckpt)
+        spec = described.get("tokenizer", "byte")
+        tok = load_tokenizer(spec)
+        model = Transformer(ModelArgs.from_dict(described["model_args"]))
+        load_model_weights(ckpt, model)
+    if tok.vocab_size > model.args.vocab_size:
+        raise UserError(f"{source}: tokenizer vocabulary ({tok.vocab_size}) does not fit the model's "
+                        f"vocab_size ({model.args.vocab_size}): model.tokenizer does not match the model")
+    return LoadedModel(model, tok, spec, source)
+
+
+def _tokenizer_spec(spec: str) -> str:
+    return spec if spec == "byte" else str(Path(spec).resolve())

@@ -1,0 +1,97 @@
+"""Guards around each step: non-finite loss/grad-norm checks, the loss-spike warning, stop signals."""
+
+from __future__ import annotations
+
+import math
+import signal
+from typing import Any
+
+import torch
+
+from lmforge.errors import UserError
+from lmforge.metrics import to_python
+from lmforge.training.runtime import Runtime
+from lmforge.training.state import TrainState
+from lmforge.training.train_step import run_optimizer_step
+
+
+class Guard:
+    """Non-finite loss/grad-norm guard and loss-spike warning.
+
+    ``training.nonfinite=stop`` checks the loss on log steps (no per-step sync) and on every step on
+    CPU; ``skip`` must look at the grad norm before every update, so it reads it each step.
+    """
+
+    def __init__(self, rt: Runtime, spike_factor: float) -> None:
+        self.rt = rt
+        self.mode = rt.cfg.training.nonfinite
+        self.spike_factor = spike_factor
+        self.every_step = rt.dist.device.type == "cpu" or self.mode == "skip"
+        self.mean: float | None = None
+        self.skipped = 0
+
+    def optimizer_step(self, step: int, lr: float) -> torch.Tensor:
+        rt = self.rt
+        if self.mode != "skip":
+            return run_optimizer_step(rt.model, rt.optimizer, lr, rt.cfg.optimizer.grad_clip)
+        params = [p for p in rt.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        if not math.isfinite(float(norm)):
+            rt.optimizer.zero_grad(set_to_none=True)
+            self.skipped += 1
+            rt.metrics.record_event("nonfinite_skip", step, f"warning: step {step}: non-finite grad norm, "
+                                    f"update skipped ({self.skipped} so far)", skipped_updates=self.skipped)
+            return norm
+        return run_optimizer_step(rt.model, rt.optimizer, lr, rt.cfg.optimizer.grad_clip)
+
+    def after_step(self, step: int, values: dict[str, Any], record: dict[str, Any] | None) -> None:
+        if record is None and not self.every_step:
+            return
+        if record:
+            loss, grad_norm = record["loss"], record.get("grad_norm", 0.0)
+        else:  # one host transfer for both
+            read = to_python({"loss": values["loss"], "grad_norm": values.get("grad_norm", 0.0)})
+            loss, grad_norm = read["loss"], read["grad_norm"]
+        if self.mode == "stop" and not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            what = f"loss ({loss})" if not math.isfinite(loss) else f"grad norm ({grad_norm})"
+            where = f"at step {step}" if self.every_step else f"at step {step} (checked on log steps)"
+            self.rt.metrics.record_event("nonfinite_stop", step, loss=loss, grad_norm=grad_norm)
+            kept = " The last checkpoint is intact." if self.rt.cfg.checkpoint.enabled else ""
+            raise NonFiniteLoss(f"non-finite {what} {where}; stopping (set training.nonfinite=skip "
+                                f"to skip such updates).{kept}")
+        if math.isfinite(loss) and self.spike_factor and self.mean is not None and loss > self.spike_factor * self.mean:
+            self.rt.metrics.record_event("loss_spike", step, f"warning: loss spike at step {step}: {loss:.4f} is "
+                                         f"over {self.spike_factor:g}x the running mean {self.mean:.4f}", loss=loss)
+        if math.isfinite(loss):
+            self.mean = loss if self.mean is None else 0.9 * self.mean + 0.1 * loss
+
+
+class NonFiniteLoss(UserError):
+    """The run diverged; reported in one line like a user error (exit 2), checkpoints untouched."""
+
+
+class StopSignals:
+    """SIGTERM/SIGINT ask the loop to stop after the current step, save, and exit 0."""
+
+    def __init__(self, state: TrainState) -> None:
+        self.state = state
+        self.previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.state.stop_requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.state.stop_requested = signal.Signals(signum).name
+
+    def __enter__(self) -> "StopSignals":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self.previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
