@@ -25,7 +25,8 @@ from lmforge.checkpoint.checkpointer import Checkpointer
 from lmforge.config import validate_config
 from lmforge.errors import UserError
 from lmforge.training.faults import FaultPlan, InjectedFault, inject, parse_fault
-from lmforge.trainers.elastic import ElasticConfig, TieredCheckpointer, adapt_micro_batch
+from lmforge.checkpoint.tiers import CheckpointTiers
+from lmforge.trainers.elastic import ElasticConfig, adapt_micro_batch
 
 
 @pytest.fixture(scope="module")
@@ -49,17 +50,19 @@ def test_newest_complete_state_wins_across_tiers(tmp_path):
     model = torch.nn.Linear(2, 2)
     durable = Checkpointer(tmp_path / "run", keep=2)
     fast = Checkpointer(tmp_path / "run", keep=1, root=tmp_path / "shm" / "checkpoints")
-    tiers = TieredCheckpointer(durable, fast)
+    tiers = CheckpointTiers(durable, fast)
     assert tiers.latest() is None
     durable.save(4, model, None, {})
     fast.save(2, model, None, {})
-    assert tiers.latest() == durable.root / "step_00000004" and not tiers.is_snapshot(tiers.chosen)
-    fast.save(6, model, None, {})
+    chosen = tiers.latest()
+    assert chosen == durable.root / "step_00000004" and not tiers.is_snapshot(chosen)
+    tiers.save(6, model, None, {}, tier="fast")
     (fast.root / "step_00000008.partial").mkdir()  # a snapshot cut off mid-write never counts
-    assert tiers.latest() == fast.root / "step_00000006" and tiers.is_snapshot(tiers.chosen)
+    chosen = tiers.latest()
+    assert chosen == fast.root / "step_00000006" and tiers.is_snapshot(chosen)
     assert [p.name for p in fast.root.iterdir() if not p.name.endswith(".partial")] == ["step_00000006"]
-    assert tiers.load(tiers.chosen, model, None)["step"] == 6
-    assert TieredCheckpointer(durable, None).latest() == durable.root / "step_00000004"
+    assert tiers.load(chosen, model, None)["step"] == 6
+    assert CheckpointTiers(durable, None).latest() == durable.root / "step_00000004"
 
 
 def test_global_batch_survives_another_world_size():

@@ -292,15 +292,15 @@ def test_resume_continues_exactly_with_reference_and_rollout_rng(tiny_task):
     assert a[3] == pytest.approx(b[3], rel=1e-5) and a[4] == pytest.approx(b[4], rel=1e-5)
     assert a[4][2] > 0  # the KL to the reference is live, so a wrong reference would show
     state = json.loads((tiny_task / "b" / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
-    assert state["extra"]["reference"] == "init:0" and len(state["extra"]["rollout_rng"]) == 1
-    assert state["data"] == {"prompts_consumed": 8}  # 2 rollouts x 4 prompts
+    assert state["data"]["reference"] == "init:0" and len(state["data"]["rollout_rng"]) == 1
+    assert state["data"]["prompts_consumed"] == 8  # 2 rollouts x 4 prompts
 
 
 def test_prompt_records_for_a_task_subset_and_a_jsonl_file(tmp_path):
     from lmforge.config import load_config
     from lmforge.trainers.grpo import GRPOConfig, prompt_records
 
-    cfg = load_config(GRPOConfig, None, ["--grpo.tasks=add", "--grpo.eval_examples=300"])
+    cfg = load_config(GRPOConfig, None, ["--tasks.names=add", "--tasks.eval_examples=300"])
     train, test = prompt_records(cfg, "train"), prompt_records(cfg, "test")
     assert {r["task"] for r in train} == {"add"} and len(test) == 200  # add's share of the 600 held-out problems
     assert not {r["prompt"] for r in test} & {r["prompt"] for r in train}

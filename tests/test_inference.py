@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from _chat_fixtures import CONVERSATIONS, make_hf_model_dir
-from lmforge.inference import export_hf, load_for_inference, sample_texts
+from lmforge.export import export_hf
+from lmforge.inference import load_for_inference, sample_texts
 
 transformers = pytest.importorskip("transformers")
 
@@ -79,8 +80,8 @@ def test_byte_run_exports_to_transformers(tmp_path):
     from lmforge.cli import main
 
     run = tmp_path / "run"
-    assert main(["sft", "--model.size=debug", "--model.n_layers=2", "--model.dim=64", "--sft.train_examples=32",
-                 "--sft.eval_examples=0", "--data.validation=none", "--training.steps=1", f"--run.dir={run}",
+    assert main(["sft", "--model.size=debug", "--model.n_layers=2", "--model.dim=64", "--tasks.train_examples=32",
+                 "--tasks.eval_examples=0", "--data.validation=none", "--training.steps=1", f"--run.dir={run}",
                  *TINY_RUN]) == 0
     out = export_hf(run, tmp_path / "out")
     model, tok = load_for_inference(run)

@@ -208,7 +208,7 @@ def _in_process_run(run_dir: Path, loss_fn, progress: str = "off", metrics: dict
     from lmforge.data.packing import PackedTokenDataset
     from lmforge.training.loop import train
     from lmforge.training.runtime import build_runtime
-    from lmforge.trainers.pretrain import make_loader
+    from lmforge.training.next_token import LoaderSource, NextTokenObjective
 
     cfg = validate_config(Config, {
         "model": {"n_layers": 2, "dim": 64}, "data": {"seq_len": 32, "prefetch": 0},
@@ -219,10 +219,12 @@ def _in_process_run(run_dir: Path, loss_fn, progress: str = "off", metrics: dict
                     **(metrics or {})},
         "run": {"dir": str(run_dir)}})
     rt = build_runtime(cfg, "pretrain")
-    loader = make_loader(rt, PackedTokenDataset(embedded_corpus("train", num_docs=200), rt.tokenizer, 32))
+    loader = LoaderSource(rt, PackedTokenDataset(embedded_corpus("train", num_docs=200), rt.tokenizer, 32))
+    objective = NextTokenObjective()
+    objective.loss_fn = loss_fn
     error = None
     try:
-        train(rt, loader, loss_fn, None)
+        train(rt, loader, objective, None)
     except Exception as e:  # noqa: BLE001 - returned to the test
         error = e
     finally:
@@ -258,7 +260,7 @@ def _loss_with(changes: dict[int, str | float]):
 @pytest.mark.parametrize("change, what", [(float("nan"), "loss (nan)"), ("nan_grad", "grad norm (nan)")])
 def test_nonfinite_stops_the_run_with_a_message_naming_the_step(tmp_path, change, what):
     from lmforge.errors import UserError
-    from lmforge.training.loop import NonFiniteLoss
+    from lmforge.training.guard import NonFiniteLoss
 
     _, error = _in_process_run(tmp_path / "run", _loss_with({3: change}), steps=5)
     assert isinstance(error, NonFiniteLoss) and isinstance(error, UserError)  # the CLI prints one error line

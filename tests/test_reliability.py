@@ -55,7 +55,7 @@ if kind in ("pause_before_manifest", "pause_before_commit"):
         return run
 
     if kind == "pause_before_manifest":
-        c._write_manifest = paused(c._write_manifest)
+        c.write_manifest = paused(c.write_manifest)
     else:
         c.Checkpointer._commit = paused(c.Checkpointer._commit)
 elif kind == "disk_full":  # the checkpoint file system has `arg` bytes free
@@ -384,7 +384,8 @@ def test_on_damaged_stop_raises_one_line_and_moves_nothing(tmp_path):
 def _reseal(p: Path) -> None:
     """Rewrite the manifest to match the files, as someone able to edit the directory could."""
     (p / ckpt_mod.MANIFEST_FILE).unlink()
-    ckpt_mod._write_manifest(p, collective=False)
+    from lmforge.checkpoint.verify import write_manifest
+    write_manifest(p, collective=False)
 
 
 class _RunsCode:

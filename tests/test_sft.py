@@ -174,7 +174,7 @@ def test_embedded_tasks_report_exact_match(tmp_path, capsys):
 
     run = tmp_path / "run"
     rc = main(["sft", *TINY, "--data.seq_len=64", "--training.steps=2", "--training.global_batch_size=4",
-               "--training.micro_batch_size=4", "--sft.train_examples=64", "--sft.eval_examples=6",
+               "--training.micro_batch_size=4", "--tasks.train_examples=64", "--tasks.eval_examples=6",
                "--eval.interval=2", "--eval.steps=1", "--checkpoint.enabled=false", f"--run.dir={run}"])
     out = capsys.readouterr().out
     assert rc == 0

@@ -9,8 +9,9 @@ import torch
 
 from lmforge.data.packing import IGNORE_INDEX, Batch
 from lmforge.models.model import ModelArgs, Transformer
+from lmforge.training.state import TrainState
 from lmforge.training.train_step import (
-    Progress, compute_global_loss, cross_entropy_loss, global_target_count, gradient_computation,
+    compute_global_loss, cross_entropy_loss, global_target_count, gradient_computation,
     learning_rate, should_continue_training,
 )
 
@@ -84,16 +85,16 @@ class B:
 
 def test_should_continue_training_reasons():
     b = B()
-    assert should_continue_training(Progress(step=3), b) == (True, "")
-    assert "training.steps=10" in should_continue_training(Progress(step=10), b)[1]
+    assert should_continue_training(TrainState(step=3), b) == (True, "")
+    assert "training.steps=10" in should_continue_training(TrainState(step=10), b)[1]
     b.max_tokens = 100
-    assert "max_tokens" in should_continue_training(Progress(step=1, tokens_seen=100), b)[1]
+    assert "max_tokens" in should_continue_training(TrainState(step=1, tokens_seen=100), b)[1]
     b.max_seconds = 5.0
-    assert "max_seconds" in should_continue_training(Progress(step=1, training_seconds=6), b)[1]
+    assert "max_seconds" in should_continue_training(TrainState(step=1, training_seconds=6), b)[1]
     b.target_eval_loss = 1.5
-    assert "target_eval_loss" in should_continue_training(Progress(step=1, last_eval_loss=1.4), b)[1]
-    assert should_continue_training(Progress(step=1, last_eval_loss=1.6), b)[0]
-    assert "SIGTERM" in should_continue_training(Progress(step=1, stop_requested="SIGTERM"), b)[1]
+    assert "target_eval_loss" in should_continue_training(TrainState(step=1, last_eval_loss=1.4), b)[1]
+    assert should_continue_training(TrainState(step=1, last_eval_loss=1.6), b)[0]
+    assert "SIGTERM" in should_continue_training(TrainState(step=1, stop_requested="SIGTERM"), b)[1]
 
 
 @pytest.mark.parametrize("kind", ["cosine", "linear", "constant", "wsd"])

@@ -45,7 +45,7 @@ from torch import nn
 from lmforge import distributed as dist_utils
 from lmforge.checkpoint.dcp_safe import checkpoint_exception, one_line, quiet_dcp, safe_dcp_load
 from lmforge.checkpoint.layout import (
-    MANIFEST_FILE, STATE_FILE, _step_of, fsync_dir, list_checkpoints, step_dir_name, write_json,
+    MANIFEST_FILE, STATE_FILE, RunDir, _step_of, fsync_dir, list_checkpoints, step_dir_name, write_json,
 )
 from lmforge.checkpoint.runlock import holds_run_lock
 from lmforge.checkpoint.verify import cached_problem, checkpoint_problem, write_manifest
@@ -90,7 +90,7 @@ class Checkpointer:
 
     def __init__(self, run_dir: str | Path, keep: int = 2, on_damaged: str = "fallback",
                  report: Callable[[str], None] | None = None, *, root: str | Path | None = None) -> None:
-        self.root = Path(root) if root is not None else Path(run_dir) / "checkpoints"
+        self.root = Path(root) if root is not None else RunDir(run_dir).checkpoints
         """Where the checkpoints go: ``run_dir/checkpoints``, or ``root`` (e.g. a fast memory-backed tier)."""
         self.keep = keep
         self.on_damaged = on_damaged
@@ -251,7 +251,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         if problem is not None:
             raise UserError(f"checkpoint {p} is damaged: {problem}")
         return p
-    for ckpt in reversed(list_checkpoints(p / "checkpoints")):
+    for ckpt in reversed(list_checkpoints(RunDir(p).checkpoints)):
         problem = cached_problem(ckpt)
         if problem is None:
             return ckpt

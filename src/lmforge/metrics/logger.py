@@ -31,6 +31,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from lmforge.checkpoint.layout import RunDir
+
 
 
 def process_start_time() -> float:
@@ -108,11 +110,11 @@ class MetricLogger:
         self.progress: Any = progress
         if self.writes:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+            self._jsonl = open(RunDir(self.run_dir).metrics, "a", encoding="utf-8")
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+                self._tb = SummaryWriter(log_dir=str(RunDir(self.run_dir).tensorboard))
 
     # ------------------------------------------------------------------ output
     def console(self, line: str) -> None:

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from lmforge.checkpoint.layout import RunDir
 from lmforge.errors import UserError
 from lmforge.metrics.logger import GOODPUT_CATEGORIES
 
-METRICS_FILE = "metrics.jsonl"
+METRICS_FILE = RunDir.METRICS
 
 
 def metrics_file(path: str | Path) -> Path:

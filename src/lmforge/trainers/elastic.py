@@ -167,13 +167,13 @@ def snapshot_root(cfg: ElasticConfig, run: RunDir, info: DistInfo) -> tuple[Path
     if not cfg.checkpoint.enabled:
         return None, "checkpoint.enabled=false"
     if e.snapshot_dir:
-        return Path(e.snapshot_dir) / f"lmforge-{token}" / "checkpoints", ""
+        return RunDir(Path(e.snapshot_dir) / f"lmforge-{token}").checkpoints, ""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
     if local_world != info.world_size:
         return None, "ranks span several machines and /dev/shm is per machine: set elastic.snapshot_dir"
     if not (SHM_ROOT.is_dir() and os.access(SHM_ROOT, os.W_OK)):
         return None, f"{SHM_ROOT} is not writable: set elastic.snapshot_dir"
-    return SHM_ROOT / f"lmforge-{token}" / "checkpoints", ""
+    return RunDir(SHM_ROOT / f"lmforge-{token}").checkpoints, ""
 
 
 def run(cfg: ElasticConfig) -> Runtime:
