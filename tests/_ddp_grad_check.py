@@ -9,14 +9,14 @@ from lmforge.models.model import Transformer
 from lmforge.training.train_step import global_target_count, gradient_computation, cross_entropy_loss
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from test_train_step import ARGS, make_batch, split  # noqa: E402
+from _helpers import STEP_MODEL_ARGS, make_batch, split_batch  # noqa: E402
 
 info = dist_utils.init_distributed("cpu")
-model = Transformer(ARGS)
+model = Transformer(STEP_MODEL_ARGS)
 model.init_weights(seed=0)
 ddp = dist_utils.wrap_model(model, "ddp", info)
-mine = split(make_batch(), 2)[info.rank]  # rank r takes its contiguous half of the global batch
-micro = split(mine, 2)                    # and accumulates over 2 microbatches
+mine = split_batch(make_batch(), 2)[info.rank]  # rank r takes its contiguous half of the global batch
+micro = split_batch(mine, 2)                    # and accumulates over 2 microbatches
 gradient_computation(ddp, micro, cross_entropy_loss, global_target_count(micro))
 if info.rank == 0:
     torch.save([p.grad for p in model.parameters()], sys.argv[1])

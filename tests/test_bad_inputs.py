@@ -20,9 +20,9 @@ from typing import Callable
 
 import pytest
 
+from _helpers import RELIABLE_STEPS as STEPS, finish, start_reliable_run
 from lmforge.errors import UserError
 from lmforge.checkpoint.runlock import hold_run_lock, release_run_lock
-from test_reliability import STEPS, TINY, fault_runner, reference_run  # noqa: F401 (a shared fixture)
 
 
 @dataclass
@@ -86,16 +86,8 @@ def digest(root: Path) -> dict[str, str]:
 
 def cli(runner: Path, run_dir: Path, extra: list[str], fault: str = "", steps: int = STEPS,
         wait: bool = True):
-    import os
-
-    cmd = [sys.executable, str(runner), "pretrain", *TINY, f"--training.steps={steps}", f"--run.dir={run_dir}",
-           *extra]
-    proc = subprocess.Popen(cmd, env={**os.environ, "LMFORGE_TEST_FAULT": fault}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    if not wait:
-        return proc
-    out, err = proc.communicate(timeout=400)
-    return proc.returncode, out, err
+    proc = start_reliable_run(runner, run_dir, *extra, fault=fault, training_steps=steps)
+    return finish(proc, timeout=400) if wait else proc
 
 
 def wait_until_paused(proc: subprocess.Popen, run_dir: Path) -> None:
@@ -107,9 +99,8 @@ def wait_until_paused(proc: subprocess.Popen, run_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory, reference_run):
+def outcomes(tmp_path_factory, fault_runner, reference_run):
     base = tmp_path_factory.mktemp("bad_inputs")
-    runner = fault_runner(base)
     saved = reference_run.path()
     prepared = {}
     for name, case in CASES.items():
@@ -121,7 +112,7 @@ def outcomes(tmp_path_factory, reference_run):
         prepared[name] = (run, case.args(run, scratch))
     before = {name: digest(case.guarded(prepared[name][0])) for name, case in CASES.items()}
     held = "run_dir_held_by_live_run"
-    holder = cli(runner, prepared[held][0], ["--checkpoint.interval=1"], fault="pause_before_commit:600",
+    holder = cli(fault_runner, prepared[held][0], ["--checkpoint.interval=1"], fault="pause_before_commit:600",
                  steps=STEPS * 10, wait=False)  # a live run on that directory, paused inside a save
 
     def attempt(name: str):
@@ -129,7 +120,7 @@ def outcomes(tmp_path_factory, reference_run):
         if name == held:
             wait_until_paused(holder, run)
             before[name] = digest(run)  # the holder changed it before pausing; nothing may change now
-        return cli(runner, run, extra, fault=CASES[name].fault)
+        return cli(fault_runner, run, extra, fault=CASES[name].fault)
 
     try:
         with ThreadPoolExecutor(max_workers=len(CASES)) as pool:  # the holder's case last: the others overlap its start

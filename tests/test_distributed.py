@@ -16,76 +16,66 @@ from __future__ import annotations
 
 import pytest
 
-from _torchrun import (STEPS, TOKENS_PER_STEP, assert_losses_match, lmforge, losses, records,
-                       reference_losses, tail, tiny_args, torchrun, write_corpus)
+from _helpers import (STEPS, TOKENS_PER_STEP, assert_losses_match, losses, run_lmforge, tail, tiny_run_args,
+                      torchrun)
+from lmforge.metrics.records import read_records
 
 HALF = STEPS // 2
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, corpus):
-    return reference_losses(tmp_path_factory, corpus)
-
-
-def first_half(*extra: str, nproc: int, run) -> None:
-    budget = f"--training.max_tokens={HALF * TOKENS_PER_STEP}"
-    args = ("pretrain", *tiny_args(run.parent / "corpus.txt"), *extra, budget, f"--run.dir={run}")
-    proc = lmforge(*args) if nproc == 1 else torchrun(*args, nproc=nproc)
+def first_half(run, corpus, nproc: int, **overrides) -> None:
+    args = ("pretrain", *tiny_run_args(corpus, training_max_tokens=HALF * TOKENS_PER_STEP, **overrides),
+            f"--run.dir={run}")
+    proc = run_lmforge(*args) if nproc == 1 else torchrun(*args, nproc=nproc)
     assert proc.returncode == 0, tail(proc)
     assert (run / "checkpoints" / f"step_{HALF:08d}").is_dir()
 
 
 @pytest.fixture(scope="module")
 def accumulated(tmp_path_factory, corpus):
-    run = corpus.parent / "accumulated"
-    first_half("--training.micro_batch_size=4", nproc=1, run=run)
+    run = tmp_path_factory.mktemp("distributed") / "accumulated"
+    first_half(run, corpus, nproc=1, training_micro_batch_size=4)
     return run
 
 
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory, corpus):
-    run = corpus.parent / "fsdp"
-    first_half("--training.micro_batch_size=2", "--parallel.mode=fsdp", nproc=2, run=run)
+    run = tmp_path_factory.mktemp("distributed") / "fsdp"
+    first_half(run, corpus, nproc=2, training_micro_batch_size=2, parallel_mode="fsdp")
     return run
 
 
-def test_gradient_accumulation_matches_one_full_microbatch(accumulated, reference):
+def test_gradient_accumulation_matches_one_full_microbatch(accumulated, reference_losses):
     got = losses(accumulated)
     assert sorted(got) == list(range(1, HALF + 1))
-    assert_losses_match(got, reference, range(1, HALF + 1))
+    assert_losses_match(got, reference_losses, range(1, HALF + 1))
 
 
-def test_fsdp2_two_ranks_match_one_process(fsdp, reference):
+def test_fsdp2_two_ranks_match_one_process(fsdp, reference_losses):
     got = losses(fsdp)
     assert sorted(got) == list(range(1, HALF + 1))
-    assert_losses_match(got, reference, range(1, HALF + 1))
-    train = records(fsdp, "train")
+    assert_losses_match(got, reference_losses, range(1, HALF + 1))
+    train = read_records(fsdp, "train")
     assert all(r["world_size"] == 2 for r in train)
-    assert records(fsdp, "setup")[0]["parallel"] == "fsdp"
+    assert read_records(fsdp, "setup")[0]["parallel"] == "fsdp"
 
 
-def test_ddp_two_ranks_continue_a_one_process_checkpoint(accumulated, reference):
+def test_ddp_two_ranks_continue_a_one_process_checkpoint(accumulated, corpus, reference_losses):
     """Saved by 1 process with accumulation, resumed by 2 DDP ranks without: same global batches."""
-    proc = torchrun("pretrain", *tiny_args(accumulated.parent / "corpus.txt"), "--training.micro_batch_size=4",
-                    "--parallel.mode=ddp", f"--run.dir={accumulated}")
+    proc = torchrun("pretrain", *tiny_run_args(corpus, training_micro_batch_size=4, parallel_mode="ddp"),
+                    f"--run.dir={accumulated}")
     assert proc.returncode == 0, tail(proc)
-    resume = records(accumulated, "resume")[-1]
+    resume = read_records(accumulated, "resume")[-1]
     assert resume["step"] == HALF and resume["saved_world_size"] == 1
-    assert_losses_match(losses(accumulated), reference, range(1, STEPS + 1))
-    assert [r["world_size"] for r in records(accumulated, "train")][-1] == 2
+    assert_losses_match(losses(accumulated), reference_losses, range(1, STEPS + 1))
+    assert [r["world_size"] for r in read_records(accumulated, "train")][-1] == 2
     assert "world_size: 2" in proc.stdout
 
 
-def test_one_process_continues_an_fsdp2_checkpoint(fsdp, reference):
+def test_one_process_continues_an_fsdp2_checkpoint(fsdp, corpus, reference_losses):
     """Sharded over 2 ranks, resharded onto 1 by DCP; the data position is global."""
-    proc = lmforge("pretrain", *tiny_args(fsdp.parent / "corpus.txt"), "--training.micro_batch_size=8",
-                   f"--run.dir={fsdp}")
+    proc = run_lmforge("pretrain", *tiny_run_args(corpus, training_micro_batch_size=8), f"--run.dir={fsdp}")
     assert proc.returncode == 0, tail(proc)
-    resume = records(fsdp, "resume")[-1]
+    resume = read_records(fsdp, "resume")[-1]
     assert resume["step"] == HALF and resume["saved_world_size"] == 2
-    assert_losses_match(losses(fsdp), reference, range(1, STEPS + 1))
+    assert_losses_match(losses(fsdp), reference_losses, range(1, STEPS + 1))

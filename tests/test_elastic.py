@@ -7,7 +7,6 @@ uninterrupted run.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,23 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
-
-from _torchrun import (STEPS, assert_losses_match, env, lmforge, losses, records, reference_losses, tail,
-                       tiny_args, torchrun, torchrun_cmd, write_corpus)
-
 import torch
 
+from _helpers import (STEPS, assert_losses_match, cli_env, losses, run_lmforge, tail, tiny_run_args, torchrun,
+                      torchrun_cmd)
+from lmforge.metrics.records import iter_records, read_records
 from lmforge.checkpoint.checkpointer import Checkpointer
 from lmforge.config import validate_config
 from lmforge.errors import UserError
 from lmforge.training.faults import FaultPlan, InjectedFault, inject, parse_fault
 from lmforge.checkpoint.tiers import CheckpointTiers
 from lmforge.trainers.elastic import ElasticConfig, adapt_micro_batch
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("elastic_data") / "corpus.txt")
 
 
 def test_fault_specs_parse_and_fire_only_where_due():
@@ -80,28 +73,28 @@ def test_global_batch_survives_another_world_size():
 def faulted(tmp_path_factory, corpus):
     """2 ranks, snapshots every 2 steps; attempt 0 loses rank 1 to SIGKILL after step 3, attempt 1
     has rank 0 raise after step 6; torchrun restarts the group twice."""
-    run = corpus.parent / "faulted"
+    run = tmp_path_factory.mktemp("elastic") / "faulted"
     start = time.time()
-    proc = torchrun("elastic", *tiny_args(corpus), "--training.micro_batch_size=4",
-                    "--elastic.snapshot_interval=2", f"--run.dir={run}", max_restarts=2,
+    proc = torchrun("elastic", *tiny_run_args(corpus, training_micro_batch_size=4, elastic_snapshot_interval=2),
+                    f"--run.dir={run}", max_restarts=2,
                     extra_env={"LMFORGE_FAULT": "rank=1,step=3,mode=kill;rank=0,step=6,mode=raise,attempt=1"})
     return run, proc, time.time() - start
 
 
-def test_killed_and_crashed_workers_restart_and_finish(faulted, tmp_path_factory, corpus):
+def test_killed_and_crashed_workers_restart_and_finish(faulted, reference_losses):
     run, proc, _ = faulted
     assert proc.returncode == 0, tail(proc)
     assert "fault injection on rank 1: rank=1,step=3,mode=kill" in proc.stdout
     assert "InjectedFault: injected fault (rank=0,step=6,mode=raise,attempt=1)" in proc.stderr
-    assert records(run, "stop")[-1]["step"] == STEPS
+    assert read_records(run, "stop")[-1]["step"] == STEPS
     assert (run / "checkpoints" / f"step_{STEPS:08d}").is_dir()
     # redone steps reproduce their first losses (checked in losses()) and the uninterrupted run
-    assert_losses_match(losses(run), reference_losses(tmp_path_factory, corpus), range(1, STEPS + 1))
+    assert_losses_match(losses(run), reference_losses, range(1, STEPS + 1))
 
 
 def test_metrics_record_restarts_lost_steps_and_recovery(faulted):
     run, _, wall = faulted
-    events = records(run, "elastic")
+    events = read_records(run, "elastic")
     assert [e["restart_count"] for e in events] == [0, 1, 2]
     first, second = events[1], events[2]
     # killed after step 3 with the newest snapshot at 2; crashed after 6 with the newest at 4
@@ -110,7 +103,7 @@ def test_metrics_record_restarts_lost_steps_and_recovery(faulted):
     for e in (first, second):
         assert e["world_size"] == 2
         assert 0.5 < e["recovery_seconds"] < wall
-    goodput = [g for g in records(run, "goodput") if g["final"]][-1]
+    goodput = [g for g in read_records(run, "goodput") if g["final"]][-1]
     assert goodput["recovery"] > 0 and goodput["lost_progress"] > 0
     token = (run / "elastic_run_id").read_text().strip()
     assert not Path(f"/dev/shm/lmforge-{token}").exists(), "snapshots must be removed after a clean end"
@@ -132,9 +125,9 @@ def _children(pid: int) -> list[int]:
 
 def test_sigterm_makes_every_rank_save_and_exit_cleanly_then_resume(tmp_path, corpus):
     run = tmp_path / "preempted"
-    cmd = torchrun_cmd("elastic", *tiny_args(corpus), "--training.micro_batch_size=4", "--training.steps=100000",
+    cmd = torchrun_cmd("elastic", *tiny_run_args(corpus, training_micro_batch_size=4, training_steps=100000),
                        f"--run.dir={run}")
-    agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env())
+    agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env())
     try:
         deadline = time.time() + 120
         while time.time() < deadline and len(_train_steps(run)) < 3:
@@ -149,28 +142,17 @@ def test_sigterm_makes_every_rank_save_and_exit_cleanly_then_resume(tmp_path, co
         if agent.poll() is None:
             agent.kill()
     assert agent.returncode == 0, out[-4000:]  # torchrun exits 0 only if every worker exited 0
-    stop = records(run, "stop")[-1]
+    stop = read_records(run, "stop")[-1]
     assert stop["reason"] in ("stop requested (SIGTERM)", "stop requested (another rank received a stop signal)")
     saved = stop["step"]
     assert (run / "checkpoints" / f"step_{saved:08d}").is_dir()
 
-    proc = lmforge("elastic", *tiny_args(corpus), "--training.micro_batch_size=4",
-                   f"--training.steps={saved + 2}", f"--run.dir={run}")
+    proc = run_lmforge("elastic", *tiny_run_args(corpus, training_micro_batch_size=4, training_steps=saved + 2),
+                       f"--run.dir={run}")
     assert proc.returncode == 0, tail(proc)
-    assert records(run, "resume")[-1]["step"] == saved
+    assert read_records(run, "resume")[-1]["step"] == saved
     assert max(losses(run)) == saved + 2
 
 
 def _train_steps(run: Path) -> list[int]:
-    f = run / "metrics.jsonl"
-    if not f.is_file():
-        return []
-    steps = []
-    for line in f.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if rec.get("kind") == "train":
-            steps.append(rec["step"])
-    return steps
+    return [r["step"] for r in iter_records(run, "train")]

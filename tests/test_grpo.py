@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from _helpers import finish, start_lmforge, tiny_run_args
 from lmforge.errors import UserError
+from lmforge.metrics.records import read_records
 from lmforge.rl.grpo_loss import (
     GRPOLoss, PolicyBatch, STD_EPS, aggregate, aggregation_weight, group_advantages, k3_kl, loss_normalizer,
 )
@@ -239,31 +239,29 @@ def tiny_task(tmp_path):
     return tmp_path
 
 
-def _grpo_cmd(run_dir: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "lmforge", "grpo", "--model.size=debug", "--model.n_layers=2", "--model.dim=64",
-            "--data.train=prompts.jsonl", "--data.validation=prompts.jsonl", "--rewards=tiny_rewards:lowercase",
-            "--schedule.kind=constant", "--schedule.warmup_steps=0", "--eval.interval=0", "--metrics.log_every=1",
-            "--metrics.tensorboard=false", "--metrics.progress=off", "--training.threads=1", f"--run.dir={run_dir}",
-            *extra]
+def _grpo_args(run_dir: str, **overrides) -> list[str]:
+    return ["grpo", *tiny_run_args("prompts.jsonl", data_seq_len=None,  # lengths: the prompts' and max_new_tokens
+                                   schedule_kind="constant", schedule_warmup_steps=0, **overrides),
+            "--rewards=tiny_rewards:lowercase", f"--run.dir={run_dir}"]
 
 
-def _grpo(cwd: Path, *runs: tuple[str, ...]) -> list[list[dict]]:
-    """Run the CLI once per argument tuple (concurrently), return each run's metrics records."""
-    procs = [subprocess.Popen(_grpo_cmd(*args), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for args in runs]
+def _grpo(cwd: Path, runs: dict[str, dict]) -> list[list[dict]]:
+    """Run the CLI in ``cwd`` once per run directory with its overrides (concurrently), return each
+    run's metrics records."""
+    procs = [start_lmforge(*_grpo_args(run_dir, **overrides), cwd=cwd) for run_dir, overrides in runs.items()]
     out = []
-    for args, proc in zip(runs, procs):
-        stdout, stderr = proc.communicate(timeout=240)
-        assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
-        out.append([json.loads(line) for line in (cwd / args[0] / "metrics.jsonl").read_text().splitlines()])
+    for run_dir, proc in zip(runs, procs):
+        rc, stdout, stderr = finish(proc, timeout=240)
+        assert rc == 0, stdout[-2000:] + stderr[-3000:]
+        out.append(read_records(cwd / run_dir))
     return out
 
 
 def test_mean_reward_rises_on_a_tiny_setting(tiny_task):
     """A random tiny model learns to emit lowercase letters: the reward climbs from ~8% (26 of 320 ids)."""
-    [recs] = _grpo(tiny_task, ("rise", "--training.steps=12", "--training.global_batch_size=32",
-                 "--training.micro_batch_size=32", "--grpo.num_generations=8", "--grpo.max_new_tokens=8",
-                 "--optimizer.lr=1e-2", "--checkpoint.enabled=false", "--grpo.log_completions_every=10"))
+    [recs] = _grpo(tiny_task, {"rise": dict(
+        training_steps=12, training_global_batch_size=32, training_micro_batch_size=32, grpo_num_generations=8,
+        grpo_max_new_tokens=8, optimizer_lr=1e-2, checkpoint_enabled=False, grpo_log_completions_every=10)})
     train = [r for r in recs if r["kind"] == "train"]
     rewards = [r["reward/mean"] for r in train]
     assert len(rewards) == 12
@@ -279,12 +277,11 @@ def test_mean_reward_rises_on_a_tiny_setting(tiny_task):
 
 def test_resume_continues_exactly_with_reference_and_rollout_rng(tiny_task):
     """2 steps + resume to 4 equals 4 straight steps: weights, optimizer, prompts, rollout RNG, reference."""
-    common = ("--training.global_batch_size=16", "--training.micro_batch_size=8", "--grpo.num_generations=4",
-              "--grpo.max_new_tokens=6", "--grpo.num_iterations=2", "--grpo.beta=0.1", "--optimizer.lr=1e-2",
-              "--checkpoint.interval=2")
-    straight, _ = _grpo(tiny_task, ("a", "--training.steps=4", "--checkpoint.enabled=false", *common),
-                        ("b", "--training.steps=2", *common))
-    [resumed] = _grpo(tiny_task, ("b", "--training.steps=4", *common))
+    common = dict(training_global_batch_size=16, training_micro_batch_size=8, grpo_num_generations=4,
+                  grpo_max_new_tokens=6, grpo_num_iterations=2, grpo_beta=0.1, optimizer_lr=1e-2, checkpoint_interval=2)
+    straight, _ = _grpo(tiny_task, {"a": dict(common, training_steps=4, checkpoint_enabled=False),
+                                    "b": dict(common, training_steps=2)})
+    [resumed] = _grpo(tiny_task, {"b": dict(common, training_steps=4)})
     keys = ("loss", "reward/mean", "grpo/kl", "grpo/clip_low", "grpo/clip_high", "grad_norm")
     pick = lambda recs: {r["step"]: [r[k] for k in keys] for r in recs if r["kind"] == "train"}  # noqa: E731
     a, b = pick(straight), pick(resumed)

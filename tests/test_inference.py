@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from _chat_fixtures import CONVERSATIONS, make_hf_model_dir
+from _helpers import run_lmforge
 from lmforge.export import export_hf
 from lmforge.inference import load_for_inference, sample_texts
 
@@ -19,11 +18,6 @@ TINY_RUN = ["--data.seq_len=64", "--training.global_batch_size=4", "--training.m
             "--eval.interval=0", "--metrics.tensorboard=false", "--data.prefetch=0", "--optimizer.lr=1e-3",
             "--schedule.warmup_steps=0"]
 PROMPT = "hello world, the quick"
-
-
-def cli(*args):
-    r = subprocess.run([sys.executable, "-m", "lmforge", *args], capture_output=True, text=True, timeout=240)
-    return r
 
 
 def hf_logits(model_dir, ids):
@@ -46,7 +40,7 @@ def test_hf_round_trip_through_sft_and_export(tmp_path, capsys):
         torch.testing.assert_close(model(torch.tensor([ids]))[0], theirs, rtol=1e-4, atol=1e-4)
 
     run = tmp_path / "run"
-    r = cli("sft", f"--model.from_hf={src}", f"--data.train={data}", "--data.validation=none",
+    r = run_lmforge("sft", f"--model.from_hf={src}", f"--data.train={data}", "--data.validation=none",
             "--training.steps=3", f"--run.dir={run}", *TINY_RUN)
     assert r.returncode == 0, r.stderr[-3000:]
     from lmforge.cli import main  # the remaining commands run in-process (one interpreter start saved each)

@@ -1,12 +1,12 @@
 """MetricLogger: step-time rules, sinks (console, JSONL, real TensorBoard events), no eager reads."""
 
-import json
 import time
 
 import pytest
 import torch
 
 from lmforge.metrics import MetricLogger, format_train_line
+from lmforge.metrics.records import read_records
 
 
 class Poison:
@@ -14,10 +14,6 @@ class Poison:
 
     def __float__(self):
         raise AssertionError("metric read on a non-log step")
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_timed_work_is_excluded_from_step_seconds(tmp_path):
@@ -70,7 +66,7 @@ def test_sinks_jsonl_console_and_tensorboard(tmp_path):
                                                 "lr": 0.1, "grad_norm": torch.tensor(1.5)})
     m.record_eval(2, {"loss": torch.tensor(1.25), "total_weights": torch.tensor(100.0)}, seconds=0.5)
     m.close()
-    recs = read_jsonl(tmp_path / "metrics.jsonl")
+    recs = read_records(tmp_path / "metrics.jsonl")
     assert [r["kind"] for r in recs] == ["setup", "train", "goodput", "train", "goodput", "eval"]  # goodput every log
     recs = [r for r in recs if r["kind"] != "goodput"]
     assert recs[2]["loss"] == 1.0 and recs[2]["total_weights"] == 60.0 and recs[3]["loss"] == 1.25

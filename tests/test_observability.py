@@ -1,18 +1,14 @@
 """Goodput accounting, non-finite/spike guards and the progress bar, on real runs.
 
-``observed_run`` (also used by test_report.py) runs one short pretraining through the CLI with eval
-and checkpoints, and is made once per test session.
+``observed_run`` (a conftest fixture, also read by test_report.py) runs one short pretraining through
+the CLI with eval and checkpoints, once per test session.
 """
 
 from __future__ import annotations
 
 import functools
 import io
-import json
-import os
 import re
-import select
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,66 +18,7 @@ import pytest
 import torch
 
 from lmforge.metrics import GOODPUT_CATEGORIES, MetricLogger
-
-REPO = Path(__file__).resolve().parent.parent
-TINY = ["--model.n_layers=2", "--model.dim=64", "--data.seq_len=32", "--training.global_batch_size=4",
-        "--training.micro_batch_size=4", "--metrics.tensorboard=false", "--metrics.peak_tflops=1",
-        "--training.threads=1"]
-
-
-@functools.lru_cache(maxsize=None)
-def small_corpus() -> list[str]:
-    """``--data.*`` flags for a few hundred documents of the embedded corpus (quicker than all of it)."""
-    from lmforge.data.corpus import embedded_corpus
-
-    folder = Path(tempfile.mkdtemp(prefix="lmforge_corpus_"))
-    flags = []
-    for split, n in (("train", 400), ("validation", 60)):
-        (folder / f"{split}.txt").write_text("\n\n".join(embedded_corpus(split, num_docs=n)))
-        flags.append(f"--data.{split}={folder / f'{split}.txt'}")
-    return flags
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO / "src"), "PYTHONUNBUFFERED": "1"}
-
-
-def read_jsonl(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def run_in_terminal(cmd: list[str]) -> tuple[float, float, str]:
-    """Run ``cmd`` with stdout on a 120-column pseudo-terminal: (launch time, exit time, output)."""
-    import fcntl
-    import pty
-    import struct
-    import termios
-
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    launched = time.time()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdin=subprocess.DEVNULL, stdout=slave,
-                            stderr=subprocess.PIPE)
-    os.close(slave)
-    chunks = []
-    while True:
-        ready, _, _ = select.select([master], [], [], 1.0)
-        if ready:
-            try:
-                data = os.read(master, 65536)
-            except OSError:  # the terminal closed
-                break
-            if not data:
-                break
-            chunks.append(data)
-        elif proc.poll() is not None:
-            break
-    os.close(master)
-    rc = proc.wait(timeout=120)
-    exited = time.time()
-    assert rc == 0, proc.stderr.read().decode()[-3000:]
-    return launched, exited, b"".join(chunks).decode("utf-8", "replace")
-
+from lmforge.metrics.records import read_records
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -91,22 +28,10 @@ def terminal_lines(out: str) -> list[str]:
     return [_ANSI.sub("", seg.rstrip("\r")).rsplit("\r", 1)[-1] for seg in out.split("\n")]
 
 
-@functools.lru_cache(maxsize=None)
-def observed_run() -> tuple[Path, float, float, str]:
-    """(run_dir, launch time, exit time, terminal output) of a 12-step CLI pretraining with eval and
-    checkpoints, its stdout on a pseudo-terminal (so the progress bar is on)."""
-    run_dir = Path(tempfile.mkdtemp(prefix="lmforge_observed_")) / "run"
-    cmd = [sys.executable, "-m", "lmforge", "pretrain", *TINY, *small_corpus(), "--training.steps=12",
-           "--metrics.log_every=4", "--eval.interval=6", "--eval.steps=2", "--eval.batch_size=4",
-           "--checkpoint.interval=6", f"--run.dir={run_dir}"]
-    launched, exited, out = run_in_terminal(cmd)
-    return run_dir, launched, exited, out
-
-
 # ---------------------------------------------------------------------- goodput
-def test_goodput_categories_add_up_to_the_process_wall_time():
-    run_dir, launched, exited, stdout = observed_run()
-    records = read_jsonl(run_dir)
+def test_goodput_categories_add_up_to_the_process_wall_time(observed_run):
+    run_dir, launched, exited, stdout = observed_run
+    records = read_records(run_dir)
     final = [r for r in records if r["kind"] == "goodput" and r["final"]]
     assert len(final) == 1
     g = final[0]
@@ -185,8 +110,8 @@ _TRAIN_LINE = re.compile(r"^completed step: \d+, seconds: [\d.]+, TFLOP/s/device
                          r"mfu: [\d.]+%( \((first step: warm-up, not representative|time averaged over \d+ steps)\))?$")
 
 
-def test_progress_bar_on_a_terminal_does_not_garble_log_lines():
-    *_, out = observed_run()
+def test_progress_bar_on_a_terminal_does_not_garble_log_lines(observed_run):
+    *_, out = observed_run
     # The bar was drawn, with its ETA, and reached the step budget.
     assert re.search(r"train +\d+%\|.*\| step 12/12 \[[\d:]+<[\d:?]+", out), out
     # Each log line, once the bar has been wiped before it (carriage return), is whole and alone.
@@ -265,7 +190,7 @@ def test_nonfinite_stops_the_run_with_a_message_naming_the_step(tmp_path, change
     _, error = _in_process_run(tmp_path / "run", _loss_with({3: change}), steps=5)
     assert isinstance(error, NonFiniteLoss) and isinstance(error, UserError)  # the CLI prints one error line
     assert f"non-finite {what} at step 3;" in str(error), error
-    records = read_jsonl(tmp_path / "run")
+    records = read_records(tmp_path / "run")
     assert [r["step"] for r in records if r["kind"] == "nonfinite_stop"] == [3]
     assert not any(r["kind"] == "stop" for r in records)
 
@@ -281,7 +206,7 @@ def skip_run() -> tuple:
     with redirect_stdout(out):
         rt, error = _in_process_run(run_dir, _loss_with({3: float("nan"), 5: float("inf"), 7: 20.0}),
                                     progress="auto", nonfinite="skip", spike_factor=3.0)
-    return rt, error, read_jsonl(run_dir), out.getvalue()
+    return rt, error, read_records(run_dir), out.getvalue()
 
 
 def test_nonfinite_skip_skips_and_counts_the_updates():

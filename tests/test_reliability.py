@@ -2,7 +2,8 @@
 
 The end-to-end tests drive the real CLI in subprocesses through a small runner that can inject
 faults (a pause inside a checkpoint save, so a SIGKILL lands mid-save; a disk that fills up). The
-runner patches only test hooks; the training code is the shipped one.
+runner (``_helpers.FAULT_RUNNER``, the ``fault_runner`` fixture) patches only test hooks; the
+training code is the shipped one. The uninterrupted run is the session's ``reference_run``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,101 +24,16 @@ import pytest
 import torch
 from torch import nn
 
+from _helpers import RELIABLE_STEPS as STEPS, finish, start_reliable_run
+from lmforge.metrics.records import read_records
 from lmforge.checkpoint import checkpointer as ckpt_mod
 from lmforge.checkpoint.checkpointer import Checkpointer, checkpoint_problem, list_checkpoints
 from lmforge.checkpoint.dcp_safe import safe_loading_classes
+from lmforge.checkpoint.verify import write_manifest
 from lmforge.errors import UserError
 from lmforge.models.model import ModelArgs, Transformer
 from lmforge.checkpoint.runlock import hold_run_lock, release_run_lock
 from lmforge.training.train_step import build_optimizer
-
-STEPS = 12
-TINY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
-        "--data.seq_len=32", "--training.global_batch_size=4", "--training.micro_batch_size=2",
-        "--eval.interval=0", "--checkpoint.interval=2", "--checkpoint.keep=2", "--metrics.log_every=1",
-        "--schedule.warmup_steps=2", "--training.threads=1", "--metrics.tensorboard=false",
-        "--metrics.peak_tflops=1", "--metrics.progress=off", "--data.prefetch=1"]
-
-FAULT_RUNNER = r'''
-"""Runs the lmforge CLI with a fault from LMFORGE_TEST_FAULT injected (tests only)."""
-import contextlib, errno, io, os, sys, time
-
-fault = os.environ.get("LMFORGE_TEST_FAULT", "")
-kind, _, arg = fault.partition(":")
-if kind in ("pause_before_manifest", "pause_before_commit"):
-    from lmforge.checkpoint import checkpointer as c
-
-    def paused(original):
-        def run(*a, **k):
-            time.sleep(float(arg))
-            return original(*a, **k)
-        return run
-
-    if kind == "pause_before_manifest":
-        c.write_manifest = paused(c.write_manifest)
-    else:
-        c.Checkpointer._commit = paused(c.Checkpointer._commit)
-elif kind == "disk_full":  # the checkpoint file system has `arg` bytes free
-    from torch.distributed.checkpoint import filesystem
-    free = [int(arg)]
-
-    class FillingFile(io.BufferedWriter):
-        def write(self, b):
-            n = memoryview(b).nbytes
-            if n > free[0]:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.name)
-            free[0] -= n
-            return super().write(b)
-
-    original = filesystem.FileSystem.create_stream
-
-    @contextlib.contextmanager
-    def create_stream(self, path, mode):
-        if "w" not in mode:
-            with original(self, path, mode) as s:
-                yield s
-            return
-        with FillingFile(io.FileIO(str(path), "w")) as s:
-            yield s
-
-    filesystem.FileSystem.create_stream = create_stream
-
-from lmforge.cli import main
-raise SystemExit(main(sys.argv[1:]))
-'''
-
-
-def fault_runner(directory: Path) -> Path:
-    path = directory / "fault_runner.py"
-    path.write_text(FAULT_RUNNER)
-    return path
-
-
-def start(runner: Path, run_dir: Path, *extra: str, fault: str = "") -> subprocess.Popen:
-    env = {**os.environ, "LMFORGE_TEST_FAULT": fault}
-    return subprocess.Popen([sys.executable, str(runner), "pretrain", *TINY, f"--training.steps={STEPS}",
-                             f"--run.dir={run_dir}", *extra], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, out, err
-
-
-def train_records(run_dir: Path) -> list[dict]:
-    f = run_dir / "metrics.jsonl"
-    if not f.is_file():
-        return []
-    recs = []
-    for line in f.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by SIGKILL
-            continue
-        if rec.get("kind") == "train":
-            recs.append(rec)
-    return recs
 
 
 def wait_for(proc: subprocess.Popen, condition, timeout: float = 240) -> bool:
@@ -150,56 +65,16 @@ def full_state(run_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-class Reference:
-    """The uninterrupted run, started at once so other work overlaps it.
-
-    ``path()`` waits for it; ``when_done(fn)`` runs ``fn(path)`` as soon as a ``poll()`` or ``path()``
-    sees it finished (to start runs that need it while other work goes on).
-    """
-
-    def __init__(self, base: Path) -> None:
-        self.dir = base / "reference"
-        self.proc: subprocess.Popen | None = start(fault_runner(base), self.dir)
-        self.callbacks: list = []
-
-    def when_done(self, fn) -> None:
-        self.callbacks.append(fn)
-        self.poll()
-
-    def poll(self) -> None:
-        if self.proc is not None and self.proc.poll() is not None:
-            self.path()
-        if self.proc is None:
-            while self.callbacks:
-                self.callbacks.pop(0)(self.dir)
-
-    def path(self) -> Path:
-        if self.proc is not None:
-            rc, _, err = finish(self.proc)
-            self.proc = None
-            assert rc == 0, err[-3000:]
-        self.poll()
-        return self.dir
-
-
-@pytest.fixture(scope="session")
-def reference_run(tmp_path_factory) -> Reference:
-    """A finished 12-step run with checkpoints at steps 10 and 12 (shared with the bad-input tests)."""
-    return Reference(tmp_path_factory.mktemp("reference"))
-
-
 @pytest.fixture(scope="module")
-def reference_and_crashed(tmp_path_factory, reference_run, stop_run):
+def reference_and_crashed(tmp_path_factory, fault_runner, reference_run, stop_run):
     """One uninterrupted run, and the same run killed with SIGKILL four times and restarted; before the
     last restart its newest checkpoint is also truncated, so the run must fall back and still match."""
-    base = tmp_path_factory.mktemp("reliability")
-    runner = fault_runner(base)
-    crash_dir = base / "crashed"
+    crash_dir = tmp_path_factory.mktemp("reliability") / "crashed"
     rng = random.Random(8)
     kills: list[str] = []
 
     def logged_step() -> int:
-        return max((r["step"] for r in train_records(crash_dir)), default=0)
+        return max((r["step"] for r in read_records(crash_dir, "train")), default=0)
 
     def partial(with_manifest: bool):
         def seen() -> bool:
@@ -212,7 +87,7 @@ def reference_and_crashed(tmp_path_factory, reference_run, stop_run):
 
     plan = [("step", ""), ("save", "pause_before_commit:0.6"), ("step", ""), ("save", "pause_before_manifest:0.6")]
     for what, fault in plan:
-        proc = start(runner, crash_dir, fault=fault)
+        proc = start_reliable_run(fault_runner, crash_dir, fault=fault)
         if what == "step":
             target = logged_step() + rng.randint(1, 3)
             hit = wait_for(proc, lambda: logged_step() >= target)
@@ -231,16 +106,16 @@ def reference_and_crashed(tmp_path_factory, reference_run, stop_run):
     shard = next(newest.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:1000])  # truncated, as by a full disk during a copy
     kills.append(f"truncated {newest.name}")
-    rc, out, err = finish(start(runner, crash_dir))
+    rc, out, err = finish(start_reliable_run(fault_runner, crash_dir))
     assert rc == 0, err[-3000:]
     return reference_run.path(), crash_dir, kills, out
 
 
 def test_killed_run_logs_exactly_the_uninterrupted_losses(reference_and_crashed):
     ref_dir, crash_dir, kills, _ = reference_and_crashed
-    ref = {r["step"]: r for r in train_records(ref_dir)}
+    ref = {r["step"]: r for r in read_records(ref_dir, "train")}
     assert sorted(ref) == list(range(1, STEPS + 1))
-    crashed = train_records(crash_dir)
+    crashed = read_records(crash_dir, "train")
     assert {r["step"] for r in crashed} == set(ref)
     assert len(crashed) > STEPS, "no step was redone: the kills landed nowhere"
     for r in crashed:  # every attempt's record of a step, redone or not, matches bit for bit
@@ -264,24 +139,22 @@ def test_damaged_newest_checkpoint_falls_back_in_one_line(reference_and_crashed)
     damaged = kills[-1].split()[-1]
     assert len(warnings) == 1 and damaged in warnings[0] and "truncated" in warnings[0], out
     assert (crash_dir / "checkpoints" / (damaged + ".damaged")).is_dir()
-    events = [json.loads(x) for x in (crash_dir / "metrics.jsonl").read_text().splitlines() if x.endswith("}")]
-    assert [e for e in events if e["kind"] == "checkpoint_damaged"]
+    assert read_records(crash_dir, "checkpoint_damaged")
 
 
 @pytest.fixture(scope="module")
-def stop_run(reference_run, tmp_path_factory):
+def stop_run(reference_run, fault_runner, tmp_path_factory):
     """A copy of the reference run whose newest checkpoint lost trainer_state.json, resumed with
     on_damaged=stop (started early so it overlaps other tests' work)."""
-    base = tmp_path_factory.mktemp("damaged")
-    run = base / "stop"
+    run = tmp_path_factory.mktemp("damaged") / "stop"
     launched: dict = {}
 
     def launch(ref_dir: Path) -> None:
         shutil.copytree(ref_dir, run)
         (list_checkpoints(run / "checkpoints")[-1] / ckpt_mod.STATE_FILE).unlink()
         launched["before"] = snapshot(run / "checkpoints")
-        launched["proc"] = start(fault_runner(base), run, "--checkpoint.on_damaged=stop",
-                                 f"--training.steps={STEPS + 2}")
+        launched["proc"] = start_reliable_run(fault_runner, run, checkpoint_on_damaged="stop",
+                                              training_steps=STEPS + 2)
 
     reference_run.when_done(launch)
     return run, launched
@@ -384,7 +257,6 @@ def test_on_damaged_stop_raises_one_line_and_moves_nothing(tmp_path):
 def _reseal(p: Path) -> None:
     """Rewrite the manifest to match the files, as someone able to edit the directory could."""
     (p / ckpt_mod.MANIFEST_FILE).unlink()
-    from lmforge.checkpoint.verify import write_manifest
     write_manifest(p, collective=False)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -11,11 +10,11 @@ import pytest
 
 from lmforge.cli import main as cli_main
 from lmforge.metrics import MetricLogger
+from lmforge.metrics.records import iter_records, read_records
 from lmforge.metrics.report import read_run
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_observability import observed_run, read_jsonl  # noqa: E402  (one shared CLI run)
-
+PARTIAL_LINE = '{"time": 1, "kind": "train", "step": 9, "lo'
+"""The last line of a run killed while writing it."""
 PLOTS = ("loss_vs_step", "loss_vs_tokens", "throughput", "learning_rate", "grad_norm", "goodput", "overview")
 
 
@@ -32,8 +31,8 @@ def assert_real_png(path: Path) -> None:
         assert colors is None or len(colors) > 50, (path, len(colors))
 
 
-def test_report_on_a_real_run_directory(tmp_path, capsys):
-    run_dir, *_ = observed_run()
+def test_report_on_a_real_run_directory(tmp_path, capsys, observed_run):
+    run_dir, *_ = observed_run  # the session's one CLI run (conftest.py)
     out = tmp_path / "report"
     assert cli_main(["report", str(run_dir), "--out", str(out)]) == 0
     assert str(out / "report.md") in capsys.readouterr().out
@@ -41,7 +40,7 @@ def test_report_on_a_real_run_directory(tmp_path, capsys):
         assert_real_png(out / f"{name}.png")
     assert not (out / "reward.png").exists()  # no GRPO reward in a pretraining run
     md = (out / "report.md").read_text()
-    records = read_jsonl(run_dir)
+    records = read_records(run_dir)
     last_train = [r for r in records if r["kind"] == "train"][-1]
     last_eval = [r for r in records if r["kind"] == "eval"][-1]
     g = records[-1]
@@ -78,7 +77,7 @@ def _write_run(run_dir: Path, losses: dict[int, float], *, resume_at: int | None
         attempt(redo or {}, final=True, resumed=True)
     if partial_line:
         with open(run_dir / "metrics.jsonl", "a") as f:
-            f.write('{"time": 1, "kind": "train", "step": 9, "lo')
+            f.write(PARTIAL_LINE)
 
 
 def test_redone_steps_replace_those_of_the_failed_attempt(tmp_path):
@@ -89,8 +88,9 @@ def test_redone_steps_replace_those_of_the_failed_attempt(tmp_path):
     assert run.cumulative_tokens()[-1] == (6, 600.0)
     assert run.finished and [e["kind"] for e in run.events] == ["resume"]
     # Goodput adds up both processes: the crashed one's newest (periodic) record and the final one.
-    lines = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines[:-1]]  # the last line is half-written
+    skipped: list[str] = []
+    records = list(iter_records(tmp_path / "a", skipped=skipped))
+    assert skipped == [PARTIAL_LINE]  # the last line is half-written
     last_of_first = [r for r in records if r["kind"] == "goodput" and r["step"] == 6][0]
     final = records[-1]
     assert final["final"] and run.goodput["attempts"] == 2
@@ -98,8 +98,8 @@ def test_redone_steps_replace_those_of_the_failed_attempt(tmp_path):
         assert run.goodput[key] == pytest.approx(last_of_first[key] + final[key])
 
 
-def test_several_runs_overlay_with_grpo_reward_and_a_running_run(tmp_path):
-    run_dir, *_ = observed_run()
+def test_several_runs_overlay_with_grpo_reward_and_a_running_run(tmp_path, observed_run):
+    run_dir, *_ = observed_run
     _write_run(tmp_path / "grpo", {1: 3.0, 2: 2.0, 3: 1.0}, reward=True)
     running = tmp_path / "running"
     running.mkdir()

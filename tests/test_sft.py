@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from _helpers import run_lmforge, tiny_run_args
 from lmforge.data.chat import ByteChatFormat
 from lmforge.data.packing import IGNORE_INDEX, collate
 from lmforge.data.sft_data import build_sft_dataset, read_sft_records, task_records
 from lmforge.data.tasks import TASK_NAMES, extract_answer, format_ok, is_correct, task_examples
 from lmforge.errors import UserError
+from lmforge.metrics.records import read_records
 from lmforge.models.model import ModelArgs, Transformer
 from lmforge.models.tokenizer import ByteTokenizer
 from lmforge.training.train_step import cross_entropy_loss
 
-TINY = ["--model.size=debug", "--model.n_layers=2", "--model.dim=64", "--metrics.tensorboard=false",
-        "--data.prefetch=0"]
+SFT_RUN = {"data_seq_len": 64, "training_global_batch_size": 4, "data_prefetch": 0, "schedule_warmup_steps": None}
+"""Overrides of tiny_run_args common to the SFT runs (the warm-up left at its default)."""
 
 
 def records(n: int = 13):
@@ -142,10 +142,6 @@ def test_tasks_are_deterministic_disjoint_and_scored():
     assert task_examples("train", 5, tasks=["sort"])[0].task == "sort"
 
 
-def run_cli(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "lmforge", *args], capture_output=True, text=True, timeout=timeout)
-
-
 def test_sft_cli_end_to_end(tmp_path):
     data = tmp_path / "chats.jsonl"
     lines = [json.dumps(r) for _, r in records(40)]
@@ -153,13 +149,12 @@ def test_sft_cli_end_to_end(tmp_path):
     lines.append(json.dumps({"prompt": "x" * 300, "completion": "too long"}))
     data.write_text("\n".join(lines) + "\n")
     run = tmp_path / "run"
-    r = run_cli("sft", *TINY, f"--data.train={data}", f"--data.validation={data}", "--data.seq_len=64",
-                "--training.steps=4", "--training.global_batch_size=4", "--training.micro_batch_size=2",
-                "--eval.interval=2", "--eval.steps=2", "--eval.batch_size=4", "--metrics.log_every=2",
-                f"--run.dir={run}")
+    r = run_lmforge("sft", *tiny_run_args(data, **SFT_RUN, training_steps=4, training_micro_batch_size=2,
+                                          eval_interval=2, eval_steps=2, eval_batch_size=4, metrics_log_every=2),
+                    f"--run.dir={run}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "skipped 1 without loss tokens, 1 longer than 65 tokens" in r.stdout
-    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    recs = read_records(run)
     train = [x for x in recs if x["kind"] == "train"]
     assert train and all(k in train[-1] for k in ("loss", "total_weights", "accuracy", "tokens_per_sec_per_device"))
     evals = [x for x in recs if x["kind"] == "eval"]
@@ -173,13 +168,14 @@ def test_embedded_tasks_report_exact_match(tmp_path, capsys):
     from lmforge.cli import main
 
     run = tmp_path / "run"
-    rc = main(["sft", *TINY, "--data.seq_len=64", "--training.steps=2", "--training.global_batch_size=4",
-               "--training.micro_batch_size=4", "--tasks.train_examples=64", "--tasks.eval_examples=6",
-               "--eval.interval=2", "--eval.steps=1", "--checkpoint.enabled=false", f"--run.dir={run}"])
+    rc = main(["sft", *tiny_run_args(**SFT_RUN, training_steps=2, training_micro_batch_size=4, tasks_train_examples=64,
+                                     tasks_eval_examples=6, eval_interval=2, eval_steps=1, checkpoint_enabled=False,
+                                     training_threads=None),  # in-process: leave pytest's torch threads as they are
+               f"--run.dir={run}"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "exact_match=" in out and "held-out exact match (greedy):" in out
-    evals = [x for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if x["kind"] == "eval"]
+    evals = read_records(run, "eval")
     assert [e["step"] for e in evals] == [0, 2]
     assert {"exact_match", "exact_match_add", "exact_match_reverse", "exact_match_sort", "loss"} <= set(evals[0])
 

@@ -7,36 +7,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from _helpers import STEP_MODEL_ARGS, make_batch, split_batch
 from lmforge.data.packing import IGNORE_INDEX, Batch
-from lmforge.models.model import ModelArgs, Transformer
+from lmforge.models.model import Transformer
 from lmforge.training.state import TrainState
 from lmforge.training.train_step import (
     compute_global_loss, cross_entropy_loss, global_target_count, gradient_computation,
     learning_rate, should_continue_training,
 )
 
-ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32)
-
-
-def make_batch(n: int = 4, t: int = 12, seed: int = 0) -> Batch:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 64, (n, t + 1), generator=g)
-    labels = ids[:, 1:].clone()
-    # uneven target counts per sequence: a per-microbatch mean would weight them wrongly
-    for i in range(n):
-        labels[i, : 3 * i] = IGNORE_INDEX
-    return Batch(input_ids=ids[:, :-1], labels=labels, position_ids=None, document_ids=None)
-
-
-def split(batch: Batch, parts: int) -> list[Batch]:
-    size = batch.input_ids.shape[0] // parts
-    return [Batch(batch.input_ids[i * size:(i + 1) * size], batch.labels[i * size:(i + 1) * size], None, None)
-            for i in range(parts)]
-
 
 def grads_after(microbatches: list[Batch]) -> tuple[list[torch.Tensor], dict]:
     torch.manual_seed(0)
-    model = Transformer(ARGS)
+    model = Transformer(STEP_MODEL_ARGS)
     model.init_weights(seed=0)
     stats = gradient_computation(model, microbatches, cross_entropy_loss, global_target_count(microbatches))
     return [p.grad.clone() for p in model.parameters()], compute_global_loss(stats)
@@ -46,7 +29,7 @@ def grads_after(microbatches: list[Batch]) -> tuple[list[torch.Tensor], dict]:
 def test_accumulation_equals_one_big_batch(parts):
     batch = make_batch()
     ref_grads, ref = grads_after([batch])
-    grads, got = grads_after(split(batch, parts))
+    grads, got = grads_after(split_batch(batch, parts))
     for a, b in zip(ref_grads, grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert got["total_weights"].item() == ref["total_weights"].item() == (batch.labels != IGNORE_INDEX).sum()
@@ -55,7 +38,7 @@ def test_accumulation_equals_one_big_batch(parts):
 
 def test_loss_is_token_weighted_not_mean_of_means():
     batch = make_batch()
-    _, stats = cross_entropy_loss(Transformer(ARGS), batch)
+    _, stats = cross_entropy_loss(Transformer(STEP_MODEL_ARGS), batch)
     # two microbatches with different token counts: the global loss is sum/sum
     a = {"loss_sum": torch.tensor(10.0), "total_weights": torch.tensor(10.0), "correct": torch.tensor(1.0)}
     b = {"loss_sum": torch.tensor(2.0), "total_weights": torch.tensor(1.0), "correct": torch.tensor(1.0)}

@@ -1,0 +1,57 @@
+"""Fixtures shared by several test modules; plain helpers are in _helpers.py.
+
+The session-scoped ones are real CLI runs, made once however many modules read them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from _helpers import (Reference, losses, lmforge_cmd, run_in_terminal, run_lmforge, small_corpus, tail,
+                      tiny_run_args, write_corpus, write_fault_runner)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """The small text file the distributed and elastic runs train on."""
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
+
+
+@pytest.fixture(scope="session")
+def reference_losses(tmp_path_factory, corpus) -> dict[int, float]:
+    """Loss per step of one process, the whole global batch in one microbatch, no interruption: the
+    distributed and elastic runs must reproduce them."""
+    run = tmp_path_factory.mktemp("reference_losses") / "run"
+    proc = run_lmforge("pretrain", *tiny_run_args(corpus, training_micro_batch_size=8), f"--run.dir={run}")
+    assert proc.returncode == 0, tail(proc)
+    return losses(run)
+
+
+@pytest.fixture(scope="session")
+def fault_runner(tmp_path_factory) -> Path:
+    """The script that runs the CLI with LMFORGE_TEST_FAULT injected (see _helpers.FAULT_RUNNER)."""
+    return write_fault_runner(tmp_path_factory.mktemp("fault_runner"))
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory, fault_runner) -> Reference:
+    """A finished RELIABLE_RUN with checkpoints at steps 10 and 12 (the reliability tests compare
+    crashed runs with it; the bad-input tests start from copies of it). Started at once: other work
+    overlaps it until a test asks for its ``path()``."""
+    return Reference(tmp_path_factory.mktemp("reference"), fault_runner)
+
+
+@pytest.fixture(scope="session")
+def observed_run(tmp_path_factory) -> tuple[Path, float, float, str]:
+    """(run_dir, launch time, exit time, terminal output) of a 12-step CLI pretraining with eval and
+    checkpoints, its stdout on a pseudo-terminal (so the progress bar is on); read by the
+    observability and report tests."""
+    base = tmp_path_factory.mktemp("observed")
+    run_dir = base / "run"
+    args = tiny_run_args(training_global_batch_size=4, training_micro_batch_size=4, training_steps=12,
+                         metrics_log_every=4, metrics_progress=None, eval_interval=6, eval_steps=2,
+                         eval_batch_size=4, checkpoint_interval=6, schedule_warmup_steps=None, **small_corpus(base))
+    launched, exited, out = run_in_terminal(lmforge_cmd("pretrain", *args, f"--run.dir={run_dir}"))
+    return run_dir, launched, exited, out
