@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import gc
 import io
-import json
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import append_benchmark, loadavg, machine, markdown_table, median, spread  # noqa: E402
 
 from lmforge.config import Config, parse_overrides, validate_config  # noqa: E402
+from lmforge.metrics.records import read_records  # noqa: E402
 from lmforge.data.corpus import embedded_corpus  # noqa: E402
 from lmforge.data.packing import PackedTokenDataset, collate  # noqa: E402
 from lmforge.models.flops import default_peak_shapes, flops_per_token, measure_matmul_peak, peak_flops_per_device  # noqa: E402
@@ -112,8 +112,7 @@ def run_lmforge(s: Setup, overrides: list[str]) -> tuple[float, float]:
         cfg = validate_config(Config, merge(data, parse_overrides([f"--{o}" for o in overrides])), "bench")
         with contextlib.redirect_stdout(io.StringIO()):
             run(cfg)
-        records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    train = {r["step"]: r for r in records if r.get("kind") == "train"}
+        train = {r["step"]: r for r in read_records(run_dir, "train")}
     t0, t1 = train[s.warmup]["time"], train[s.steps]["time"]
     own = [r["tokens_per_sec_per_device"] for k, r in train.items() if k > s.warmup]
     return s.window_tokens / (t1 - t0), median(own)
