@@ -114,3 +114,15 @@ def test_train_line_format():
     assert line.startswith("completed step: 5, seconds: 0.500, TFLOP/s/device: 0.100, Tokens/s/device: 800.0, "
                            "total_weights: 400, loss: 2.0000, lr: 0.001, grad_norm: 0.5")
     assert line.endswith("mfu: 25.0%")
+
+
+def test_train_line_shows_only_the_trainers_chosen_fields():
+    """Every field reaches JSONL/TensorBoard; the console line keeps the shared ones and the trainer's few."""
+    rec = {"step": 5, "seconds": 0.5, "tflops_per_device": 0.1, "tokens_per_sec_per_device": 800.0,
+           "total_weights": 400.0, "loss": 2.0, "lr": 0.001, "grad_norm": 0.5, "mfu": 0.25,
+           "reward/mean": 0.75, "grpo/kl": 0.01, "grpo/entropy": 0.3, "reward/format": 1.0, "accuracy": 0.5}
+    line = format_train_line(rec, ("reward/mean", "grpo/kl"))
+    assert line.startswith("completed step: 5, seconds: 0.500, TFLOP/s/device: 0.100, Tokens/s/device: 800.0, "
+                           "total_weights: 400, loss: 2.0000, lr: 0.001, grad_norm: 0.5, reward/mean: 0.75, grpo/kl: 0.01")
+    assert "entropy" not in line and "reward/format" not in line and "accuracy" not in line
+    assert "accuracy: 0.5" in format_train_line(rec)  # the next-token trainers' default

@@ -92,3 +92,15 @@ def test_schedule_warmup_and_end(kind):
         assert lr(80) == 1.0 and lr(90) == pytest.approx(0.55)
     if kind == "cosine":
         assert lr(55) == pytest.approx(0.55)
+
+
+def test_checkpointed_token_count_includes_steps_not_yet_logged():
+    """Token counts stay on the device between log steps; a checkpoint in between must count them all."""
+    state = TrainState()
+    for _ in range(3):
+        state.count_tokens(torch.tensor(100.0), read_now=False)
+    assert state.tokens_seen == 0  # nothing read from the device yet
+    assert state.state_dict()["tokens_seen"] == 300
+    resumed = TrainState()
+    resumed.load_state_dict(state.state_dict())
+    assert resumed.tokens_seen == 300 and not resumed.pending_tokens

@@ -4,7 +4,8 @@ Layout of ``RUN_DIR/checkpoints/step_00000100/``:
 
 * DCP shards (``.metadata``, ``*.distcp``): model and optimizer state, resharded on load, so a run
   saved by 2 processes resumes on 1 and the reverse.
-* ``trainer_state.json``: step, tokens seen, data position (a global sample index), trainer extras.
+* ``trainer_state.json``: step, tokens seen, the step source's position (e.g. a global sample index),
+  and the model's shape and tokenizer (see lmforge.training.state).
 * ``rng_rank{R}.json``: each rank's torch/numpy/python RNG states.
 * ``manifest.json``, written last: size and SHA-256 of every other file.
 
