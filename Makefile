@@ -20,7 +20,7 @@ $(VENV)/.bench: $(VENV)/.dev
 	$(PY) -m pip install -q -e ".[dev,bench]"
 	touch $@
 
-.PHONY: setup dev train test sft grpo bench report
+.PHONY: setup dev train test sft grpo demo bench report
 setup: $(VENV)/.core
 dev: $(VENV)/.dev
 
@@ -35,6 +35,10 @@ sft: $(VENV)/.core
 
 grpo: $(VENV)/.core
 	$(VENV)/bin/lmforge grpo --config configs/grpo_debug.toml
+
+# pretrain -> SFT -> GRPO from scratch into runs/demo/, then the table the README quotes.
+demo: $(VENV)/.core
+	$(PY) examples/demo.py
 
 bench: $(VENV)/.bench
 	$(PY) bench/throughput.py
