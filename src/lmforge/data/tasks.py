@@ -106,6 +106,12 @@ def _split(split: str, task: str, count: int) -> tuple[TaskExample, ...]:
     return tuple(out)
 
 
+def task_share(split: str, tasks: Sequence[str]) -> int:
+    """How many examples of ``split`` the selected tasks own: a subset keeps each task's default share,
+    so SFT and GRPO on the same tasks train and score on the same examples."""
+    return DEFAULT_SPLIT_SIZES[split] * len(tasks) // len(TASK_NAMES)
+
+
 def task_examples(split: str, n: int | None = None, tasks: Sequence[str] = TASK_NAMES) -> list[TaskExample]:
     """The first ``n`` examples of ``split`` ("train" or "test"), tasks interleaved round-robin.
 

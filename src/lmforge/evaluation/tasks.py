@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from lmforge.config import TasksSection
-from lmforge.data.tasks import DEFAULT_SPLIT_SIZES, TASK_NAMES, TaskExample, is_correct, task_examples
+from lmforge.data.tasks import TaskExample, is_correct, task_examples, task_share
 from lmforge.inference import sample_texts
 from lmforge.metrics.records import read_records
 from lmforge.models.model import Transformer
@@ -35,8 +35,8 @@ def task_accuracy(model: Transformer, tokenizer: Tokenizer, examples: Sequence[T
 def held_out_examples(tasks: TasksSection) -> list[TaskExample]:
     """The held-out embedded task examples a run is scored on: ``tasks.eval_examples`` of them, at most
     the selected tasks' share of the test split, so SFT and GRPO on the same tasks score the same set."""
-    share = DEFAULT_SPLIT_SIZES["test"] * len(tasks.names) // len(TASK_NAMES)
-    return task_examples("test", min(tasks.eval_examples, share), tasks.names) if tasks.eval_examples else []
+    n = min(tasks.eval_examples, task_share("test", tasks.names))
+    return task_examples("test", n, tasks.names) if n else []
 
 
 class TaskEval:

@@ -225,5 +225,5 @@ class GRPOObjective:
         return loss_normalizer(microbatches, self.aggregation, self.max_new_tokens)
 
     def log_values(self, totals: dict[str, Tensor]) -> dict[str, Tensor]:
-        kept = {k: v for k, v in totals.items() if not k.endswith(("_sum", "_count"))}
+        kept = {k: v for k, v in totals.items() if not k.endswith(("_sum", "_count")) and k != "completion_tokens"}
         return kept | update_metrics(totals) | {"total_weights": totals["completion_tokens"]}

@@ -16,7 +16,7 @@ from pydantic import Field, field_validator, model_validator
 
 from lmforge.config import Config, StartEvalSection, Section, TasksSection
 from lmforge.data.sources import read_jsonl_records
-from lmforge.data.tasks import DEFAULT_SPLIT_SIZES, TASK_NAMES, TaskExample, task_examples
+from lmforge.data.tasks import TaskExample, task_examples, task_share
 from lmforge.errors import UserError
 from lmforge.evaluation.tasks import TaskEval, record_task_summary
 from lmforge.rl.grpo_loss import GRPOObjective
@@ -100,7 +100,7 @@ def prompt_records(cfg: GRPOConfig, split: Literal["train", "test"]) -> list[dic
     """Prompts with their other columns: the embedded tasks or a ``.jsonl`` file."""
     spec = cfg.data.train if split == "train" else cfg.data.validation
     if spec == "embedded":  # a subset of the tasks keeps the default per-task share of each split
-        share = DEFAULT_SPLIT_SIZES[split] * len(cfg.tasks.names) // len(TASK_NAMES)
+        share = task_share(split, cfg.tasks.names)
         n = share if split == "train" else min(cfg.tasks.eval_examples, share)
         return [{"prompt": e.prompt, "task": e.task, "answer": e.answer}
                 for e in task_examples(split, n, tasks=cfg.tasks.names)]
