@@ -8,6 +8,9 @@ run saved byte-identical afterwards. The cases run concurrently to keep the suit
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -50,6 +53,61 @@ def _tokenizer_dir(scratch: Path) -> Path:
     return out
 
 
+def _newest(run: Path) -> Path:
+    return sorted((run / "checkpoints").glob("step_*"))[-1]
+
+
+def _edit_state(run: Path, **changes) -> None:
+    """Hand-edit the newest checkpoint's trainer state and re-seal its manifest (so only the state
+    checks, not the checksums, stand between the edit and a resume)."""
+    from lmforge.checkpoint.verify import write_manifest
+
+    ckpt = _newest(run)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    for key, value in changes.items():
+        if value is _DROP:
+            state.pop(key)
+        else:
+            state[key] = value
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    write_manifest(ckpt, False)
+
+
+def _hostile_metadata(run: Path) -> None:
+    from lmforge.checkpoint.verify import write_manifest
+
+    ckpt = _newest(run)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_RunsCode(str(run.parent / "code_ran"))))
+    write_manifest(ckpt, False)
+
+
+def _truncate_shard(run: Path) -> None:
+    shard = sorted(_newest(run).glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+
+
+class _RunsCode:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+_DROP = object()
+
+
+def _mutate(fn: Callable[[Path], None], args: list[str]) -> Callable[[Path, Path], list[str]]:
+    """A case that first changes the saved run (before its files are fingerprinted), then runs ``args``."""
+    def prepare(run: Path, scratch: Path) -> list[str]:
+        fn(run)
+        return args
+    return prepare
+
+
+OTHER_TEXT = b"".join(b"a different corpus, line %d, with enough words to pack a few windows\n" % i
+                      for i in range(60))
+
 CASES: dict[str, Case] = {
     "unknown_key": Case(lambda r, s: ["--training.stesp=5"],
                         ["unknown config key `training.stesp`", "did you mean `training.steps`"]),
@@ -75,6 +133,38 @@ CASES: dict[str, Case] = {
                                          f"step_{STEPS:08d} is intact"],
                                         fault="disk_full:20000", guarded=lambda run: run / "checkpoints"),
     "run_dir_held_by_live_run": Case(lambda r, s: [], ["is in use by another live run", "pid "]),
+    # Refused before anything is written: the run directory stays byte-identical.
+    "resume_never_onto_checkpoints": Case(lambda r, s: ["--checkpoint.resume=never"],
+                                          ["checkpoint.resume=never", "already holds checkpoints"]),
+    "resume_with_other_data": Case(lambda r, s: [f"--data.train={s}/other.txt"],
+                                   ["trained on other data", "checkpoint.on_data_change=continue"],
+                                   files={"other.txt": OTHER_TEXT}),
+    "resume_with_other_seq_len": Case(lambda r, s: ["--data.seq_len=16"], ["trained on other data", "data.seq_len"]),
+    "batch_not_divisible": Case(lambda r, s: ["--training.global_batch_size=5"],
+                                ["training.global_batch_size (5)", "divisible"]),
+    "one_byte_data_file": Case(lambda r, s: [f"--data.train={s}/one.txt"], ["data.train=", "one.txt", "not enough data"],
+                               files={"one.txt": b"x"}),
+    "validation_smaller_than_eval_batch": Case(
+        lambda r, s: [f"--data.validation={s}/small.txt", "--eval.interval=2", "--eval.batch_size=64"],
+        ["data.validation=", "small.txt", "fewer than one eval batch"], files={"small.txt": OTHER_TEXT[:400]}),
+    "negative_seed": Case(lambda r, s: ["--training.seed=-1"], ["`training.seed`", "greater than or equal to 0"]),
+    "huge_seed": Case(lambda r, s: ["--training.seed=100000000000000000000"], ["`training.seed`", "less than"]),
+    "infinite_lr": Case(lambda r, s: ["--optimizer.lr=inf"], ["`optimizer.lr`", "finite"]),
+    "cuda_without_cuda": Case(lambda r, s: ["--training.device=cuda"], ["training.device=cuda", "CUDA is not available"]),
+    "section_of_wrong_type": Case(lambda r, s: [f"--config={s}/bad.toml"], ["bad.toml", "config key `training`"],
+                                  files={"bad.toml": b"training = [1, 2]\n"}),
+    "damaged_checkpoint_with_stop": Case(_mutate(_truncate_shard, ["--checkpoint.on_damaged=stop"]),
+                                         ["is damaged", "checkpoint.on_damaged=stop"]),
+    "hostile_metadata": Case(_mutate(_hostile_metadata, []), ["refused .metadata", "not allowed"]),
+    "state_step_a_string": Case(_mutate(lambda r: _edit_state(r, step="twelve"), []), ["'step' must be", "'twelve'"]),
+    "state_step_huge": Case(_mutate(lambda r: _edit_state(r, step=10**12), []), ["directory is for step"]),
+    "state_without_step": Case(_mutate(lambda r: _edit_state(r, step=_DROP), []), ["'step' must be", "None"]),
+    "metrics_file_is_a_directory": Case(
+        _mutate(lambda r: ((r / "metrics.jsonl").unlink(), (r / "metrics.jsonl").mkdir()), []),
+        ["cannot write the run's metrics"]),
+    "tensorboard_is_a_file": Case(_mutate(lambda r: (r / "tensorboard").write_text("x"), ["--metrics.tensorboard=true"]),
+                                  ["cannot write the run's metrics"]),
+    "path_too_long": Case(lambda r, s: [f"--run.dir={s}/{'d' * 4000}"], ["cannot write the run directory"]),
 }
 
 

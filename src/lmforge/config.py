@@ -25,7 +25,7 @@ else:  # pragma: no cover
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelSection(Section):
@@ -61,7 +61,8 @@ class TrainingSection(Section):
     global_batch_size: int = Field(16, gt=0)
     """Sequences per optimizer step across all ranks; gradient accumulation fills the gap."""
     micro_batch_size: int = Field(8, gt=0)
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)
+    """Seeds torch, numpy and the data order (numpy's range: 0 to 2**32 - 1)."""
     max_tokens: int = Field(0, ge=0)
     """Stop once this many target tokens were trained on (0: no token budget)."""
     max_seconds: float = Field(0.0, ge=0)
@@ -148,6 +149,9 @@ class CheckpointSection(Section):
     resume: Literal["auto", "never"] = "auto"
     """``auto``: a run started on a run directory with checkpoints continues from the newest."""
     on_damaged: Literal["fallback", "stop"] = "fallback"
+    on_data_change: Literal["stop", "continue"] = "stop"
+    """On resume, a checkpoint trained on other data (files, ``data.seq_len`` or tokenizer): refuse
+    (``stop``) or warn and continue at the saved position (``continue``)."""
 
 
 class MetricsSection(Section):
@@ -230,10 +234,14 @@ def _parse_value(raw: str) -> Any:
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``extra`` over ``base``; an override into a key the file gives a non-table value keeps the file's
+    value, so validation still reports it (e.g. ``training = [1, 2]`` plus ``--training.steps=5``)."""
     merged = dict(base)
     for k, v in extra.items():
         if isinstance(v, dict) and isinstance(merged.get(k), dict):
             merged[k] = _merge(merged[k], v)
+        elif isinstance(v, dict) and k in merged:
+            continue
         else:
             merged[k] = v
     return merged

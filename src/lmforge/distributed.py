@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lmforge.errors import UserError
+
 
 @dataclass
 class DistInfo:
@@ -36,6 +38,9 @@ def init_distributed(device: str = "auto", timeout_s: float = 300.0) -> DistInfo
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise UserError(f"training.device=cuda but CUDA is not available ({why}); use training.device=auto or cpu")
     dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(dev)

@@ -234,10 +234,28 @@ class Checkpointer:
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
+    """The checkpoint's JSON trainer state, checked before any tensor is loaded: a hand-edited or
+    foreign file is refused with one line instead of failing half-way through a resume."""
+    where = path / STATE_FILE
     try:
-        return json.loads((path / STATE_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        state = json.loads(where.read_text())
+    except (OSError, ValueError) as e:
         raise UserError(f"checkpoint {path}: unreadable {STATE_FILE} ({e})") from None
+    if not isinstance(state, dict):
+        raise UserError(f"{where}: expected a JSON object, found {type(state).__name__}")
+    step = state.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise UserError(f"{where}: 'step' must be a non-negative integer, found {step!r}")
+    named = _step_of(path)
+    if named is not None and named != step:
+        raise UserError(f"{where}: 'step' is {step} but the checkpoint directory is for step {named}")
+    tokens = state.get("tokens_seen", 0)
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        raise UserError(f"{where}: 'tokens_seen' must be a non-negative integer, found {tokens!r}")
+    for key in ("data", "model"):
+        if key in state and not isinstance(state[key], dict):
+            raise UserError(f"{where}: {key!r} must be a JSON object, found {type(state[key]).__name__}")
+    return state
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -97,6 +97,7 @@ def safe_dcp_load(state: dict[str, Any], path: str | Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     reader, planner = safe_loading_classes()
+    _check_metadata(Path(path))
     try:
         with quiet_dcp():
             dcp.load(state, storage_reader=reader(str(path)), planner=planner())
@@ -104,6 +105,18 @@ def safe_dcp_load(state: dict[str, Any], path: str | Path) -> None:
         if isinstance(e, UserError):
             raise
         raise UserError(f"checkpoint {path} could not be loaded: {one_line(e)}") from None
+
+
+def _check_metadata(path: Path) -> None:
+    """Read ``.metadata`` with the restricted unpickler first: a refused or unreadable file becomes one
+    line here, before DCP's own fallback (per-rank metadata) prints tracebacks of its own."""
+    try:
+        with open(path / ".metadata", "rb") as f:
+            _MetadataUnpickler(f).load()
+    except OSError as e:
+        raise UserError(f"checkpoint {path}: cannot read .metadata ({e.strerror or e})") from None
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means the file cannot be trusted
+        raise UserError(f"checkpoint {path}: refused .metadata: {one_line(e)}") from None
 
 
 def one_line(e: BaseException) -> str:

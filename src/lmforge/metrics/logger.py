@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from lmforge.checkpoint.layout import RunDir
+from lmforge.errors import UserError
 
 
 
@@ -80,11 +81,13 @@ class MetricLogger:
         process_start: float | None = None,
         sinks: list[Any] | None = None,
         progress: Any = None,
+        defer: bool = False,
     ) -> None:
         """``process_start`` earlier than this process's own start (an elastic restart passes the time
         its predecessor failed) makes goodput cover the gap as ``recovery``. ``sinks`` receive every
         scalar (``.scalars(step, dict)``, ``.close()``, e.g. W&B); ``progress`` observes every step
-        (``.update(step, metrics)``, ``.close()``, e.g. the progress bar)."""
+        (``.update(step, metrics)``, ``.close()``, e.g. the progress bar). ``defer`` holds every record
+        in memory until :meth:`open` (a trainer opens once its start-up checks have passed)."""
         self.run_dir = Path(run_dir)
         self.rank = rank
         self.world_size = world_size
@@ -106,15 +109,41 @@ class MetricLogger:
         self._steps_seen = 0
         self._jsonl = None
         self._tb = None
+        self._tensorboard = tensorboard
+        self._opened = False
+        self._pending: list[tuple[str, tuple[Any, ...]]] = []  # ("jsonl", (record,)) or (tb method, args)
         self.sinks: list[Any] = list(sinks or []) if rank == 0 else []
         self.progress: Any = progress
-        if self.writes:
+        if not defer:
+            self.open()
+
+    def open(self) -> None:
+        """Start writing the run directory's metrics.jsonl and TensorBoard files.
+
+        Until then records are held in memory (the console still prints them): a run that fails its
+        start-up checks (bad data, a checkpoint it refuses) exits without touching the run directory.
+        """
+        if self._opened:
+            return
+        self._opened = True
+        if not self.writes:
+            return
+        path = RunDir(self.run_dir).metrics
+        try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(RunDir(self.run_dir).metrics, "a", encoding="utf-8")
-            if tensorboard:
+            self._jsonl = open(path, "a", encoding="utf-8")
+            if self._tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(log_dir=str(RunDir(self.run_dir).tensorboard))
+        except OSError as e:
+            raise UserError(f"cannot write the run's metrics in {self.run_dir} ({e.strerror or e})") from None
+        pending, self._pending = self._pending, []
+        for what, args in pending:
+            if what == "jsonl":
+                self._append(*args)
+            elif self._tb is not None:
+                getattr(self._tb, what)(*args)
 
     # ------------------------------------------------------------------ output
     def console(self, line: str) -> None:
@@ -122,10 +151,28 @@ class MetricLogger:
             self._console(line)
 
     def _write(self, record: dict[str, Any]) -> None:
-        if self._jsonl is not None:
-            record = {"time": round(time.time(), 3), **record}
+        if not self.writes:
+            return
+        record = {"time": round(time.time(), 3), **record}
+        if self._opened:
+            self._append(record)
+        else:
+            self._pending.append(("jsonl", (record,)))
+
+    def _append(self, record: dict[str, Any]) -> None:
+        if self._jsonl is None:
+            return
+        try:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
+        except OSError as e:
+            raise UserError(f"cannot write {RunDir(self.run_dir).metrics} ({e.strerror or e})") from None
+
+    def _tb_call(self, method: str, *args: Any) -> None:
+        if self._tb is not None:
+            getattr(self._tb, method)(*args)
+        elif not self._opened and self.writes and self._tensorboard:
+            self._pending.append((method, args))
 
     def _scalars(self, step: int, values: dict[str, float], group: str | None = None) -> None:
         named = {}
@@ -139,9 +186,8 @@ class MetricLogger:
             else:
                 name = f"perf/{k}" if k in _PERF_KEYS else f"learning/{k}"
             named[name] = v
-        if self._tb is not None:
-            for name, v in named.items():
-                self._tb.add_scalar(name, v, step)
+        for name, v in named.items():
+            self._tb_call("add_scalar", name, v, step)
         for sink in self.sinks:
             sink.scalars(step, named)
 
@@ -152,9 +198,8 @@ class MetricLogger:
             return
         self._write({"kind": "setup", **info})
         self.console("setup: " + ", ".join(f"{k}={_fmt(v)}" for k, v in info.items()))
-        if self._tb is not None:
-            self._tb.add_text("config", "```toml\n" + config_toml + "\n```", 0)
-            self._tb.add_text("setup", "\n".join(f"* {k}: {v}" for k, v in info.items()), 0)
+        self._tb_call("add_text", "config", "```toml\n" + config_toml + "\n```", 0)
+        self._tb_call("add_text", "setup", "\n".join(f"* {k}: {v}" for k, v in info.items()), 0)
 
     # ------------------------------------------------------------------ timing
     def start_clock(self) -> None:
@@ -299,8 +344,7 @@ class MetricLogger:
         if not self.writes:
             return
         self._write({"kind": "text", "step": step, "tag": tag, "text": text})
-        if self._tb is not None:
-            self._tb.add_text(tag, text, step)
+        self._tb_call("add_text", tag, text, step)
 
     # ------------------------------------------------------------------ goodput
     def goodput_summary(self) -> dict[str, float]:

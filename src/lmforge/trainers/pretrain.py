@@ -7,6 +7,7 @@ from lmforge.data.corpus import embedded_corpus
 from lmforge.data.loader import eval_batches
 from lmforge.data.packing import PackedTokenDataset
 from lmforge.data.sources import read_documents
+from lmforge.errors import UserError
 from lmforge.evaluation.loss import evaluate_loss
 from lmforge.models.tokenizer import Tokenizer
 from lmforge.training.loop import train
@@ -30,20 +31,31 @@ def read_corpora(cfg: Config) -> Corpora:
 
 def build_datasets(cfg: Config, tokenizer: Tokenizer,
                    corpora: Corpora | None = None) -> tuple[PackedTokenDataset, PackedTokenDataset]:
-    train_docs, val_docs = corpora or read_corpora(cfg)
-    return (PackedTokenDataset(train_docs, tokenizer, cfg.data.seq_len),
-            PackedTokenDataset(val_docs, tokenizer, cfg.data.seq_len))
+    """Packed train and validation sets; a problem with either names its config key and file."""
+    sets = []
+    for key, docs in zip(("train", "validation"), corpora or read_corpora(cfg)):
+        try:
+            sets.append(PackedTokenDataset(docs, tokenizer, cfg.data.seq_len))
+        except UserError as e:
+            raise UserError(f"data.{key}={getattr(cfg.data, key)}: {e}") from None
+    return sets[0], sets[1]
 
 
 def train_on_corpora(rt: Runtime, corpora: Corpora) -> Runtime:
     """The pretraining job on an already built runtime (the elastic trainer runs it too)."""
     cfg = rt.cfg
     train_set, val_set = build_datasets(cfg, rt.tokenizer, corpora)
-    source = LoaderSource(rt, train_set)
 
     def evaluate(rt: Runtime):
         batches = eval_batches(val_set, cfg.eval.batch_size, cfg.eval.steps, rt.dist.rank, rt.dist.world_size)
         return evaluate_loss(rt, batches, cross_entropy_loss)
+
+    if cfg.eval.interval:  # a validation set too small for one eval batch fails now, not after training
+        try:
+            eval_batches(val_set, cfg.eval.batch_size, cfg.eval.steps, rt.dist.rank, rt.dist.world_size)
+        except UserError as e:
+            raise UserError(f"data.validation={cfg.data.validation}: {e} (eval.batch_size)") from None
+    source = LoaderSource(rt, train_set)
 
     try:
         train(rt, source, NextTokenObjective(), evaluate)

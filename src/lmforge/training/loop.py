@@ -21,6 +21,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from lmforge import distributed as dist_utils
+from lmforge.errors import UserError
 from lmforge.metrics.records import last_logged_step
 from lmforge.training.guard import Guard, StopSignals
 from lmforge.training.runtime import Runtime
@@ -64,6 +65,7 @@ class Objective(Protocol):
 def train(rt: Runtime, source: StepSource, objective: Objective, evaluate: EvalFn | None) -> TrainState:
     """Run steps until a budget or a stop request ends the run; eval and checkpoint on schedule."""
     state = resume(rt, source)
+    rt.open_run_dir()  # every start-up check has passed: only now is the run directory written
     guard = Guard(rt, spike_factor=rt.cfg.training.spike_factor if objective.watch_spikes else 0.0)
     with StopSignals(state):
         if evaluate and rt.cfg.eval.at_start and rt.cfg.eval.interval and state.step == 0:
@@ -157,7 +159,12 @@ def resume(rt: Runtime, source: StepSource) -> TrainState:
         return state
     with rt.metrics.timed("checkpoint_restore"):
         saved = rt.checkpoints.load(path, rt.model, rt.optimizer)
-        source.load_state_dict(saved["data"])
+        try:
+            source.load_state_dict(saved.get("data", {}))
+        except UserError as e:
+            raise UserError(f"resuming from {path}: {e}") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"resuming from {path}: its data position is unreadable ({e!r})") from None
     state.load_state_dict(saved)
     state.resumed_from = path
     state.redo_until = last_logged_step(rt.run_dir)

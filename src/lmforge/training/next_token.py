@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from lmforge.data.fingerprint import check_fingerprint, dataset_fingerprint
 from lmforge.data.loader import StepLoader
 from lmforge.data.packing import Batch, SampleDataset
 from lmforge.training.loop import StepBatch
@@ -19,6 +20,9 @@ class LoaderSource:
 
     def __init__(self, rt: Runtime, dataset: SampleDataset) -> None:
         t = rt.cfg.training
+        self.fingerprint = dataset_fingerprint(dataset)
+        self.on_data_change = rt.cfg.checkpoint.on_data_change
+        self.warn = rt.metrics.console
         self.loader = StepLoader(dataset, t.global_batch_size, t.micro_batch_size, rt.dist.rank, rt.dist.world_size,
                                  seed=t.seed, shuffle=rt.cfg.data.shuffle, prefetch=rt.cfg.data.prefetch,
                                  device=rt.dist.device)
@@ -28,9 +32,10 @@ class LoaderSource:
         return StepBatch(microbatches, tokens=sum(mb.input_ids.numel() for mb in microbatches))
 
     def state_dict(self) -> dict[str, Any]:
-        return self.loader.state_dict()
+        return {**self.loader.state_dict(), "fingerprint": self.fingerprint}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_fingerprint(state.get("fingerprint"), self.fingerprint, self.on_data_change, self.warn)
         self.loader.load_state_dict(state)
 
     def close(self) -> None:

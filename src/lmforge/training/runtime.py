@@ -60,6 +60,19 @@ class Runtime:
     """Model shape and tokenizer, stored in every checkpoint so it describes itself."""
     step_hooks: tuple[StepHook, ...] = ()
 
+    def open_run_dir(self) -> None:
+        """Write the run's config, model description and metrics: called once every start-up check
+        (config, data, the checkpoint to resume) has passed, so a refused start leaves the run
+        directory as it was."""
+        self.metrics.open()
+        if self.dist.is_main:
+            run = RunDir(self.run_dir)
+            try:
+                write_text(run.config, self.cfg.to_toml())
+                write_json(run.model_args, self.model_description)
+            except OSError as e:
+                raise UserError(f"run.dir={self.run_dir}: cannot write the run directory ({e.strerror or e})") from None
+
     def autocast(self) -> Any:
         if self.cfg.training.dtype == "bfloat16":
             return torch.autocast(self.dist.device.type, dtype=torch.bfloat16)
@@ -139,6 +152,7 @@ def build_runtime(cfg: Config, trainer: str, *, step_hooks: tuple[StepHook, ...]
     torch.manual_seed(cfg.training.seed)
     loaded = build_model(cfg)
     model, args = loaded.model, loaded.args
+    _check_fresh_start(cfg, run)
     _check_resume_compatible(run, args)
     model.to(info.device)
     raw = model
@@ -159,10 +173,7 @@ def build_runtime(cfg: Config, trainer: str, *, step_hooks: tuple[StepHook, ...]
     metrics = MetricLogger(run.root, rank=info.rank, world_size=info.world_size, log_every=cfg.metrics.log_every,
                            flops_per_token=fpt, peak_flops=peak, tensorboard=cfg.metrics.tensorboard,
                            console=bar.write if bar else None, process_start=process_start, sinks=sinks,
-                           progress=bar)
-    if info.is_main:
-        write_text(run.config, cfg.to_toml())
-        write_json(run.model_args, loaded.description())
+                           progress=bar, defer=True)
     metrics.log_setup({
         "trainer": trainer, "parameters": raw.num_params(), "non_embedding_parameters":
         raw.num_params(exclude_embeddings=True), "flops_per_token": fpt, "peak_tflops_per_device": peak / 1e12,
@@ -185,12 +196,41 @@ def build_runtime(cfg: Config, trainer: str, *, step_hooks: tuple[StepHook, ...]
                    step_hooks=tuple(step_hooks))
 
 
+def _check_fresh_start(cfg: Config, run: RunDir) -> None:
+    """``checkpoint.resume=never`` starts from step 0; in a directory that already holds checkpoints
+    the new run's saves would interleave with the old ones (and the newer old ones would win the next
+    resume), so it is refused instead of guessing which to delete."""
+    if cfg.checkpoint.resume != "never":
+        return
+    found = list_checkpoints(run.checkpoints)
+    if found:
+        raise UserError(f"checkpoint.resume=never but run.dir={run.root} already holds checkpoints "
+                        f"(newest {found[-1].name}); choose a new run.dir or move {run.checkpoints} away")
+
+
+def _saved_model_args(run: RunDir) -> dict[str, Any]:
+    """The model shape the run's checkpoints were made for: from the newest checkpoint that
+    describes itself, else from ``model_args.json`` (older runs); {} when neither can be read."""
+    for ckpt in reversed(list_checkpoints(run.checkpoints)):
+        try:
+            described = json.loads((ckpt / STATE_FILE).read_text()).get("model", {})
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(described, dict) and isinstance(described.get("model_args"), dict):
+            return described["model_args"]
+    try:
+        saved = json.loads(run.model_args.read_text()).get("model_args", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
 def _check_resume_compatible(run: RunDir, args: ModelArgs) -> None:
     """Refuse to resume a run directory whose checkpoints were made for another model shape."""
     run_dir = run.root
-    if not run.model_args.is_file() or not run.checkpoints.is_dir():
+    if not list_checkpoints(run.checkpoints):
         return
-    saved = json.loads(run.model_args.read_text()).get("model_args", {})
+    saved = _saved_model_args(run)
     new = args.to_dict()
     diff = sorted((k for k in new if k in saved and saved[k] != new[k]), key=lambda k: k != "vocab_size")
     if diff and diff[0] == "vocab_size":
