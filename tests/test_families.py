@@ -299,3 +299,18 @@ def test_sliding_window_flops_count_the_band():
         causal_offset = 0.5 if T <= 16 else 0.5 * 16 / T  # the continuous count halves the diagonal
         assert attended_keys(args, T) == pytest.approx(band - causal_offset)
     assert flops_per_token(args, 16) == flops_per_token(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=40), 16)
+
+
+def test_packed_documents_with_sliding_window_equal_separate_runs():
+    args = ModelArgs(dim=32, n_layers=2, n_heads=2, vocab_size=VOCAB, max_seq_len=64, sliding_window=WINDOW,
+                     hf_model_type="mistral")
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    model.eval()
+    a, b = ids(11, B=1, seed=5), ids(17, B=1, seed=6)
+    doc = torch.tensor([[0] * 11 + [1] * 17])
+    pos = torch.cat([torch.arange(11), torch.arange(17)]).unsqueeze(0)
+    with torch.no_grad():
+        packed = model(torch.cat([a, b], dim=1), position_ids=pos, document_ids=doc)
+        torch.testing.assert_close(packed[:, :11], model(a), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(packed[:, 11:], model(b), atol=1e-5, rtol=1e-5)
