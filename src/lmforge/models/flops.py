@@ -18,8 +18,9 @@ def matmul_params(args: ModelArgs) -> int:
     """Parameters that take part in a matmul per token: all projections incl. the output head.
 
     The embedding lookup is a gather, not a matmul, so it is excluded even when tied
-    (the tied matrix is then counted once, as the output projection). Norm weights are
-    elementwise and negligible.
+    (the tied matrix is then counted once, as the output projection). Norm weights (incl.
+    Qwen3's q/k norms) and projection biases (Qwen2) are elementwise and negligible.
+    ``head_dim`` is taken as configured, which need not be ``dim / n_heads`` (Qwen3).
     """
     d, hd = args.dim, args.head_dim
     attn = d * args.n_heads * hd + 2 * d * args.kv_heads * hd + args.n_heads * hd * d
@@ -40,9 +41,20 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
       kernels really do skip the masked tiles, so we count the causal half:
       ``6 * n_layers * T * d``. Counting the full square would credit the run with work
       the kernel never performs and inflate MFU.
+    * A sliding window (Mistral) shrinks what a query needs further once ``T`` exceeds the
+      window ``W``: the band's area per query is ``T/2 - (T - W)^2 / (2T)`` keys instead of
+      ``T/2`` (the same continuous count as the causal half, and equal to it at ``T = W``).
     """
     attn_d = args.n_heads * args.head_dim
-    return 6.0 * matmul_params(args) + 6.0 * args.n_layers * seq_len * attn_d
+    return 6.0 * matmul_params(args) + 12.0 * args.n_layers * attended_keys(args, seq_len) * attn_d
+
+
+def attended_keys(args: ModelArgs, seq_len: int) -> float:
+    """Average number of keys a query needs at sequence length ``seq_len`` (see ``flops_per_token``)."""
+    T, W = float(seq_len), args.sliding_window
+    if W is None or T <= W:
+        return T / 2
+    return T / 2 - (T - W) ** 2 / (2 * T)
 
 
 # Dense (no structured sparsity) peak FLOP/s from vendor spec sheets: (bf16/fp16, tf32, fp32).

@@ -1,8 +1,10 @@
-"""Read and write Hugging Face Llama checkpoint directories (config.json + safetensors).
+"""Read and write Hugging Face checkpoint directories (config.json + safetensors).
 
-lmforge's RoPE uses the same ``rotate_half`` layout as Hugging Face, so the conversion
-is a pure renaming of tensors: no q/k permutation is needed in either direction.
-Everything works offline on local directories.
+Families: Llama (incl. SmolLM2), Qwen2/2.5, Qwen3 and Mistral; ``lmforge.models.hf_config``
+maps their config.json to ``ModelArgs`` and back. lmforge's RoPE uses the same
+``rotate_half`` layout as Hugging Face, so the conversion is a pure renaming of tensors:
+no q/k permutation is needed in either direction. Everything works offline on local
+directories.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from lmforge.errors import UserError
+from lmforge.models.hf_config import args_from_hf_config, check_exportable, hf_config_from_args
 from lmforge.models.model import ModelArgs, Transformer
 
 # lmforge per-layer suffix -> Hugging Face per-layer suffix
@@ -25,6 +28,11 @@ _LAYER_MAP = {
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
@@ -55,7 +63,7 @@ def _strip_wrappers(name: str) -> str:
 
 
 def hf_state_dict_from_lmforge(model_state: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
-    """Rename an lmforge state dict to Hugging Face ``LlamaForCausalLM`` names.
+    """Rename an lmforge state dict to Hugging Face ``*ForCausalLM`` names (shared by all families).
 
     With tied embeddings ``lm_head.weight`` is omitted, as ``save_pretrained`` does.
     """
@@ -75,7 +83,7 @@ def hf_state_dict_from_lmforge(model_state: dict[str, Tensor], args: ModelArgs) 
 
 
 def lmforge_state_dict_from_hf(hf_state: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
-    """Rename a Hugging Face Llama state dict to lmforge names.
+    """Rename a Hugging Face state dict (any supported family) to lmforge names.
 
     When the model ties embeddings, ``output.weight`` is the embedding tensor itself.
     Buffers HF may store (``rotary_emb.inv_freq``) are ignored: lmforge recomputes RoPE.
@@ -89,7 +97,7 @@ def lmforge_state_dict_from_hf(hf_state: dict[str, Tensor], args: ModelArgs) -> 
             continue
         m = _HF_LAYER.fullmatch(name)
         if m is None or m.group(2) not in _HF_LAYER_MAP:
-            raise UserError(f"unexpected tensor {name!r} in Hugging Face checkpoint (not a plain Llama?)")
+            raise UserError(f"unexpected tensor {name!r} in Hugging Face checkpoint (a feature lmforge lacks?)")
         out[f"layers.{m.group(1)}.{_HF_LAYER_MAP[m.group(2)]}"] = t
     if args.tie_embeddings:
         if "tok_embeddings.weight" not in out:
@@ -110,48 +118,9 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def load_hf_config(model_dir: str | Path) -> ModelArgs:
-    """``ModelArgs`` from a Llama ``config.json``; UserError for anything lmforge cannot run."""
+    """``ModelArgs`` from a ``config.json``; UserError for anything lmforge cannot run exactly."""
     path = Path(model_dir) / "config.json"
-    cfg = _read_json(path)
-    if cfg.get("model_type") != "llama":
-        raise UserError(f"{path}: model_type is {cfg.get('model_type')!r}, only 'llama' is supported")
-    for key in ("attention_bias", "mlp_bias"):
-        if cfg.get(key):
-            raise UserError(f"{path}: {key}=true is not supported")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise UserError(f"{path}: hidden_act {cfg['hidden_act']!r} is not supported (need silu)")
-    try:
-        dim, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        head_dim = cfg.get("head_dim")
-        if head_dim is not None and int(head_dim) != dim // n_heads:
-            raise UserError(f"{path}: head_dim {head_dim} != hidden_size / num_attention_heads")
-        # transformers >= 5 nests rope settings in "rope_parameters"; older files use
-        # top-level "rope_theta" plus an optional "rope_scaling".
-        rope = dict(cfg.get("rope_parameters") or {})
-        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling is not None:
-            scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind == "default":
-                scaling = None
-            elif kind != "llama3":
-                raise UserError(f"{path}: rope scaling {kind!r} is not supported (only llama3)")
-        return ModelArgs(
-            dim=dim,
-            n_layers=int(cfg["num_hidden_layers"]),
-            n_heads=n_heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            vocab_size=int(cfg["vocab_size"]),
-            ffn_hidden_dim=int(cfg["intermediate_size"]),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            rope_scaling=scaling,
-        )
-    except KeyError as e:
-        raise UserError(f"{path}: missing field {e.args[0]!r}") from None
+    return args_from_hf_config(_read_json(path), path)
 
 
 def _read_hf_tensors(model_dir: Path) -> dict[str, Tensor]:
@@ -171,7 +140,7 @@ def _read_hf_tensors(model_dir: Path) -> dict[str, Tensor]:
 
 
 def load_hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Transformer:
-    """Load a Hugging Face Llama directory into a CPU ``Transformer`` of ``dtype``.
+    """Load a Hugging Face model directory into a CPU ``Transformer`` of ``dtype``.
 
     The module is built on the meta device and the checkpoint tensors assigned directly,
     so no time or memory is spent on a random init that would be overwritten.
@@ -201,7 +170,12 @@ def save_hf_model(
     model_state: dict[str, Tensor], args: ModelArgs, out_dir: str | Path, *,
     bos_token_id: int | None = None, eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
 ) -> None:
-    """Write ``config.json``, ``model.safetensors`` and ``generation_config.json`` for HF Llama."""
+    """Write ``config.json``, ``model.safetensors`` and ``generation_config.json``.
+
+    The config names ``args.hf_model_type`` and its class, so ``AutoModelForCausalLM`` rebuilds
+    the same family. ``eos_token_id`` may be a list (several stop tokens) and is written as one.
+    """
+    check_exportable(args)  # refuse before writing anything
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf = hf_state_dict_from_lmforge(model_state, args)
@@ -218,36 +192,8 @@ def save_hf_model(
     dtype = tensors["model.embed_tokens.weight"].dtype
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
-    if args.rope_scaling is not None:
-        rope = {**args.rope_scaling, "rope_theta": args.rope_theta}
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "max_position_embeddings": args.max_seq_len,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": args.rope_scaling,
-        "rope_parameters": rope,
-        "tie_word_embeddings": args.tie_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "torch_dtype": _dtype_name(dtype),
-        "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_id,
-        "pad_token_id": pad_token_id,
-    }
+    config = hf_config_from_args(args, torch_dtype=_dtype_name(dtype), bos_token_id=bos_token_id,
+                                 eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gen = {"_from_model_config": True}
     for key, val in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):

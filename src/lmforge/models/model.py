@@ -1,116 +1,37 @@
-"""Llama-style decoder-only transformer.
+"""Llama-style decoder-only transformer, with the options of its popular relatives.
 
 The layout follows Llama exactly (RMSNorm, rotary embeddings in the Hugging Face
 ``rotate_half`` convention, grouped-query attention, SwiGLU MLP) so that Hugging Face
-Llama checkpoints map onto it tensor-for-tensor with no permutation (see ``lmforge.models.hf``).
+checkpoints map onto it tensor-for-tensor with no permutation (see ``lmforge.models.hf``).
+The family options (``ModelArgs.qkv_bias``, ``qk_norm``, explicit ``head_dim``,
+``sliding_window``) cover Qwen2/2.5, Qwen3 and Mistral with the same modules.
 
 Attention always goes through ``F.scaled_dot_product_attention`` so PyTorch can pick
 flash / memory-efficient kernels; the plain causal case passes ``is_causal=True`` (no mask
-tensor at all), which is the fast path on GPUs. The forward contains no host syncs, so it
+tensor at all), which is the fast path on GPUs; a sliding window only adds a banded mask once the sequence is
+longer than the window. The forward contains no host syncs, so it
 is safe under ``torch.compile`` and does not stall CUDA streams.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmforge.errors import UserError
+from lmforge.models.args import MODEL_SIZES, ModelArgs, model_args_for
+
+__all__ = [
+    "MODEL_SIZES", "ModelArgs", "model_args_for", "Transformer", "TransformerBlock", "Attention", "FeedForward",
+    "RMSNorm", "RotaryEmbedding", "apply_rope", "document_mask", "sliding_window_mask",
+]
 
 if TYPE_CHECKING:  # pragma: no cover
     from lmforge.models.kv_cache import KVCache
-
-
-@dataclass
-class ModelArgs:
-    """Architecture hyper-parameters; ``vocab_size`` normally comes from the tokenizer."""
-
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int | None = None
-    vocab_size: int = 512
-    ffn_hidden_dim: int | None = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_seq_len: int = 2048
-    tie_embeddings: bool = False
-    # Llama-3.1 style frequency scaling ({"rope_type": "llama3", "factor", "low_freq_factor",
-    # "high_freq_factor", "original_max_position_embeddings"}); None = plain RoPE.
-    # Only needed to run released Llama 3.1+ checkpoints faithfully.
-    rope_scaling: dict[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        if self.dim % self.n_heads != 0:
-            raise UserError(f"model dim {self.dim} is not divisible by n_heads {self.n_heads}")
-        if self.head_dim % 2 != 0:
-            raise UserError(f"head_dim {self.head_dim} must be even for rotary embeddings")
-        if self.n_heads % self.kv_heads != 0:
-            raise UserError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.kv_heads}")
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind not in ("llama3", "default"):
-                raise UserError(f"unsupported rope_scaling type {kind!r} (supported: 'llama3')")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        """Number of key/value heads (``n_kv_heads`` resolved; < n_heads means GQA)."""
-        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
-
-    @property
-    def ffn_dim(self) -> int:
-        """SwiGLU hidden size: explicit, or Llama's 2/3 * 4 * dim rounded up to a multiple of 64.
-
-        The 2/3 keeps the parameter count of a 3-matrix SwiGLU equal to a 4x GELU MLP.
-        """
-        if self.ffn_hidden_dim is not None:
-            return self.ffn_hidden_dim
-        hidden = int(2 * (4 * self.dim) / 3)
-        multiple_of = 64
-        return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ModelArgs:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise UserError(f"unknown model argument(s) {unknown}; known: {sorted(known)}")
-        return cls(**d)
-
-
-MODEL_SIZES: dict[str, dict[str, Any]] = {
-    "debug": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=1024),
-    "small": dict(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, max_seq_len=2048),
-    "125m": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, max_seq_len=2048, tie_embeddings=True),
-    "1b": dict(
-        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden_dim=8192, tie_embeddings=True,
-        rope_theta=500000.0, max_seq_len=8192,
-    ),
-    "8b": dict(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336, tie_embeddings=False,
-        rope_theta=500000.0, max_seq_len=8192,
-    ),
-}
-
-
-def model_args_for(size: str, vocab_size: int, **overrides: Any) -> ModelArgs:
-    """Build ``ModelArgs`` from a named preset, the tokenizer's vocab size and overrides."""
-    if size not in MODEL_SIZES:
-        raise UserError(f"unknown model size {size!r}; known sizes: {', '.join(MODEL_SIZES)}")
-    kwargs = {**MODEL_SIZES[size], "vocab_size": vocab_size, **overrides}
-    return ModelArgs.from_dict(kwargs)
 
 
 class RMSNorm(nn.Module):
@@ -134,8 +55,11 @@ def _rope_inv_freq(args: ModelArgs, device: torch.device | str | None) -> Tensor
     hd = args.head_dim
     inv = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
     sc = args.rope_scaling
-    if sc is None or sc.get("rope_type", sc.get("type")) == "default":
+    kind = None if sc is None else sc.get("rope_type", sc.get("type"))
+    if kind is None or kind == "default":
         return inv
+    if kind == "linear":  # positions divided by `factor`, i.e. every frequency slowed down
+        return inv / float(sc["factor"])
     # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, and the band
     # in between interpolated smoothly.
     factor = float(sc["factor"])
@@ -211,18 +135,24 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        # Qwen3: per-head RMSNorm of q and k (over head_dim, weights shared by all heads).
+        self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
         kv_cache: KVCache | None = None, layer_idx: int = 0,
     ) -> Tensor:
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
@@ -271,6 +201,13 @@ def document_mask(document_ids: Tensor) -> Tensor:
     return (same & causal).unsqueeze(1)
 
 
+def sliding_window_mask(T: int, window: int, device: torch.device | str | None = None) -> Tensor:
+    """Banded causal mask [1, 1, T, T]: i attends j iff i - window < j <= i (Mistral's rule)."""
+    i = torch.arange(T, device=device).unsqueeze(1)
+    j = torch.arange(T, device=device).unsqueeze(0)
+    return ((j <= i) & (j > i - window))[None, None]
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -311,8 +248,12 @@ class Transformer(nn.Module):
                 nn.init.normal_(lin.weight, 0.0, std, generator=gen)
             for lin in (layer.attention.wo, layer.feed_forward.w2):
                 nn.init.normal_(lin.weight, 0.0, resid_std, generator=gen)
-            nn.init.ones_(layer.attention_norm.weight)
-            nn.init.ones_(layer.ffn_norm.weight)
+            for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv):
+                if lin.bias is not None:
+                    nn.init.zeros_(lin.bias)
+            for norm in (layer.attention_norm, layer.ffn_norm, layer.attention.q_norm, layer.attention.k_norm):
+                if norm is not None:
+                    nn.init.ones_(norm.weight)
         nn.init.ones_(self.norm.weight)
         if not self.args.tie_embeddings:
             nn.init.normal_(self.output.weight, 0.0, std, generator=gen)
@@ -345,8 +286,13 @@ class Transformer(nn.Module):
                 raise ValueError("document_ids cannot be combined with a kv_cache")
             mask = kv_cache.attn_mask(T)
             is_causal = mask is None and T > 1
-        elif document_ids is not None:
-            mask, is_causal = document_mask(document_ids), False
+        else:
+            window = self.args.sliding_window
+            if document_ids is not None:
+                mask, is_causal = document_mask(document_ids), False
+            if window is not None and T > window:  # shorter sequences: the band is the causal mask
+                band = sliding_window_mask(T, window, tokens.device)
+                mask, is_causal = band if mask is None else mask & band, False
 
         for layer in self.layers:
             h = layer(h, cos, sin, mask, is_causal, kv_cache)

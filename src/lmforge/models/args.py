@@ -1,0 +1,149 @@
+"""Architecture hyper-parameters (``ModelArgs``) and the named sizes that fill them in.
+
+One ``ModelArgs`` describes every family lmforge runs: Llama 2/3/3.x, SmolLM2 (Llama-shaped),
+Qwen2/2.5 (bias on the q/k/v projections), Qwen3 (RMSNorm on q and k per head, explicit
+``head_dim``) and Mistral (sliding-window attention). ``hf_model_type`` records which Hugging Face
+family the weights belong to, so exporting writes the same ``model_type`` back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from lmforge.errors import UserError
+
+# Hugging Face model_type -> the CausalLM class transformers builds for it.
+HF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+# RoPE frequency schemes that are computed once from the config (no run-time state).
+ROPE_TYPES = ("default", "llama3", "linear")
+
+
+@dataclass
+class ModelArgs:
+    """Architecture hyper-parameters; ``vocab_size`` normally comes from the tokenizer."""
+
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    vocab_size: int = 512
+    ffn_hidden_dim: int | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    # Frequency scaling: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"} (Llama 3.1+) or {"rope_type": "linear", "factor"};
+    # None = plain RoPE.
+    rope_scaling: dict[str, Any] | None = None
+    # Per-head size. None means dim // n_heads and is resolved on construction, so readers can
+    # always use ``args.head_dim``; Qwen3 sets it explicitly (n_heads * head_dim != dim).
+    head_dim: int | None = None
+    qkv_bias: bool = False  # additive bias on the q, k, v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    # Each query attends to itself and the previous sliding_window - 1 positions (Mistral).
+    sliding_window: int | None = None
+    hf_model_type: str = "llama"
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            if self.dim % self.n_heads != 0:
+                raise UserError(f"model dim {self.dim} is not divisible by n_heads {self.n_heads}")
+            self.head_dim = self.dim // self.n_heads
+        if self.head_dim % 2 != 0:
+            raise UserError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.n_heads % self.kv_heads != 0:
+            raise UserError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.kv_heads}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ROPE_TYPES:
+                raise UserError(f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise UserError(f"sliding_window must be a positive number of tokens, got {self.sliding_window}")
+        if self.hf_model_type not in HF_ARCHITECTURES:
+            raise UserError(f"unknown hf_model_type {self.hf_model_type!r}; known: {', '.join(HF_ARCHITECTURES)}")
+
+    @property
+    def kv_heads(self) -> int:
+        """Number of key/value heads (``n_kv_heads`` resolved; < n_heads means GQA)."""
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        """SwiGLU hidden size: explicit, or Llama's 2/3 * 4 * dim rounded up to a multiple of 64.
+
+        The 2/3 keeps the parameter count of a 3-matrix SwiGLU equal to a 4x GELU MLP.
+        """
+        if self.ffn_hidden_dim is not None:
+            return self.ffn_hidden_dim
+        hidden = int(2 * (4 * self.dim) / 3)
+        multiple_of = 64
+        return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelArgs:
+        """Inverse of ``to_dict``; keys added after a checkpoint was written take their defaults."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise UserError(f"unknown model argument(s) {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+
+# The real shapes are copied from each model's published config.json on the Hugging Face Hub
+# (HuggingFaceTB/SmolLM2-135M, Qwen/Qwen2.5-0.5B, Qwen/Qwen3-0.6B, meta-llama/Llama-3.2-1B,
+# mistralai/Mistral-7B-v0.1); vocab_size still comes from the tokenizer.
+MODEL_SIZES: dict[str, dict[str, Any]] = {
+    "debug": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=1024),
+    "small": dict(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, max_seq_len=2048),
+    "125m": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, max_seq_len=2048, tie_embeddings=True),
+    "1b": dict(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden_dim=8192, tie_embeddings=True,
+        rope_theta=500000.0, max_seq_len=8192,
+    ),
+    "8b": dict(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336, tie_embeddings=False,
+        rope_theta=500000.0, max_seq_len=8192,
+    ),
+    "smollm2-135m": dict(
+        dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_hidden_dim=1536, norm_eps=1e-5,
+        rope_theta=100000.0, max_seq_len=8192, tie_embeddings=True,
+    ),
+    "qwen2.5-0.5b": dict(
+        dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_hidden_dim=4864, norm_eps=1e-6,
+        rope_theta=1000000.0, max_seq_len=32768, tie_embeddings=True, qkv_bias=True, hf_model_type="qwen2",
+    ),
+    "qwen3-0.6b": dict(
+        dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_hidden_dim=3072, norm_eps=1e-6,
+        rope_theta=1000000.0, max_seq_len=40960, tie_embeddings=True, qk_norm=True, hf_model_type="qwen3",
+    ),
+    "llama-3.2-1b": dict(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden_dim=8192, norm_eps=1e-5,
+        rope_theta=500000.0, max_seq_len=131072, tie_embeddings=True,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+    ),
+    "mistral-7b": dict(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336, norm_eps=1e-5,
+        rope_theta=10000.0, max_seq_len=32768, tie_embeddings=False, sliding_window=4096, hf_model_type="mistral",
+    ),
+}
+
+
+def model_args_for(size: str, vocab_size: int, **overrides: Any) -> ModelArgs:
+    """Build ``ModelArgs`` from a named preset, the tokenizer's vocab size and overrides."""
+    if size not in MODEL_SIZES:
+        raise UserError(f"unknown model size {size!r}; known sizes: {', '.join(MODEL_SIZES)}")
+    kwargs = {**MODEL_SIZES[size], "vocab_size": vocab_size, **overrides}
+    if "rope_scaling" in kwargs and kwargs["rope_scaling"] is not None:
+        kwargs["rope_scaling"] = dict(kwargs["rope_scaling"])  # never share the preset's dict
+    return ModelArgs.from_dict(kwargs)
