@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -305,3 +306,26 @@ def test_prompt_records_for_a_task_subset_and_a_jsonl_file(tmp_path):
     cfg = load_config(GRPOConfig, None, [f"--data.train={tmp_path / 'p.jsonl'}"])
     with pytest.raises(UserError, match="record 2 has no string `prompt` column"):
         prompt_records(cfg, "train")
+
+
+def test_resume_at_every_position_within_a_rollout_is_exact(tiny_task):
+    """num_iterations=3: a run resumed from the checkpoint after any update (1..5 of 6: mid-rollout or
+    at a boundary) trains on the same rollouts and logs what the uninterrupted run logged."""
+    common = dict(training_global_batch_size=8, training_micro_batch_size=4, grpo_num_generations=4,
+                  grpo_max_new_tokens=5, grpo_num_iterations=3, grpo_beta=0.1, optimizer_lr=1e-2,
+                  checkpoint_interval=1, checkpoint_keep=10)
+    [straight] = _grpo(tiny_task, {"a": dict(common, training_steps=6)})
+    ckpts = tiny_task / "a" / "checkpoints"
+    for k in range(1, 6):
+        shutil.copytree(ckpts / f"step_{k:08d}", tiny_task / f"from{k}" / "checkpoints" / f"step_{k:08d}")
+    assert (ckpts / "step_00000001" / "rank_state0.pt").is_file()  # mid-rollout: the rollout is saved
+    assert not (ckpts / "step_00000003" / "rank_state0.pt").exists()  # at a boundary: nothing to save
+    resumed = _grpo(tiny_task, {f"from{k}": dict(common, training_steps=6) for k in range(1, 6)})
+    keys = ("loss", "reward/mean", "grpo/kl", "grpo/clip_high", "grad_norm")
+    pick = lambda recs: {r["step"]: [r[key] for key in keys] for r in recs if r["kind"] == "train"}  # noqa: E731
+    want = pick(straight)
+    for k, recs in zip(range(1, 6), resumed):
+        got = pick(recs)
+        assert sorted(got) == list(range(k + 1, 7)), (k, sorted(got))
+        for step in got:
+            assert got[step] == pytest.approx(want[step], rel=1e-5), (k, step)

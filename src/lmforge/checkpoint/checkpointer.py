@@ -135,8 +135,11 @@ class Checkpointer:
                 os.replace(old, final)
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-             trainer_state: dict[str, Any]) -> Path:
+             trainer_state: dict[str, Any], rank_state: dict[str, Any] | None = None) -> Path:
         """Write a checkpoint of ``step`` atomically (collective: every rank must call it).
+
+        ``rank_state``: tensors only this rank holds (e.g. the GRPO rollout being trained on), saved
+        per rank and read back with ``weights_only`` loading by :meth:`load` at the same world size.
 
         Any failure (disk full, permissions) on any rank removes the ``.partial`` directory, leaves
         the previous checkpoints untouched and raises one UserError on every rank.
@@ -146,7 +149,7 @@ class Checkpointer:
         rank = dist_utils.rank()
         phases: list[tuple[bool, Callable[[], None]]] = [
             (rank == 0, lambda: self._start(partial)),
-            (True, lambda: self._write_files(partial, step, model, optimizer, trainer_state)),
+            (True, lambda: self._write_files(partial, step, model, optimizer, trainer_state, rank_state)),
             (True, lambda: write_manifest(partial, collective=True)),
             (rank == 0, lambda: self._commit(partial, final)),
         ]
@@ -168,7 +171,7 @@ class Checkpointer:
         return final
 
     def _write_files(self, partial: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                     trainer_state: dict[str, Any]) -> None:
+                     trainer_state: dict[str, Any], rank_state: dict[str, Any] | None = None) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
@@ -181,6 +184,8 @@ class Checkpointer:
             dcp.save(state, checkpoint_id=str(partial))
         rank = dist_utils.rank()
         write_json(partial / f"rng_rank{rank}.json", capture_rng())
+        if rank_state:
+            torch.save(rank_state, partial / f"rank_state{rank}.pt")
         if rank == 0:
             write_json(partial / STATE_FILE, {"step": step, **trainer_state})
 
@@ -230,7 +235,22 @@ class Checkpointer:
             rng_file = path / "rng_rank0.json"
         if rng_file.is_file():
             restore_rng(json.loads(rng_file.read_text()))
+        trainer_state["rank_state"] = _read_rank_state(path)
         return trainer_state
+
+
+def _read_rank_state(path: Path) -> dict[str, Any]:
+    """This rank's own saved state, only if every rank of the saving run has one for this world size
+    (at another world size the per-rank pieces no longer line up: the source starts afresh)."""
+    files = list(path.glob("rank_state*.pt"))
+    mine = path / f"rank_state{dist_utils.rank()}.pt"
+    if len(files) != dist_utils.world_size() or not mine.is_file():
+        return {}
+    try:
+        state = torch.load(mine, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - anything that is not plain tensors/containers is refused
+        raise UserError(f"checkpoint {path}: refused {mine.name}: {type(e).__name__}") from None
+    return state if isinstance(state, dict) else {}
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:

@@ -49,11 +49,12 @@ class CheckpointTiers:
         return self.fast is not None and path is not None and Path(path).parent == self.fast.root
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-             trainer_state: dict[str, Any], tier: Tier = "durable") -> Path:
+             trainer_state: dict[str, Any], rank_state: dict[str, Any] | None = None,
+             tier: Tier = "durable") -> Path:
         target = self.fast if tier == "fast" else self.durable
         if target is None:
             raise ValueError("no fast checkpoint tier configured")
-        return target.save(step, model, optimizer, trainer_state)
+        return target.save(step, model, optimizer, trainer_state, rank_state)
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
         tier = self.fast if self.is_snapshot(path) else self.durable

@@ -19,6 +19,7 @@ from torch import nn
 
 from lmforge.inference import chat_prompt_ids
 from lmforge.models.load import ModelSource, load_model
+from lmforge.rl.grpo_loss import PolicyBatch
 from lmforge.rl.rewards import WeightedReward
 from lmforge.rl.rollout import PromptSampler, Rollout, RolloutSettings, collect_rollout
 from lmforge.training.loop import StepBatch
@@ -39,6 +40,8 @@ class RolloutSource:
         self.reference_source = rt.model_source
         self.reference = self._load_reference(self.reference_source)
         self.rollout: Rollout | None = None
+        self.uses_left = 0
+        """Updates still to be trained on the current rollout (saved with it when > 0)."""
 
     def _load_reference(self, source: ModelSource) -> nn.Module | None:
         """The frozen KL reference (only with beta > 0): the run's starting weights, loaded afresh."""
@@ -50,13 +53,15 @@ class RolloutSource:
         return ref.eval().requires_grad_(False)
 
     def next_step(self, step: int) -> StepBatch:
-        if self.rollout is None or (step - 1) % self.g.num_iterations == 0:
+        if self.rollout is None or self.uses_left == 0:
             with self.rt.metrics.timed("rollout"):
                 self.rollout = self.sample(self.sampler.next_indices())
+            self.uses_left = self.g.num_iterations
             every = self.g.log_completions_every
             if every and (step == 1 or step % every == 0):
                 self.rt.metrics.record_text(step, "completions", completions_table(self.rollout, self.g.num_generations))
         r = self.rollout
+        self.uses_left -= 1
         return StepBatch(r.batches, tokens=r.tokens, metrics=r.metrics)
 
     def sample(self, indices: list[int]) -> Rollout:
@@ -85,7 +90,26 @@ class RolloutSource:
             self.reference = self._load_reference(saved)
             if self.reference is not None:
                 self.rt.metrics.record_event("reference", 0, f"reference model: {saved} (recorded in the checkpoint)")
-        self.rollout = None
+        self.rollout, self.uses_left = None, 0
+
+    def rank_state(self) -> dict[str, Any]:
+        """The rollout still being trained on (``num_iterations > 1``, stopped part-way through it): a
+        resume must train on the same completions, not sample new ones from newer weights."""
+        if self.rollout is None or self.uses_left == 0:
+            return {}
+        r = self.rollout
+        return {"uses_left": self.uses_left, "tokens": r.tokens, "metrics": r.metrics,
+                "batches": [{k: v for k, v in vars(b).items()} for b in r.batches]}
+
+    def load_rank_state(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        device = self.rt.dist.device
+        batches = [PolicyBatch(**{k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()})
+                   for b in state["batches"]]
+        metrics = {k: v.to(device) if torch.is_tensor(v) else v for k, v in state["metrics"].items()}
+        self.rollout = Rollout(batches, [], [], [], {}, metrics, tokens=int(state["tokens"]))
+        self.uses_left = int(state["uses_left"])
 
     def close(self) -> None:
         self.rollout = None

@@ -91,9 +91,6 @@ def check_batch_shape(cfg: GRPOConfig, world_size: int) -> None:
             f"training.global_batch_size ({t.global_batch_size}) must be a multiple of grpo.num_generations "
             f"({g.num_generations}) x world size ({world_size}): batch sizes count completions, and every "
             "prompt's group of completions must sit whole on one rank")
-    if cfg.checkpoint.interval % g.num_iterations:
-        raise UserError(f"checkpoint.interval ({cfg.checkpoint.interval}) must be a multiple of "
-                        f"grpo.num_iterations ({g.num_iterations}) so that checkpoints fall between rollouts")
 
 
 def prompt_records(cfg: GRPOConfig, split: Literal["train", "test"]) -> list[dict[str, Any]]:

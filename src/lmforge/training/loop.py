@@ -48,6 +48,9 @@ class StepSource(Protocol):
     def next_step(self, step: int) -> StepBatch: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def rank_state(self) -> dict[str, Any]:
+        """Tensors only this rank holds that a resume needs (GRPO: the rollout still being trained on)."""
+    def load_rank_state(self, state: dict[str, Any]) -> None: ...
     def close(self) -> None: ...
 
 
@@ -146,7 +149,7 @@ def checkpoint_state(rt: Runtime, state: TrainState, source: StepSource) -> dict
 def save(rt: Runtime, state: TrainState, source: StepSource, tier: str = "durable") -> Any:
     with rt.metrics.timed("checkpoint_save"):
         return rt.checkpoints.save(state.step, rt.model, rt.optimizer, checkpoint_state(rt, state, source),
-                                   tier=tier)  # type: ignore[arg-type]
+                                   rank_state=source.rank_state(), tier=tier)  # type: ignore[arg-type]
 
 
 def resume(rt: Runtime, source: StepSource) -> TrainState:
@@ -161,6 +164,7 @@ def resume(rt: Runtime, source: StepSource) -> TrainState:
         saved = rt.checkpoints.load(path, rt.model, rt.optimizer)
         try:
             source.load_state_dict(saved.get("data", {}))
+            source.load_rank_state(saved.get("rank_state", {}))
         except UserError as e:
             raise UserError(f"resuming from {path}: {e}") from None
         except (KeyError, TypeError, ValueError) as e:

@@ -38,6 +38,12 @@ class LoaderSource:
         check_fingerprint(state.get("fingerprint"), self.fingerprint, self.on_data_change, self.warn)
         self.loader.load_state_dict(state)
 
+    def rank_state(self) -> dict[str, Any]:
+        return {}  # the data position is global (samples consumed): nothing per rank
+
+    def load_rank_state(self, state: dict[str, Any]) -> None:
+        pass
+
     def close(self) -> None:
         self.loader.close()
 
