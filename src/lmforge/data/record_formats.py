@@ -9,9 +9,10 @@ an *SFT record* of one of three shapes:
 * ``{"prompt": str, "completion": str}`` - plain text without a template (loss on the completion);
 * ``{"text": str}`` - plain text with loss on every token.
 
-``data.format`` names the format of every file, or ``auto`` (default) detects it per file from the
-keys of its first record; every later record of that file must then have the same shape. Problems
-raise ``ValueError`` with a short reason; the reader prefixes the record's ``file:line``.
+``data.format`` names the format of every record, or ``auto`` (default) detects it from each
+record's keys; a record whose keys fit several formats takes its file's format (the format of the
+file's first record, which must itself be unambiguous). Problems raise ``ValueError`` with a short
+reason; the reader prefixes the record's ``file:line``.
 """
 
 from __future__ import annotations
@@ -138,9 +139,12 @@ def _matches(record: dict[str, Any]) -> list[str]:
     return found or (["text"] if "text" in record else [])
 
 
-def detect_format(record: dict[str, Any]) -> str:
-    """The format a record's keys show; ``ValueError`` when they show none or several."""
+def detect_format(record: dict[str, Any], prefer: str | None = None) -> str:
+    """The format a record's keys show; ``prefer`` (its file's format) settles a record that shows
+    several. ``ValueError`` when they show none, or several and not ``prefer``."""
     found = _matches(record)
+    if len(found) > 1 and prefer in found:
+        return prefer
     if len(found) > 1:
         raise ValueError(f"record matches several formats ({', '.join(found)}; keys: {_keys(record)}): "
                          "set data.format")
@@ -150,19 +154,10 @@ def detect_format(record: dict[str, Any]) -> str:
     return found[0]
 
 
-def to_sft_record(record: dict[str, Any], fmt: str, detected_at: str | None = None) -> dict[str, Any]:
-    """``record`` in format ``fmt`` as an SFT record. ``detected_at`` (the location of the record
-    ``fmt`` was detected from) makes a record of another shape an error that says so."""
+def to_sft_record(record: dict[str, Any], fmt: str) -> dict[str, Any]:
+    """``record``, in format ``fmt``, as an SFT record."""
     if fmt not in _MAPPERS:
         raise ValueError(f"unknown record format {fmt!r} (expected one of {', '.join(FORMATS)})")
-    found = _matches(record) if detected_at is not None else [fmt]
-    if not found:
-        keys = "/".join(repr(k) for k in _MARKERS.get(fmt, ("text",)))
-        raise ValueError(f"record has none of {keys} (keys: {_keys(record)}; this file is {fmt}, "
-                         f"detected from {detected_at})")
-    if found != [fmt]:
-        raise ValueError(f"record has the shape of {' and '.join(found)} (keys: {_keys(record)}), but this "
-                         f"file is {fmt} (detected from {detected_at}) and a file holds one format")
     return _MAPPERS[fmt](record)
 
 

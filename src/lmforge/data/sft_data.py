@@ -95,16 +95,17 @@ def read_sft_records(spec: str | Path, fmt: RecordFormat = "auto") -> list[Recor
     """Every record of a ``.jsonl``/``.parquet`` file (or of such files in a directory) as an SFT
     record (see :mod:`lmforge.data.record_formats`), with its location.
 
-    ``fmt="auto"`` detects the format of each file from its first record.
+    ``fmt="auto"`` detects each record's format from its keys, its file's first record settling
+    records whose keys fit several formats.
     """
     out: list[Record] = []
     for f in record_files(spec):
-        file_fmt, detected_at = fmt, None
+        file_fmt: str | None = None
         for where, record in read_file_records(f):
             try:
-                if file_fmt == "auto":
-                    file_fmt, detected_at = detect_format(record), where
-                out.append((where, to_sft_record(record, file_fmt, detected_at)))
+                record_fmt = fmt if fmt != "auto" else detect_format(record, prefer=file_fmt)
+                file_fmt = file_fmt or record_fmt
+                out.append((where, to_sft_record(record, record_fmt)))
             except ValueError as e:
                 raise UserError(f"{where}: {e}") from None
     if not out:
