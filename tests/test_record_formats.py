@@ -143,8 +143,8 @@ def test_sft_cli_on_an_alpaca_file(tmp_path):
     data = tmp_path / "sft_alpaca.jsonl"
     _write(data, *rows)
     run = tmp_path / "run"
-    r = run_lmforge("sft", *tiny_run_args(data, data_seq_len=64, training_global_batch_size=4, training_micro_batch_size=4,
-                                          training_steps=2,
+    r = run_lmforge("sft", *tiny_run_args(data, data_seq_len=64, training_global_batch_size=4,
+                                          training_micro_batch_size=4, training_steps=2,
                                           data_prefetch=0, data_format="alpaca"), f"--run.dir={run}")
     assert r.returncode == 0, r.stderr[-3000:]
     data_events = [x for x in read_records(run) if x["kind"] == "sft_data" and x["split"] == "train"]

@@ -109,7 +109,7 @@ def sharegpt_record(record: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("'conversations' is empty")
     messages: list[Message] = []
     for i, turn in enumerate(turns):
-        if not isinstance(turn, dict) or not isinstance(turn.get("from"), str) or not isinstance(turn.get("value"), str):
+        if not (isinstance(turn, dict) and isinstance(turn.get("from"), str) and isinstance(turn.get("value"), str)):
             raise ValueError(f"conversations[{i}] needs string 'from' and 'value'")
         role = SHAREGPT_ROLES.get(turn["from"])
         if role is None:
