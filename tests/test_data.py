@@ -1,5 +1,8 @@
 """Embedded corpus, file readers, packing and the world-size-independent step loader."""
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +18,7 @@ from lmforge.data import (
     read_documents,
     read_jsonl_records,
 )
+from lmforge.data.sources import read_records
 from lmforge.errors import UserError
 from lmforge.models.tokenizer import ByteTokenizer
 
@@ -98,6 +102,92 @@ def test_source_errors(tmp_path):
     (tmp_path / "empty_dir").mkdir()
     with pytest.raises(UserError, match="no documents in"):
         read_documents(tmp_path / "empty_dir")
+
+
+def test_one_record_reader_for_jsonl_and_parquet(tmp_path):
+    """SFT and GRPO read records through read_records: JSON lines and parquet rows, with locations."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    (tmp_path / "a.jsonl").write_text('{"prompt": "p1", "answer": "1"}\n\n{"prompt": "p2", "answer": "2"}\n')
+    pq.write_table(pa.Table.from_pylist([{"prompt": "p3", "answer": "3"}]), tmp_path / "b.parquet")
+    (tmp_path / "notes.txt").write_text("not a record file")
+    got = read_records(tmp_path)
+    assert [w.rsplit("/", 1)[1] for w, _ in got] == ["a.jsonl:1", "a.jsonl:3", "b.parquet: row 0"]
+    assert [r["prompt"] for _, r in got] == ["p1", "p2", "p3"]
+    assert read_jsonl_records(tmp_path / "b.parquet") == [{"prompt": "p3", "answer": "3"}]
+    (tmp_path / "c.jsonl").write_text('{"prompt": "x"}\n[1, 2]\n')
+    with pytest.raises(UserError, match=r"c\.jsonl:2: expected a JSON object, got list"):
+        read_records(tmp_path)
+    with pytest.raises(UserError, match=r"record data must be \.jsonl or \.parquet"):
+        read_records(tmp_path / "notes.txt")
+
+
+def _grpo_cfg(*overrides: str):
+    from lmforge.config import load_config
+    from lmforge.trainers.grpo import GRPOConfig
+
+    return load_config(GRPOConfig, None, list(overrides))
+
+
+def test_grpo_prompt_files_with_answer_column_and_message_prompts(tmp_path):
+    from lmforge.trainers.grpo import prompt_records
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    f = tmp_path / "q.jsonl"
+    f.write_text(json.dumps({"question": "1+1?", "solution": "1+1=2\n#### 2", "answer": "old"}) + "\n"
+                 + json.dumps({"question": chat, "solution": 4}) + "\n")
+    cfg = _grpo_cfg(f"--data.train={f}", "--data.validation=none", "--grpo.prompt_field=question",
+                    "--grpo.answer_field=solution")
+    train = prompt_records(cfg, "train")
+    assert [r["answer"] for r in train] == ["1+1=2\n#### 2", 4]  # what the rewards receive as `answer`
+    assert train[1]["question"] == chat and train[0]["solution"] == "1+1=2\n#### 2"
+    assert prompt_records(cfg, "test") == []
+
+    gsm8k = Path(__file__).parent / "fixtures" / "data"
+    cfg = _grpo_cfg(f"--data.train={gsm8k / 'gsm8k_train.jsonl'}", f"--data.validation={gsm8k / 'gsm8k_test.jsonl'}",
+                    "--tasks.eval_examples=10")
+    train, test = prompt_records(cfg, "train"), prompt_records(cfg, "test")
+    assert len(train) == 64 and len(test) == 10 and train[0]["answer"] == "72"
+
+
+def test_message_prompts_use_the_chat_format():
+    from lmforge.data.chat import chat_format_for
+    from lmforge.inference import chat_prompt_ids
+    from lmforge.rl.rollout_source import prompt_token_ids
+
+    tok = ByteTokenizer()
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    assert prompt_token_ids(tok, chat) == chat_format_for(tok).prompt_ids(chat)
+    assert prompt_token_ids(tok, "2+2?") == chat_prompt_ids(tok, "2+2?")
+    assert prompt_token_ids(tok, "2+2?") == prompt_token_ids(tok, [{"role": "user", "content": "2+2?"}])
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"prompt": 3, "answer": "1"}', "record 2 has no string `prompt` column"),
+    ('{"prompt": [], "answer": "1"}', "`prompt`: 'messages' must be a non-empty list"),
+    ('{"prompt": [{"role": "bot", "content": "x"}], "answer": "1"}', "`prompt`: message 0 has role 'bot'"),
+    ('{"prompt": "q"}', "missing answer column `answer`"),
+    ('{"prompt": "q", "answer": ["1"]}', "`answer` must be a string or a number, got list"),
+])
+def test_grpo_prompt_errors_name_file_and_line(tmp_path, line, message):
+    from lmforge.trainers.grpo import prompt_records
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok", "answer": "1"}\n' + line + "\n")
+    with pytest.raises(UserError) as e:
+        prompt_records(_grpo_cfg(f"--data.train={f}"), "train")
+    assert str(e.value).startswith(f"{f}:2: {message}"), str(e.value)
+
+
+def test_grpo_answer_field_must_exist(tmp_path):
+    from lmforge.trainers.grpo import prompt_records
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "q"}\n')
+    assert prompt_records(_grpo_cfg(f"--data.train={f}"), "train") == [{"prompt": "q"}]  # rewards without answers
+    with pytest.raises(UserError, match=r"p\.jsonl: no record has the answer column `solution`"):
+        prompt_records(_grpo_cfg(f"--data.train={f}", "--grpo.answer_field=solution"), "train")
 
 
 # -- packing ------------------------------------------------------------------------------------

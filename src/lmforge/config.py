@@ -51,6 +51,9 @@ class DataSection(Section):
     """``embedded`` (the built-in corpus) or a local .txt/.jsonl/.parquet file or directory."""
     validation: str = "embedded"
     text_field: str = "text"
+    format: Literal["auto", "messages", "prompt_completion", "alpaca", "sharegpt", "text"] = "auto"
+    """Record format of SFT files: ``auto`` detects it from each record's keys, a file's first record
+    settling records that fit several (see ``lmforge.data.record_formats``)."""
     seq_len: int = Field(256, gt=1)
     shuffle: bool = True
     prefetch: int = Field(2, ge=0)

@@ -1,6 +1,8 @@
 """Supervised fine-tuning data: records to examples with a loss mask, then packed or padded samples.
 
-Record formats (JSONL lines or parquet rows, detected per record):
+Records (JSONL lines or parquet rows) of the common formats (``data.format``: messages,
+prompt/completion, Alpaca, ShareGPT, text; see :mod:`lmforge.data.record_formats`) are first mapped
+to one of three shapes, which are tokenized here:
 
 * ``{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}`` - rendered with
   the chat format (:mod:`lmforge.data.chat`); loss on assistant turns, end-of-turn token included;
@@ -25,24 +27,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import numpy as np
 import torch
 
 from lmforge.data.chat import ChatFormat, validate_messages
 from lmforge.data.packing import IGNORE_INDEX, Sample
-from lmforge.data.sources import _jsonl_lines
+from lmforge.data.record_formats import RecordFormat, detect_format, to_sft_record
+from lmforge.data.sources import Record, read_file_records, record_files
 from lmforge.data.tasks import TaskExample
 from lmforge.errors import UserError
 from lmforge.models.tokenizer import Tokenizer
 
 __all__ = ["Example", "DataSummary", "SFTDataset", "read_sft_records", "task_records", "tokenize_records",
            "prepare_examples", "build_sft_dataset"]
-
-Record = tuple[str, dict[str, Any]]
-"""(location such as ``file.jsonl:12``, the record)."""
-
 
 @dataclass
 class Example:
@@ -92,43 +91,23 @@ class DataSummary:
 
 
 # ---------------------------------------------------------------------------------------- reading
-def _files(path: Path) -> list[Path]:
-    if path.is_dir():
-        found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".jsonl", ".parquet"))
-        if not found:
-            raise UserError(f"{path}: no .jsonl or .parquet files")
-        return found
-    if not path.exists():
-        raise UserError(f"data file not found: {path}")
-    if path.suffix not in (".jsonl", ".parquet"):
-        raise UserError(f"{path}: SFT data must be .jsonl or .parquet (got {path.suffix or 'no suffix'!r})")
-    return [path]
+def read_sft_records(spec: str | Path, fmt: RecordFormat = "auto") -> list[Record]:
+    """Every record of a ``.jsonl``/``.parquet`` file (or of such files in a directory) as an SFT
+    record (see :mod:`lmforge.data.record_formats`), with its location.
 
-
-def _parquet_records(path: Path) -> Iterable[Record]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as e:
-        raise UserError(f"{path}: reading .parquet needs pyarrow (pip install 'lmforge[data]')") from e
-    try:
-        rows = pq.read_table(path).to_pylist()
-    except Exception as e:  # pyarrow raises several types for corrupt files
-        raise UserError(f"{path}: not a readable parquet file ({e})") from e
-    for i, row in enumerate(rows):
-        yield f"{path}: row {i}", row
-
-
-def read_sft_records(spec: str | Path) -> list[Record]:
-    """Every record of a ``.jsonl``/``.parquet`` file or of such files in a directory, with locations."""
+    ``fmt="auto"`` detects each record's format from its keys, its file's first record settling
+    records whose keys fit several formats.
+    """
     out: list[Record] = []
-    for f in _files(Path(spec).expanduser()):
-        if f.suffix == ".parquet":
-            out.extend(_parquet_records(f))
-            continue
-        for lineno, obj in _jsonl_lines(f):
-            if not isinstance(obj, dict):
-                raise UserError(f"{f}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            out.append((f"{f}:{lineno}", obj))
+    for f in record_files(spec):
+        file_fmt: str | None = None
+        for where, record in read_file_records(f):
+            try:
+                record_fmt = fmt if fmt != "auto" else detect_format(record, prefer=file_fmt)
+                file_fmt = file_fmt or record_fmt
+                out.append((where, to_sft_record(record, record_fmt)))
+            except ValueError as e:
+                raise UserError(f"{where}: {e}") from None
     if not out:
         raise UserError(f"no records in {spec}")
     return out

@@ -10,6 +10,9 @@ Supported inputs:
   lmforge[data]``). Null values are skipped.
 * a directory - every file above, found recursively, read in sorted path order.
 
+Records (SFT examples, GRPO prompts) are JSON objects of ``.jsonl`` lines or ``.parquet`` rows, read
+by :func:`read_records` with their location, so later checks can name ``file:line`` too.
+
 Every problem is a :class:`~lmforge.errors.UserError` naming the file, and the line where
 there is one, so a bad row in a large file can be found without a debugger. Empty documents
 are dropped since they would only add stray EOS tokens.
@@ -23,9 +26,15 @@ from typing import Any, Iterator
 
 from lmforge.errors import UserError
 
-__all__ = ["read_documents", "read_jsonl_records", "SUPPORTED_SUFFIXES"]
+__all__ = ["Record", "read_documents", "read_records", "read_file_records", "record_files", "read_jsonl_records",
+           "SUPPORTED_SUFFIXES", "RECORD_SUFFIXES"]
 
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet")
+RECORD_SUFFIXES = (".jsonl", ".parquet")
+"""Files holding records (one JSON object per line, or parquet rows) rather than plain documents."""
+
+Record = tuple[str, dict[str, Any]]
+"""(location such as ``file.jsonl:12`` or ``file.parquet: row 3``, the record)."""
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -150,23 +159,57 @@ def read_documents(path: str | Path, text_field: str = "text") -> list[str]:
     return docs
 
 
-def read_jsonl_records(path: str | Path) -> list[dict[str, Any]]:
-    """Every JSON object of a ``.jsonl`` file (or of all ``.jsonl`` files in a directory)."""
+def record_files(path: str | Path) -> list[Path]:
+    """The ``.jsonl``/``.parquet`` files of ``path``: the file itself, or those under a directory
+    (recursively, in sorted path order)."""
     path = Path(path).expanduser()
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*.jsonl") if p.is_file())
-    elif not path.exists():
+        found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in RECORD_SUFFIXES)
+        if not found:
+            raise UserError(f"{path}: no .jsonl or .parquet files")
+        return found
+    if not path.exists():
         raise UserError(f"data file not found: {path}")
-    elif path.suffix != ".jsonl":
-        raise UserError(f"{path}: expected a .jsonl file")
-    else:
-        files = [path]
-    records: list[dict[str, Any]] = []
-    for f in files:
-        for lineno, obj in _jsonl_lines(f):
-            if not isinstance(obj, dict):
-                raise UserError(f"{f}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            records.append(obj)
-    if not records:
+    if path.suffix not in RECORD_SUFFIXES:
+        raise UserError(f"{path}: record data must be .jsonl or .parquet (got {path.suffix or 'no suffix'!r})")
+    return [path]
+
+
+def _parquet_rows(path: Path) -> Iterator[Record]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise UserError(f"{path}: reading .parquet needs pyarrow (pip install 'lmforge[data]')") from e
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as e:  # pyarrow raises several types for corrupt files
+        raise UserError(f"{path}: not a readable parquet file ({e})") from e
+    for i, row in enumerate(rows):
+        yield f"{path}: row {i}", row
+
+
+def read_file_records(path: Path) -> list[Record]:
+    """Every record of one ``.jsonl`` or ``.parquet`` file, each with its location
+    (``file.jsonl:LINE`` or ``file.parquet: row N``)."""
+    if path.suffix == ".parquet":
+        return list(_parquet_rows(path))
+    out: list[Record] = []
+    for lineno, obj in _jsonl_lines(path):
+        if not isinstance(obj, dict):
+            raise UserError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+        out.append((f"{path}:{lineno}", obj))
+    return out
+
+
+def read_records(path: str | Path) -> list[Record]:
+    """Every record of a ``.jsonl``/``.parquet`` file, or of all such files under a directory, with
+    its location: the one reader of record data (SFT examples, GRPO prompts)."""
+    out = [r for f in record_files(path) for r in read_file_records(f)]
+    if not out:
         raise UserError(f"no records in {path}")
-    return records
+    return out
+
+
+def read_jsonl_records(path: str | Path) -> list[dict[str, Any]]:
+    """The records of :func:`read_records` without their locations."""
+    return [record for _, record in read_records(path)]

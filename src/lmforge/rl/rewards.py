@@ -48,9 +48,19 @@ def answer_format(prompts: list[str], completions: list[str], **fields: Any) -> 
     return [float(format_ok(c)) for c in completions]
 
 
+def math_answer(prompts: list[str], completions: list[str], **fields: Any) -> list[float | None]:
+    """1.0 when the completion's final answer equals the reference ``answer`` (numerically where both are
+    numbers), else 0.0; ``None`` where a record has no answer. See :mod:`lmforge.rl.math_answers`."""
+    from lmforge.rl.math_answers import answers_match
+
+    answers = _field(fields, "answer", "math_answer")
+    return [None if a is None else float(answers_match(c, str(a))) for c, a in zip(completions, answers)]
+
+
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "exact_answer": exact_answer,
     "format": answer_format,
+    "math_answer": math_answer,
 }
 """Rewards available by bare name."""
 

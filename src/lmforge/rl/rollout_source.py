@@ -17,8 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmforge.data.chat import chat_format_for
+from lmforge.data.record_formats import prompt_messages
+from lmforge.errors import UserError
 from lmforge.inference import chat_prompt_ids
 from lmforge.models.load import ModelSource, load_model
+from lmforge.models.tokenizer import Tokenizer
 from lmforge.rl.grpo_loss import PolicyBatch
 from lmforge.rl.rewards import WeightedReward
 from lmforge.rl.rollout import PromptSampler, Rollout, RolloutSettings, collect_rollout
@@ -68,7 +72,7 @@ class RolloutSource:
         """G completions for each of this rank's prompts from the current (unwrapped) policy, scored."""
         rt, field = self.rt, self.g.prompt_field
         records = [self.prompts[i] for i in indices]
-        prompt_ids = [chat_prompt_ids(rt.tokenizer, r[field]) for r in records]
+        prompt_ids = [prompt_token_ids(rt.tokenizer, r[field]) for r in records]
         return collect_rollout(rt.raw_model, records, prompt_ids, self.rewards, self.settings,
                                stop_id=rt.tokenizer.eos_id, pad_id=rt.tokenizer.pad_id, decode=rt.tokenizer.decode,
                                generator=self.generator, reference=self.reference, autocast=rt.autocast(),
@@ -113,6 +117,17 @@ class RolloutSource:
 
     def close(self) -> None:
         self.rollout = None
+
+
+def prompt_token_ids(tokenizer: Tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:
+    """A prompt (a user message string, or a list of chat messages) in the chat format, ending in the
+    generation prompt."""
+    if isinstance(prompt, str):
+        return chat_prompt_ids(tokenizer, prompt)
+    try:
+        return chat_format_for(tokenizer).prompt_ids(prompt_messages(prompt))
+    except ValueError as e:  # a template's raise_exception
+        raise UserError(str(e)) from None
 
 
 def gather_rng_states(gen: torch.Generator) -> list[list[int]]:

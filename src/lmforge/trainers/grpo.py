@@ -1,4 +1,5 @@
-"""GRPO: reinforcement learning with verifiable rewards on prompts (the embedded tasks by default).
+"""GRPO: reinforcement learning with verifiable rewards on prompts (the embedded tasks by default, or
+prompt records of ``.jsonl``/``.parquet`` files read by the same reader as SFT data).
 
 GRPO runs the shared loop (:func:`lmforge.training.loop.train`) like every trainer. What differs is
 its step source, :class:`lmforge.rl.rollout_source.RolloutSource` (a rollout of
@@ -15,7 +16,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from lmforge.config import Config, StartEvalSection, Section, TasksSection
-from lmforge.data.sources import read_jsonl_records
+from lmforge.data.record_formats import prompt_messages
+from lmforge.data.sources import read_records
 from lmforge.data.tasks import TaskExample, task_examples, task_share
 from lmforge.errors import UserError
 from lmforge.evaluation.tasks import TaskEval, record_task_summary
@@ -28,7 +30,10 @@ from lmforge.training.runtime import Runtime, build_runtime
 
 class GRPOSection(Section):
     prompt_field: str = "prompt"
-    """Column of a ``.jsonl`` prompt file holding the user message; the other columns reach the rewards."""
+    """Column of a ``.jsonl``/``.parquet`` prompt file holding the prompt: a string (the user message)
+    or a list of chat messages. The other columns reach the rewards."""
+    answer_field: str = "answer"
+    """Column holding the reference answer; the rewards receive it as ``answer``."""
     num_generations: int = Field(8, ge=2)
     """Completions per prompt (the group size G)."""
     max_new_tokens: int = Field(16, gt=0)
@@ -93,19 +98,47 @@ def check_batch_shape(cfg: GRPOConfig, world_size: int) -> None:
             "prompt's group of completions must sit whole on one rank")
 
 
+def read_prompt_records(spec: str, prompt_field: str = "prompt", answer_field: str = "answer") -> list[dict[str, Any]]:
+    """Prompt records of a ``.jsonl``/``.parquet`` file or directory, checked, with the
+    ``answer_field`` column's value under ``answer`` (what the rewards receive)."""
+    rows = read_records(spec)
+    with_answers = any(answer_field in r for _, r in rows)
+    if not with_answers and answer_field != "answer":
+        raise UserError(f"{spec}: no record has the answer column `{answer_field}` (grpo.answer_field)")
+    out = []
+    for k, (where, record) in enumerate(rows, start=1):
+        prompt = record.get(prompt_field)
+        if isinstance(prompt, list):
+            try:
+                prompt_messages(prompt)
+            except ValueError as e:
+                raise UserError(f"{where}: `{prompt_field}`: {e}") from None
+        elif not isinstance(prompt, str):
+            raise UserError(f"{where}: record {k} has no string `{prompt_field}` column (a prompt is a string "
+                            "or a list of messages; set grpo.prompt_field)")
+        if with_answers:
+            if answer_field not in record:
+                raise UserError(f"{where}: missing answer column `{answer_field}` (grpo.answer_field)")
+            answer = record[answer_field]
+            if isinstance(answer, bool) or not isinstance(answer, (str, int, float, type(None))):
+                raise UserError(f"{where}: `{answer_field}` must be a string or a number, got {type(answer).__name__}")
+            record = {**record, "answer": answer}
+        out.append(record)
+    return out
+
+
 def prompt_records(cfg: GRPOConfig, split: Literal["train", "test"]) -> list[dict[str, Any]]:
-    """Prompts with their other columns: the embedded tasks or a ``.jsonl`` file."""
+    """Prompts with their other columns: the embedded tasks or a prompt file (none for ``test`` when
+    ``data.validation`` is ``none``)."""
     spec = cfg.data.train if split == "train" else cfg.data.validation
     if spec == "embedded":  # a subset of the tasks keeps the default per-task share of each split
         share = task_share(split, cfg.tasks.names)
         n = share if split == "train" else min(cfg.tasks.eval_examples, share)
         return [{"prompt": e.prompt, "task": e.task, "answer": e.answer}
                 for e in task_examples(split, n, tasks=cfg.tasks.names)]
-    records = read_jsonl_records(spec)
-    key = cfg.grpo.prompt_field
-    bad = next((i for i, r in enumerate(records) if not isinstance(r.get(key), str)), None)
-    if bad is not None:
-        raise UserError(f"{spec}: record {bad + 1} has no string `{key}` column (set grpo.prompt_field)")
+    if split == "test" and spec in ("", "none"):
+        return []
+    records = read_prompt_records(spec, cfg.grpo.prompt_field, cfg.grpo.answer_field)
     return records if split == "train" else records[: cfg.tasks.eval_examples]
 
 
@@ -123,7 +156,8 @@ def run(cfg: GRPOConfig) -> Runtime:
                                   aggregation=g.loss_aggregation, max_new_tokens=g.max_new_tokens,
                                   temperature=g.temperature)
         evaluate = TaskEval([TaskExample(r.get("task", "file"), r[g.prompt_field], str(r["answer"]))
-                             for r in eval_set if r.get("answer") is not None], cfg.tasks.eval_max_new_tokens)
+                             for r in eval_set if r.get("answer") is not None and isinstance(r[g.prompt_field], str)],
+                            cfg.tasks.eval_max_new_tokens)
         state = train(rt, RolloutSource(rt, rewards, train_set), objective, evaluate if evaluate else None)
         record_task_summary(rt, state.step)
     finally:

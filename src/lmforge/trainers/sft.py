@@ -48,7 +48,7 @@ def _records(spec: str, split: str, cfg: SFTConfig) -> tuple[list[Record], str]:
     if spec == "embedded":
         n = (cfg.tasks.train_examples or None) if split == "train" else None
         return task_records(task_examples(split, n, cfg.tasks.names), split), f"embedded tasks ({split})"
-    return read_sft_records(spec), spec
+    return read_sft_records(spec, cfg.data.format), spec
 
 
 def build_datasets(cfg: SFTConfig, rt: Runtime, chat: ChatFormat | None) -> tuple[SFTDataset, SFTDataset | None]:
