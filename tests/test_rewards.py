@@ -87,3 +87,64 @@ def test_grpo_on_gsm8k_with_math_answer(tmp_path):
     prompts = {json.loads(line)["prompt"] for line in GSM8K_TRAIN.read_text().splitlines()}
     logged = [x for x in read_records(run) if x["kind"] == "text"]
     assert logged and any(p in logged[0]["text"] for p in prompts)
+
+
+# ------------------------------------------------------------- a user's reward function gone wrong
+def _raises(prompts, completions, **fields):
+    return [len(c.split()[0]) for c in completions]  # IndexError on an empty completion
+
+
+BAD_REWARDS = {  # function -> words of the one-line error
+    "raises": (_raises, ["reward `bad` raised IndexError", "fn(prompts, completions, **fields)"]),
+    "string_values": (lambda p, c, **f: ["1.0" for _ in c], ["returned str '1.0'", "expected a number or None"]),
+    "list_values": (lambda p, c, **f: [[1.0] for _ in c], ["returned list", "expected a number or None"]),
+    "nan": (lambda p, c, **f: [math.nan for _ in c], ["returned NaN", "return None"]),
+    "huge": (lambda p, c, **f: [1e308 for _ in c], ["returned 1e+308", "within +-1e+06"]),
+    "infinite": (lambda p, c, **f: [math.inf for _ in c], ["returned inf"]),
+    "scalar": (lambda p, c, **f: 1.0, ["returned a float", "expected a list"]),
+    "wrong_count": (lambda p, c, **f: [1.0, 2.0, 3.0], ["returned 3 values for 1 completions"]),
+    "wrong_signature": (lambda completions: [1.0 for _ in completions], ["raised TypeError"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REWARDS))
+def test_bad_reward_functions_fail_at_start_in_one_line(case):
+    from lmforge.rl.rewards import WeightedReward, probe_rewards
+
+    fn, words = BAD_REWARDS[case]
+    with pytest.raises(UserError) as info:
+        probe_rewards([WeightedReward("bad", fn, 1.0)], {"prompt": "What is 2+2?", "answer": "4"})
+    message = str(info.value)
+    assert "\n" not in message and "start-up check" in message
+    for w in words:
+        assert w in message, (w, message)
+
+
+def test_reward_values_that_are_fine_pass():
+    from lmforge.rl.rewards import WeightedReward
+
+    import numpy as np
+
+    ok = WeightedReward("ok", lambda p, c, **f: [np.float32(0.5), None, 1, True is False], 2.0)
+    scores = score_completions([ok], ["p"] * 4, ["a", "b", "c", "d"], {})
+    assert scores.total == [1.0, 0.0, 2.0, 0.0]
+
+
+def test_reward_module_that_fails_to_import(tmp_path, monkeypatch):
+    (tmp_path / "broken_reward.py").write_text("def reward(prompts, completions:\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UserError, match=r"importing `broken_reward` failed: SyntaxError"):
+        load_rewards(["broken_reward:reward"])
+
+
+def test_grpo_with_a_failing_reward_writes_nothing(tmp_path):
+    (tmp_path / "my_rewards.py").write_text("def score(prompts, completions, **fields):\n    return ['high'] * len(completions)\n")
+    run = tmp_path / "run"
+    proc = run_lmforge("grpo", *tiny_run_args(GSM8K_TRAIN, data_seq_len=None), "--rewards=my_rewards:score",
+                       f"--run.dir={run}", cwd=tmp_path)
+    rc, err = proc.returncode, proc.stderr
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert rc == 2 and len(errors) == 1 and "Traceback" not in err, err[-2000:]
+    assert "reward `my_rewards:score` returned str 'high'" in errors[0]
+    assert not run.exists()

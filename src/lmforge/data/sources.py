@@ -48,7 +48,7 @@ def _read_bytes(path: Path) -> bytes:
 
 def _decode(path: Path, data: bytes) -> str:
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a byte-order mark is an encoding marker, not text
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
         raise UserError(f"{path}:{line}: not valid UTF-8 (byte 0x{data[e.start]:02x})") from e
@@ -121,8 +121,10 @@ def _read_parquet(path: Path, text_field: str) -> list[str]:
         raise UserError(f"{path}: not a readable parquet file ({e})") from e
     if text_field not in schema.names:
         raise UserError(f"{path}: no column {text_field!r} (columns: {', '.join(schema.names)})")
-    column = pq.read_table(path, columns=[text_field]).column(text_field)
-    values = column.to_pylist()
+    try:
+        values = pq.read_table(path, columns=[text_field]).column(text_field).to_pylist()
+    except Exception as e:  # corrupt data pages surface only when the column is read
+        raise UserError(f"{path}: not a readable parquet file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     docs: list[str] = []
     for row, value in enumerate(values):
         if value is not None:

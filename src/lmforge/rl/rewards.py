@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import numbers
 import os
 import sys
 from dataclasses import dataclass
@@ -83,7 +84,9 @@ def resolve_reward(name: str) -> RewardFn:
         if e.name and module_name.startswith(e.name):
             raise UserError(f"reward `{name}`: module `{module_name}` not found "
                             "(run from its directory or put it on PYTHONPATH)") from None
-        raise
+        raise UserError(f"reward `{name}`: importing `{module_name}` failed: {_one_line(e)}") from None
+    except Exception as e:  # noqa: BLE001 - a user's module failing at import (SyntaxError, ...)
+        raise UserError(f"reward `{name}`: importing `{module_name}` failed: {_one_line(e)}") from None
     fn = getattr(module, attr, None)
     if fn is None:
         raise UserError(f"reward `{name}`: module `{module_name}` has no attribute `{attr}`")
@@ -112,6 +115,44 @@ def load_rewards(names: Sequence[str], weights: Sequence[float] = ()) -> list[We
     return [WeightedReward(n, resolve_reward(n), float(w)) for n, w in zip(names, ws)]
 
 
+MAX_REWARD = 1e6
+"""Largest reward magnitude accepted: advantages are computed in float32, where the spread of rewards
+far beyond this overflows and would surface later as a non-finite loss that names no reward."""
+
+
+def _reward_value(name: str, v: Any, i: int) -> float:
+    """One reward value as a float: a real number (bools count as 0/1) or None ("does not apply"),
+    never a string or NaN."""
+    if v is None:
+        return math.nan
+    if not isinstance(v, numbers.Real):
+        raise UserError(f"reward `{name}` returned {type(v).__name__} {str(v)[:40]!r} for completion {i}; "
+                        f"expected a number or None")
+    x = float(v)
+    if math.isnan(x):
+        raise UserError(f"reward `{name}` returned NaN for completion {i}; return None when a reward does not apply")
+    if not abs(x) <= MAX_REWARD:
+        raise UserError(f"reward `{name}` returned {x:g} for completion {i}; rewards must be finite and within "
+                        f"+-{MAX_REWARD:g} (scale the reward down)")
+    return x
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1]}" if text else type(e).__name__
+
+
+def probe_rewards(rewards: Sequence[WeightedReward], record: dict[str, Any], prompt_field: str = "prompt") -> None:
+    """Call every reward once on a real prompt record with an empty completion, before the run writes
+    anything: a reward that cannot be imported, called or return numbers fails the start, not step 1."""
+    fields = {k: [v] for k, v in record.items() if k != prompt_field}
+    try:
+        score_completions(rewards, [record.get(prompt_field)], [""], fields)
+    except UserError as e:
+        raise UserError(f"{e} [start-up check: the first prompt with an empty completion, which a model "
+                        f"can generate]") from None
+
+
 @dataclass
 class RewardScores:
     total: list[float]
@@ -126,18 +167,18 @@ def score_completions(rewards: Sequence[WeightedReward], prompts: list[str], com
     total = [0.0] * len(completions)
     per_fn: dict[str, list[float]] = {}
     for r in rewards:
-        values = r.fn(prompts, completions, **fields)
-        if inspect.isgenerator(values):
-            values = list(values)
+        try:
+            values = r.fn(prompts, completions, **fields)
+            if inspect.isgenerator(values):
+                values = list(values)
+        except Exception as e:  # noqa: BLE001 - the user's function: report it in one line
+            raise UserError(f"reward `{r.name}` raised {_one_line(e)} (a reward is "
+                            f"fn(prompts, completions, **fields) -> one number or None per completion)") from None
         if not isinstance(values, (list, tuple)) or len(values) != len(completions):
-            got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
-            raise UserError(f"reward `{r.name}` returned {got} values for {len(completions)} completions")
-        clean = []
-        for v in values:
-            x = math.nan if v is None else float(v)
-            if math.isinf(x):
-                raise UserError(f"reward `{r.name}` returned an infinite value")
-            clean.append(x)
+            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
+            raise UserError(f"reward `{r.name}` returned {got} for {len(completions)} completions "
+                            f"(expected a list of one number or None per completion)")
+        clean = [_reward_value(r.name, v, i) for i, v in enumerate(values)]
         per_fn[r.name] = clean
         total = [t + (0.0 if math.isnan(x) else r.weight * x) for t, x in zip(total, clean)]
     return RewardScores(total, per_fn)

@@ -22,7 +22,7 @@ from lmforge.data.tasks import TaskExample, task_examples, task_share
 from lmforge.errors import UserError
 from lmforge.evaluation.tasks import TaskEval, record_task_summary
 from lmforge.rl.grpo_loss import GRPOObjective
-from lmforge.rl.rewards import load_rewards
+from lmforge.rl.rewards import load_rewards, probe_rewards
 from lmforge.rl.rollout_source import RolloutSource
 from lmforge.training.loop import train
 from lmforge.training.runtime import Runtime, build_runtime
@@ -148,6 +148,7 @@ def run(cfg: GRPOConfig) -> Runtime:
     check_batch_shape(cfg, 1)
     rewards = load_rewards(g.rewards, g.rewards_weights)
     data = prompt_records(cfg, "train"), prompt_records(cfg, "test")
+    probe_rewards(rewards, data[0][0], g.prompt_field)
     rt = build_runtime(cfg, "grpo")
     try:
         check_batch_shape(cfg, rt.dist.world_size)
