@@ -312,3 +312,15 @@ def test_interrupted_replace_of_a_step_is_recovered(tmp_path):
     newest = c.latest()
     os.replace(newest, newest.with_name(newest.name + ".old"))  # killed between the two renames
     assert Checkpointer(tmp_path).latest() == newest
+
+
+def test_resaving_over_a_symlinked_checkpoint_commits_and_leaves_the_target(tmp_path):
+    c, model, opt = two_checkpoints(tmp_path)
+    newest = c.latest()
+    elsewhere = tmp_path / "archive" / newest.name
+    shutil.move(str(newest), elsewhere)
+    newest.symlink_to(elsewhere, target_is_directory=True)  # e.g. checkpoints kept on another disk
+    before = snapshot(elsewhere)
+    c.save(2, model, opt, {"data": {"samples_consumed": 2}})  # a redone step saved again: no error
+    assert newest.is_dir() and not newest.is_symlink() and checkpoint_problem(newest) is None
+    assert snapshot(elsewhere) == before

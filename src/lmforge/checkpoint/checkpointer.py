@@ -130,7 +130,7 @@ class Checkpointer:
         for old in self.root.glob("step_*.old"):
             final = old.with_name(old.name[: -len(".old")])
             if final.exists():
-                shutil.rmtree(old, ignore_errors=True)
+                _remove(old)
             else:
                 os.replace(old, final)
 
@@ -201,8 +201,7 @@ class Checkpointer:
             os.replace(final, old)
         os.replace(partial, final)
         fsync_dir(self.root)
-        if old.exists():
-            shutil.rmtree(old)
+        _remove(old)  # committed: clean-up of the replaced save can no longer fail the save
 
     def _remove_partials(self) -> None:
         """Leftovers of saves that were interrupted (only one run writes a run directory: see runlock)."""
@@ -212,7 +211,7 @@ class Checkpointer:
 
     def _prune(self) -> None:
         for old in list_checkpoints(self.root)[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
         """Verify, then restore model (and optimizer) in place; returns the trainer state; restores RNG."""
@@ -237,6 +236,14 @@ class Checkpointer:
             restore_rng(json.loads(rng_file.read_text()))
         trainer_state["rank_state"] = _read_rank_state(path)
         return trainer_state
+
+
+def _remove(path: Path) -> None:
+    """Remove a checkpoint directory, or only the link when it is a symlink (never what it points to)."""
+    if path.is_symlink():
+        path.unlink(missing_ok=True)
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _read_rank_state(path: Path) -> dict[str, Any]:

@@ -287,13 +287,14 @@ def make_report(run_dirs: list[str | Path], out: str | Path | None = None) -> li
     if not any(r.train or r.eval or r.goodput for r in runs):
         raise UserError("no train, eval or goodput records yet in " + ", ".join(str(p) for p in run_dirs))
     out_dir = Path(out) if out else runs[0].path / "report"
+    where = f"--out {out_dir}" if out else f"{out_dir} (the default; choose another place with --out DIR)"
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
+        images = write_plots(runs, out_dir)
+        md = out_dir / "report.md"
+        md.write_text(summary_markdown(runs, images), encoding="utf-8")
     except OSError as e:
-        raise UserError(f"--out {out_dir}: cannot create the directory ({e.strerror or e})") from None
-    images = write_plots(runs, out_dir)
-    md = out_dir / "report.md"
-    md.write_text(summary_markdown(runs, images), encoding="utf-8")
+        raise UserError(f"cannot write the report to {where}: {e.strerror or e}") from None
     return images + [md]
 
 
