@@ -124,3 +124,16 @@ def test_old_style_rope_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     args = load_hf_config(tmp_path)
     assert args.rope_theta == 500000.0 and args.rope_scaling["factor"] == 32.0 and args.tie_embeddings
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:200]),
+     "not a readable safetensors file"),
+    (lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 64), "not a readable safetensors file"),
+])
+def test_damaged_weights_file_is_one_line(tmp_path, damage, words):
+    tiny_hf(False).save_pretrained(tmp_path)
+    damage(tmp_path)
+    with pytest.raises(UserError, match=words) as info:
+        load_hf_model(tmp_path)
+    assert "\n" not in str(info.value) and "model.safetensors" in str(info.value)

@@ -126,7 +126,10 @@ def load_hf_config(model_dir: str | Path) -> ModelArgs:
 def _read_hf_tensors(model_dir: Path) -> dict[str, Tensor]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        files = sorted(set(_read_json(index)["weight_map"].values()))
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise UserError(f"{index}: no 'weight_map' object")
+        files = sorted(set(map(str, weight_map.values())))
     elif (model_dir / "model.safetensors").exists():
         files = ["model.safetensors"]
     else:
@@ -135,7 +138,14 @@ def _read_hf_tensors(model_dir: Path) -> dict[str, Tensor]:
         raise UserError(f"no *.safetensors weights in {model_dir}")
     state: dict[str, Tensor] = {}
     for f in files:
-        state.update(load_file(str(model_dir / f)))
+        try:
+            state.update(load_file(str(model_dir / f)))
+        except FileNotFoundError:
+            raise UserError(f"{model_dir / f}: missing (listed in the weight index)") from None
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for damaged files
+            text = str(e).strip().splitlines()
+            raise UserError(f"{model_dir / f}: not a readable safetensors file "
+                            f"({text[-1] if text else type(e).__name__})") from None
     return state
 
 
