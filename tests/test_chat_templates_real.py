@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _chat_fixtures import make_end_of_turn_tokenizer_dir
 from lmforge.data.chat import JinjaChatFormat, chat_format_for, stop_token_ids
 from lmforge.errors import UserError
 from lmforge.inference import chat_prompt_ids, sample_texts
@@ -227,12 +228,7 @@ def test_generation_stops_at_any_stop_token(family_name, stop):
 
 def test_end_of_turn_that_is_not_eos_comes_from_the_template(tmp_path):
     """Llama-3 style: eos is an end-of-text token, turns end with another one; no generation_config.json."""
-    src = FIXTURES / "tokenizers" / "smollm2-135m-instruct"
-    (tmp_path / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
-    config = json.loads((src / "tokenizer_config.json").read_text())
-    config["eos_token"] = "<|endoftext|>"
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    tok = load_tokenizer(str(tmp_path))
+    tok = load_tokenizer(str(make_end_of_turn_tokenizer_dir(tmp_path)))
     assert tok.eos_id == tok.token_id("<|endoftext|>")
     assert stop_token_ids(tok) == [tok.eos_id, tok.token_id("<|im_end|>")]
     model = forced_model(tok.vocab_size, tok.token_id("<|im_end|>"))

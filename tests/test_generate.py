@@ -145,3 +145,42 @@ def test_restores_training_mode_and_validates(model):
         generate(model, [[1] * 100], 50, stop_ids=None, pad_id=PAD)
     with pytest.raises(UserError):
         generate(model, [[]], 5, stop_ids=None, pad_id=PAD)
+
+
+def forced(token: int, vocab_size: int = 101) -> Transformer:
+    """A tiny model that always emits ``token`` (a large bias on its logit)."""
+    m = Transformer(ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=vocab_size, max_seq_len=64))
+    m.init_weights(seed=0)
+    bias = torch.zeros(vocab_size)
+    bias[token] = 1e4
+    m.output.register_forward_hook(lambda _m, _i, out: out + bias)
+    return m
+
+
+def test_rollout_truncation_uses_every_stop_id_and_warns_once():
+    from contextlib import nullcontext
+
+    from lmforge.rl.rewards import WeightedReward
+    from lmforge.rl.rollout import AllTruncatedWarning, RolloutSettings, collect_rollout
+
+    s = RolloutSettings(num_generations=2, max_new_tokens=5, temperature=1.0, top_p=1.0, micro_batch_size=4,
+                        advantage_scale="group", mask_truncated=True, need_old_logprobs=False)
+    reward = [WeightedReward("len", lambda prompts, completions, **kw: [float(len(c)) for c in completions], 1.0)]
+
+    def rollout(policy):
+        return collect_rollout(policy, [{"prompt": "a"}, {"prompt": "b"}], [[1, 2], [3]], reward, s,
+                               stop_ids=[7, 9], pad_id=PAD, decode=str, generator=torch.Generator().manual_seed(0),
+                               reference=None, autocast=nullcontext())
+
+    # The second stop id ends every completion: nothing is truncated and every completion is in the loss.
+    stopped = rollout(forced(9))
+    assert stopped.metrics["completion/truncated"] == 0.0 and stopped.metrics["completion/mean_length"] == 1.0
+    assert all(bool(b.mask.sum(dim=1).gt(0).all()) for b in stopped.batches)
+    warn = AllTruncatedWarning(["<|im_end|>", "<|endoftext|>"], 5, mask_truncated=True)
+    assert warn.check(stopped.metrics) is None
+    # No stop id emitted: all truncated (masked out), and one warning line naming the stop tokens, only once.
+    cut = rollout(forced(4))
+    assert cut.metrics["completion/truncated"] == 1.0 and all(float(b.mask.sum()) == 0 for b in cut.batches)
+    line = warn.check(cut.metrics)
+    assert line and "\n" not in line and "<|im_end|>, <|endoftext|>" in line and "max_new_tokens=5" in line
+    assert warn.check(cut.metrics) is None
