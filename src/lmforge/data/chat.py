@@ -153,7 +153,6 @@ class JinjaChatFormat:
                  source: str = "chat_template") -> None:
         self.tok = tokenizer
         self.source = source
-        self.variables = dict(special_strings)
         self.template = ChatTemplate(template, special_strings, source)
         self.control_tokens = list(getattr(tokenizer, "control_tokens", {}))
 
