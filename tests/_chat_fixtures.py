@@ -64,6 +64,22 @@ def make_tokenizer_dir(path: Path, template: str = CHATML_TEMPLATE, vocab_size: 
     return path
 
 
+REAL_TOKENIZERS = Path(__file__).resolve().parent / "fixtures" / "tokenizers"
+"""Published tokenizer files of Qwen2.5, SmolLM2 and Mistral v0.1 (see its README.md)."""
+
+
+def make_end_of_turn_tokenizer_dir(path: Path) -> Path:
+    """SmolLM2's tokenizer with EOS set to ``<|endoftext|>``, no generation_config.json: like Llama-3, a
+    turn ends with another token (``<|im_end|>``) than EOS, and only the chat template says which."""
+    src = REAL_TOKENIZERS / "smollm2-135m-instruct"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    config["eos_token"] = "<|endoftext|>"
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
 def make_hf_model_dir(path: Path, vocab_size: int | None = None, seed: int = 0) -> Path:
     """A tiny random ``LlamaForCausalLM`` saved by transformers, plus the tokenizer above."""
     import torch

@@ -64,12 +64,37 @@ def test_template_matches_transformers(tok_dir, template):
     assert prompt == (hf_prompt["input_ids"] if not isinstance(hf_prompt, list) else hf_prompt)
 
 
+GENERATION_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] | trim + '<|im_end|>' }}"
+    "{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_generation_markers_give_transformers_assistant_mask(tok_dir):
+    hf = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    hf.chat_template = GENERATION_TEMPLATE
+    tok = load_tokenizer(str(tok_dir))
+    fmt = JinjaChatFormat(GENERATION_TEMPLATE, tok, {"bos_token": "<s>", "eos_token": "<|im_end|>"})
+    for conv in CONVERSATIONS:
+        out = hf.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        enc = fmt.encode(conv)
+        assert enc.ids == out["input_ids"]
+        assert enc.assistant_mask == [bool(m) for m in out["assistant_masks"]]
+    assert masked_text(tok, fmt.encode(CONVERSATIONS[1])) == "god<|im_end|>xof<|im_end|>"
+
+
 def test_tokenizer_dir_template_and_errors(tok_dir):
     tok = load_tokenizer(str(tok_dir))
     fmt = chat_format_for(tok)  # reads chat_template and the special token strings from tokenizer_config.json
     assert isinstance(fmt, JinjaChatFormat)
     enc = fmt.encode(CONVERSATIONS[0])
-    assert masked_text(tok, enc) == "it is four.<|im_end|>\n"
+    # The answer and its end-of-turn token; the newline after it is template text, never generated.
+    assert masked_text(tok, enc) == "it is four.<|im_end|>"
     # raise_exception inside the template becomes a one-line error naming the record.
     bad = [("chats.jsonl:3", {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})]
     bad[0][1]["messages"][0]["role"] = "tool"

@@ -34,7 +34,7 @@ def prompts_for(seed: int, n: int, lengths: list[int]) -> list[list[int]]:
     return [torch.randint(1, 101, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
 
 
-def hf_greedy(model: Transformer, prompts: list[list[int]], n: int, eos: int | None) -> list[list[int]]:
+def hf_greedy(model: Transformer, prompts: list[list[int]], n: int, eos: int | list[int] | None) -> list[list[int]]:
     a = model.args
     cfg = transformers.LlamaConfig(
         hidden_size=a.dim, num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads,
@@ -50,26 +50,26 @@ def hf_greedy(model: Transformer, prompts: list[list[int]], n: int, eos: int | N
     out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=0, do_sample=False,
                       eos_token_id=eos, pad_token_id=PAD)
     rows = out[:, P:].tolist()
-    if eos is not None:
-        rows = [r[: r.index(eos) + 1] if eos in r else r for r in rows]
-    return rows
+    stops = [eos] if isinstance(eos, int) else eos or []
+    ends = [next((i for i, t in enumerate(r) if t in stops), None) for r in rows]
+    return [r[: e + 1] if e is not None else r for r, e in zip(rows, ends)]
 
 
 def test_greedy_matches_transformers_batched_ragged(model):
     prompts = prompts_for(0, 5, [3, 9, 1, 14, 6])
-    ours = generate(model, prompts, 12, eos_id=None, pad_id=PAD, temperature=0.0)
+    ours = generate(model, prompts, 12, stop_ids=None, pad_id=PAD, temperature=0.0)
     assert [len(r) for r in ours] == [12] * 5
     assert ours == hf_greedy(model, prompts, 12, eos=None)
     # Padding is invisible: each prompt alone gives the same continuation.
     for p, row in zip(prompts, ours):
-        assert generate(model, [p], 12, eos_id=None, pad_id=PAD, temperature=0.0) == [row]
+        assert generate(model, [p], 12, stop_ids=None, pad_id=PAD, temperature=0.0) == [row]
 
 
 def test_eos_stops_rows(model):
     prompts = prompts_for(1, 4, [2, 7, 5, 4])
-    free = generate(model, prompts, 10, eos_id=None, pad_id=PAD, temperature=0.0)
+    free = generate(model, prompts, 10, stop_ids=None, pad_id=PAD, temperature=0.0)
     eos = free[0][3]  # row 0 emits this at step 4 (maybe earlier); other rows may too
-    ours = generate(model, prompts, 10, eos_id=eos, pad_id=PAD, temperature=0.0)
+    ours = generate(model, prompts, 10, stop_ids=eos, pad_id=PAD, temperature=0.0)
     for f, o in zip(free, ours):
         expect = f[: f.index(eos) + 1] if eos in f else f
         assert o == expect
@@ -77,17 +77,30 @@ def test_eos_stops_rows(model):
     assert ours == hf_greedy(model, prompts, 10, eos=eos)
 
 
+def test_any_of_several_stop_ids_stops_a_row(model):
+    """Rows stop at whichever stop id comes first, as transformers does with a list of eos_token_id."""
+    prompts = prompts_for(1, 4, [2, 7, 5, 4])
+    free = generate(model, prompts, 10, stop_ids=None, pad_id=PAD, temperature=0.0)
+    stops = [free[0][5], free[1][2]]
+    ours = generate(model, prompts, 10, stop_ids=stops, pad_id=PAD, temperature=0.0)
+    assert len(ours[0]) <= 6 and len(ours[1]) <= 3 and ours[0][-1] in stops and ours[1][-1] in stops
+    assert ours == hf_greedy(model, prompts, 10, eos=stops)
+    # One id (the eos_id spelling too) is the same as a list of one.
+    assert generate(model, prompts, 10, stop_ids=stops[0], pad_id=PAD, temperature=0.0) == generate(
+        model, prompts, 10, eos_id=stops[0], pad_id=PAD, temperature=0.0)
+
+
 def test_all_rows_finish_early(model):
     prompts = prompts_for(2, 3, [4])
-    first = generate(model, prompts, 1, eos_id=None, pad_id=PAD, temperature=0.0)
+    first = generate(model, prompts, 1, stop_ids=None, pad_id=PAD, temperature=0.0)
     eos_rows = [p for p, f in zip(prompts, first) if f[0] == first[0][0]]
-    out = generate(model, eos_rows, 50, eos_id=first[0][0], pad_id=PAD, temperature=0.0)
+    out = generate(model, eos_rows, 50, stop_ids=[first[0][0]], pad_id=PAD, temperature=0.0)
     assert out == [[first[0][0]]] * len(eos_rows)
 
 
 def test_kv_cache_equals_full_recompute(model):
     prompts = prompts_for(3, 3, [5, 11, 8])
-    ours = generate(model, prompts, 8, eos_id=None, pad_id=PAD, temperature=0.0)
+    ours = generate(model, prompts, 8, stop_ids=None, pad_id=PAD, temperature=0.0)
     # Greedy decoding by re-running the whole (unpadded) sequence every step.
     with torch.no_grad():
         for p, row in zip(prompts, ours):
@@ -108,27 +121,66 @@ def test_kv_cache_equals_full_recompute(model):
 
 def test_sampling_reproducible(model):
     prompts = prompts_for(4, 6, [3, 8])
-    kw = dict(eos_id=None, pad_id=PAD, temperature=0.8, top_p=0.9)
+    kw = dict(stop_ids=None, pad_id=PAD, temperature=0.8, top_p=0.9)
     a = generate(model, prompts, 10, generator=torch.Generator().manual_seed(7), **kw)
     b = generate(model, prompts, 10, generator=torch.Generator().manual_seed(7), **kw)
     c = generate(model, prompts, 10, generator=torch.Generator().manual_seed(8), **kw)
     assert a == b and a != c
     # Tiny nucleus = greedy; huge temperature with top_p=1 is far from greedy.
-    greedy = generate(model, prompts, 10, eos_id=None, pad_id=PAD, temperature=0.0)
-    assert generate(model, prompts, 10, eos_id=None, pad_id=PAD, temperature=1.0, top_p=1e-6,
+    greedy = generate(model, prompts, 10, stop_ids=None, pad_id=PAD, temperature=0.0)
+    assert generate(model, prompts, 10, stop_ids=None, pad_id=PAD, temperature=1.0, top_p=1e-6,
                     generator=torch.Generator().manual_seed(1)) == greedy
-    hot = generate(model, prompts, 10, eos_id=None, pad_id=PAD, temperature=50.0,
+    hot = generate(model, prompts, 10, stop_ids=None, pad_id=PAD, temperature=50.0,
                    generator=torch.Generator().manual_seed(1))
     assert hot != greedy
 
 
 def test_restores_training_mode_and_validates(model):
     model.train()
-    generate(model, [[1, 2]], 2, eos_id=None, pad_id=PAD, temperature=0.0)
+    generate(model, [[1, 2]], 2, stop_ids=None, pad_id=PAD, temperature=0.0)
     assert model.training
     model.eval()
-    assert generate(model, [[1]], 0, eos_id=None, pad_id=PAD) == [[]]
+    assert generate(model, [[1]], 0, stop_ids=None, pad_id=PAD) == [[]]
     with pytest.raises(UserError, match="max_seq_len"):
-        generate(model, [[1] * 100], 50, eos_id=None, pad_id=PAD)
+        generate(model, [[1] * 100], 50, stop_ids=None, pad_id=PAD)
     with pytest.raises(UserError):
-        generate(model, [[]], 5, eos_id=None, pad_id=PAD)
+        generate(model, [[]], 5, stop_ids=None, pad_id=PAD)
+
+
+def forced(token: int, vocab_size: int = 101) -> Transformer:
+    """A tiny model that always emits ``token`` (a large bias on its logit)."""
+    m = Transformer(ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=vocab_size, max_seq_len=64))
+    m.init_weights(seed=0)
+    bias = torch.zeros(vocab_size)
+    bias[token] = 1e4
+    m.output.register_forward_hook(lambda _m, _i, out: out + bias)
+    return m
+
+
+def test_rollout_truncation_uses_every_stop_id_and_warns_once():
+    from contextlib import nullcontext
+
+    from lmforge.rl.rewards import WeightedReward
+    from lmforge.rl.rollout import AllTruncatedWarning, RolloutSettings, collect_rollout
+
+    s = RolloutSettings(num_generations=2, max_new_tokens=5, temperature=1.0, top_p=1.0, micro_batch_size=4,
+                        advantage_scale="group", mask_truncated=True, need_old_logprobs=False)
+    reward = [WeightedReward("len", lambda prompts, completions, **kw: [float(len(c)) for c in completions], 1.0)]
+
+    def rollout(policy):
+        return collect_rollout(policy, [{"prompt": "a"}, {"prompt": "b"}], [[1, 2], [3]], reward, s,
+                               stop_ids=[7, 9], pad_id=PAD, decode=str, generator=torch.Generator().manual_seed(0),
+                               reference=None, autocast=nullcontext())
+
+    # The second stop id ends every completion: nothing is truncated and every completion is in the loss.
+    stopped = rollout(forced(9))
+    assert stopped.metrics["completion/truncated"] == 0.0 and stopped.metrics["completion/mean_length"] == 1.0
+    assert all(bool(b.mask.sum(dim=1).gt(0).all()) for b in stopped.batches)
+    warn = AllTruncatedWarning(["<|im_end|>", "<|endoftext|>"], 5, mask_truncated=True)
+    assert warn.check(stopped.metrics) is None
+    # No stop id emitted: all truncated (masked out), and one warning line naming the stop tokens, only once.
+    cut = rollout(forced(4))
+    assert cut.metrics["completion/truncated"] == 1.0 and all(float(b.mask.sum()) == 0 for b in cut.batches)
+    line = warn.check(cut.metrics)
+    assert line and "\n" not in line and "<|im_end|>, <|endoftext|>" in line and "max_new_tokens=5" in line
+    assert warn.check(cut.metrics) is None

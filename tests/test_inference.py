@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from _chat_fixtures import CONVERSATIONS, make_hf_model_dir
+from _chat_fixtures import CONVERSATIONS, make_end_of_turn_tokenizer_dir, make_hf_model_dir
 from _helpers import run_lmforge
 from lmforge.export import export_hf
 from lmforge.inference import load_for_inference, sample_texts
@@ -98,3 +98,19 @@ def test_tokenizer_vocab_mismatch_is_refused(tmp_path, capsys):
     rc = main(["sft", f"--model.from_hf={small}", f"--run.dir={tmp_path / 'run'}", *TINY_RUN])
     err = capsys.readouterr().err
     assert rc == 2 and "does not fit the model's vocab_size (64)" in err
+
+
+def test_export_lists_every_stop_token(tmp_path):
+    """EOS is <|endoftext|> but turns end with <|im_end|>: the exported generation_config lists both, so
+    transformers' generate stops at the end of a chat turn as lmforge does."""
+    src = make_end_of_turn_tokenizer_dir(tmp_path / "hf")
+    cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=49152, max_position_embeddings=64,
+                                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(src))
+    (src / "generation_config.json").unlink()  # the end of turn must come from the chat template
+    out = export_hf(src, tmp_path / "out")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    stops = [hf_tok.convert_tokens_to_ids("<|endoftext|>"), hf_tok.convert_tokens_to_ids("<|im_end|>")]
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == stops
+    assert transformers.GenerationConfig.from_pretrained(str(out)).eos_token_id == stops

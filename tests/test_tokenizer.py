@@ -101,3 +101,37 @@ def test_load_tokenizer_errors(tmp_path):
     (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<nope>"}))
     with pytest.raises(UserError, match="not in the vocabulary"):
         load_tokenizer(str(d))
+
+
+def test_offsets_are_transformers_offsets():
+    """One encoding of a whole text, with each token's characters (what chat masks are built from)."""
+    from pathlib import Path
+
+    transformers = pytest.importorskip("transformers")
+    d = Path(__file__).resolve().parent / "fixtures" / "tokenizers" / "mistral-7b-instruct-v0.1"
+    hf = transformers.AutoTokenizer.from_pretrained(str(d))
+    tok = load_tokenizer(str(d))
+    text = "<s>[INST] Héllo  wörld 你好 [/INST]no</s> "
+    ids, offsets = tok.encode_with_offsets(text)
+    theirs = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert ids == theirs["input_ids"] == tok.encode(text)
+    assert offsets == [tuple(o) for o in theirs["offset_mapping"]]
+    assert {"<s>", "</s>", "<unk>"} <= set(tok.control_tokens)
+    byte = ByteTokenizer()
+    ids, offsets = byte.encode_with_offsets("aé")
+    assert ids == byte.encode("aé") and offsets == [(0, 1), (1, 2), (1, 2)]
+
+
+def test_generation_config_stop_ids(tmp_path):
+    d = _build_hf_dir(tmp_path)
+    assert load_tokenizer(str(d)).generation_eos_ids == []
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+    assert load_tokenizer(str(d)).generation_eos_ids == [2, 3]
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert load_tokenizer(str(d)).generation_eos_ids == [2]
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5000]}))
+    with pytest.raises(UserError, match=r"generation_config.json: eos_token_id 5000"):
+        load_tokenizer(str(d))
+    (d / "generation_config.json").write_text("{oops")
+    with pytest.raises(UserError, match=r"generation_config.json: invalid JSON"):
+        load_tokenizer(str(d))

@@ -10,7 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
-from lmforge.data.chat import BYTE_CHAT_TEMPLATE
+from lmforge.data.chat import BYTE_CHAT_TEMPLATE, stop_token_ids
 from lmforge.errors import UserError
 from lmforge.inference import load_for_inference
 from lmforge.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -86,7 +86,10 @@ def export_hf(run_or_ckpt: str | Path, out_dir: str | Path) -> Path:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create {out}: {e.strerror or e}") from None
+    # Every stop token (EOS, generation_config.json's, the template's end of turn), so transformers'
+    # generate stops where lmforge does.
+    stops = stop_token_ids(tokenizer)
     save_hf_model(model.state_dict(), model.args, out, bos_token_id=tokenizer.bos_id,
-                  eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+                  eos_token_id=stops if len(stops) > 1 else stops[0], pad_token_id=tokenizer.pad_id)
     _write_tokenizer(tokenizer, out)
     return out

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from lmforge.data.chat import chat_format_for
+from lmforge.data.chat import chat_format_for, stop_token_ids
 from lmforge.errors import UserError
 from lmforge.models.generate import generate
 from lmforge.models.load import ModelSource, load_model
@@ -45,15 +45,19 @@ def _prompt_ids(tokenizer: Tokenizer, prompts: Sequence[str], chat: bool) -> lis
 def sample_texts(model: Transformer, tokenizer: Tokenizer, prompts: list[str], *, max_new_tokens: int = 64,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, chat: bool = False,
                  batch_size: int = 64) -> list[str]:
-    """Continue each prompt (greedy at temperature 0); returns the new text only, without the stop token."""
+    """Continue each prompt (greedy at temperature 0); returns the new text only, without the stop token.
+
+    A row stops at any of the tokenizer's stop tokens (:func:`lmforge.data.chat.stop_token_ids`).
+    """
     device = model.tok_embeddings.weight.device
+    stops = stop_token_ids(tokenizer)
     gen = torch.Generator(device=device).manual_seed(seed)
     ids = _prompt_ids(tokenizer, prompts, chat)
     budget = model.args.max_seq_len - max(len(i) for i in ids) if ids else max_new_tokens
     n = min(max_new_tokens, budget)
     texts: list[str] = []
     for lo in range(0, len(ids), batch_size):
-        rows = generate(model, ids[lo: lo + batch_size], n, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+        rows = generate(model, ids[lo: lo + batch_size], n, stop_ids=stops, pad_id=tokenizer.pad_id,
                         temperature=temperature, top_p=top_p, generator=gen)
         texts += [tokenizer.decode(r, skip_special=True) for r in rows]
     return texts

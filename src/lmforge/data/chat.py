@@ -12,27 +12,26 @@ Two formats share one interface (:class:`ChatFormat`):
   ``transformers`` renders it (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``,
   ``tojson``, special tokens as variables), then tokenized.
 
-The assistant mask of a Jinja template is found by rendering prefixes of the conversation: the text
-between "everything before turn i plus the generation prompt" and "everything up to and including
-turn i" is what the assistant produced, including its end-of-turn token. Each piece is tokenized on
-its own, which is also how the model meets it at inference time: the prompt is tokenized alone and
-the answer is generated token by token after it. A template whose renderings are not prefixes of each
-other falls back to locating each assistant message's content in the full rendering.
+A Jinja conversation is rendered once and tokenized once, whole, exactly as
+``apply_chat_template(tokenize=True)`` does; the assistant mask marks the tokens that overlap an
+answer's characters: its content and the end-of-turn token right after it (see
+:mod:`lmforge.data.chat_template` for how the spans are found). Inference renders with the generation
+prompt and tokenizes that the same way, so training and inference see the same tokens.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+from lmforge.data.chat_template import ChatTemplate, Span
 from lmforge.errors import UserError
 from lmforge.models.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = ["ChatFormat", "ByteChatFormat", "JinjaChatFormat", "EncodedChat", "chat_format_for",
-           "BYTE_CHAT_TEMPLATE", "validate_messages"]
+           "stop_token_ids", "BYTE_CHAT_TEMPLATE", "validate_messages"]
 
 ROLES = ("system", "user", "assistant")
 
@@ -63,6 +62,10 @@ class ChatFormat(Protocol):
 
     def prompt_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """The conversation followed by the generation prompt (the assistant speaks next)."""
+        ...
+
+    def end_of_turn_ids(self) -> list[int]:
+        """The token(s) that end an assistant turn: generation stops there."""
         ...
 
 
@@ -110,6 +113,9 @@ class ByteChatFormat:
     def prompt_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
         return self.encode(messages).ids + [self.role_ids["assistant"]]
 
+    def end_of_turn_ids(self) -> list[int]:
+        return [self.tok.eos_id]
+
 
 def _token_string(value: Any) -> str | None:
     if isinstance(value, str):
@@ -119,134 +125,54 @@ def _token_string(value: Any) -> str | None:
     return None
 
 
-def _jinja_environment():
-    """A jinja2 environment configured like the one ``transformers`` renders chat templates in."""
-    try:
-        import jinja2
-        from jinja2.ext import Extension
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError as e:  # pragma: no cover - jinja2 is a core dependency
-        raise UserError("chat templates need the 'jinja2' package") from e
-
-    class GenerationBlock(Extension):
-        """Accept ``{% generation %}...{% endgeneration %}`` (a marker some templates use); render the body."""
-
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.Scope(body, lineno=lineno)
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
-               sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationBlock, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env
+def _mask_from_spans(offsets: Sequence[tuple[int, int]], spans: Sequence[Span]) -> list[bool]:
+    """True for each token whose characters overlap a span (the rule of transformers' assistant mask)."""
+    spans = sorted(spans)
+    mask = [False] * len(offsets)
+    k = 0
+    for t, (start, end) in enumerate(offsets):
+        while k < len(spans) and start >= spans[k][1]:
+            k += 1
+        if k == len(spans):
+            break
+        mask[t] = end > spans[k][0]
+    return mask
 
 
 class JinjaChatFormat:
     """A Hugging Face chat template, rendered and tokenized as ``transformers`` does.
 
     ``special_strings`` are the template variables (``bos_token``, ``eos_token``, ...). The rendered
-    text is tokenized without adding specials: templates write BOS themselves where they want it.
+    text is tokenized once, whole, without adding specials (templates write BOS themselves where they
+    want it); tokens are assistant tokens when they overlap an answer span (see
+    :mod:`lmforge.data.chat_template`). Inference tokenizes the rendering with the generation prompt the
+    same way, so a prompt's ids are the training ids up to the answer.
     """
 
     def __init__(self, template: str, tokenizer: Tokenizer, special_strings: dict[str, str],
                  source: str = "chat_template") -> None:
-        import jinja2
-
         self.tok = tokenizer
         self.source = source
-        self.variables = dict(special_strings)
-        try:
-            self.template = _jinja_environment().from_string(template)
-        except jinja2.TemplateSyntaxError as e:
-            raise UserError(f"{source}: invalid chat template (line {e.lineno}: {e.message})") from None
+        self.template = ChatTemplate(template, special_strings, source)
+        self.control_tokens = list(getattr(tokenizer, "control_tokens", {}))
 
     def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> str:
-        import jinja2
-
-        try:
-            return self.template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                        tools=None, documents=None, **self.variables)
-        except jinja2.TemplateError as e:
-            raise ValueError(f"chat template error: {e}") from None
-
-    def _encode_text(self, text: str) -> list[int]:
-        return self.tok.encode(text) if text else []
-
-    def _pieces(self, spans: list[tuple[str, bool]]) -> EncodedChat:
-        ids: list[int] = []
-        mask: list[bool] = []
-        for text, is_answer in spans:
-            piece = self._encode_text(text)
-            ids += piece
-            mask += [is_answer] * len(piece)
-        return EncodedChat(ids, mask)
-
-    def _spans_by_prefix(self, messages: Sequence[dict[str, str]]) -> list[tuple[str, bool]] | None:
-        """(text, is_answer) pieces from prefix renderings; None if the template is not prefix-stable."""
-        spans: list[tuple[str, bool]] = []
-        done = ""  # the text already split into pieces
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            before = self.render(messages[:i], add_generation_prompt=True)
-            through = self.render(messages[: i + 1])
-            if not (before.startswith(done) and through.startswith(before)):
-                return None
-            spans += [(before[len(done):], False), (through[len(before):], True)]
-            done = through
-        full = self.render(messages)
-        if not full.startswith(done):
-            return None
-        return spans + [(full[len(done):], False)]
-
-    def _spans_by_search(self, messages: Sequence[dict[str, str]]) -> list[tuple[str, bool]]:
-        """Fallback: find each assistant message's content in the full rendering, in order.
-
-        The answer span is the content (as written, or stripped, as many templates ``trim`` it) plus
-        the EOS string when it follows immediately.
-        """
-        full = self.render(messages)
-        eos = self.variables.get("eos_token", "")
-        spans: list[tuple[str, bool]] = []
-        cursor = 0
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            for content in (m["content"], m["content"].strip()):
-                at = full.find(content, cursor) if content else -1
-                if at >= 0:
-                    break
-            else:
-                raise ValueError(f"{self.source}: cannot locate assistant message {i} in the rendered "
-                                 "conversation, so its tokens cannot be masked")
-            end = at + len(content)
-            if eos and full.startswith(eos, end):
-                end += len(eos)
-            spans += [(full[cursor:at], False), (full[at:end], True)]
-            cursor = end
-        return spans + [(full[cursor:], False)]
+        return self.template.render(messages, add_generation_prompt)
 
     def encode(self, messages: Sequence[dict[str, str]]) -> EncodedChat:
-        spans = self._spans_by_prefix(messages)
-        return self._pieces(spans if spans is not None else self._spans_by_search(messages))
+        text, spans = self.template.answer_spans(messages, self.control_tokens)
+        ids, offsets = self.tok.encode_with_offsets(text)
+        return EncodedChat(ids, _mask_from_spans(offsets, spans))
 
     def prompt_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        return self._encode_text(self.render(messages, add_generation_prompt=True))
+        text = self.render(messages, add_generation_prompt=True)
+        return self.tok.encode(text) if text else []
+
+    def end_of_turn_ids(self) -> list[int]:
+        """The special token that ends an assistant turn in this template (``[]`` if it writes none)."""
+        token = self.template.end_of_turn(self.control_tokens)
+        tid = self.tok.token_id(token) if token else None
+        return [tid] if tid is not None else []
 
 
 def _tokenizer_config(tokenizer: Tokenizer) -> dict[str, Any]:
@@ -299,3 +225,22 @@ def chat_format_for(tokenizer: Tokenizer, template_file: str | None = None) -> C
         raise UserError(f"{tokenizer!r} has no chat_template (tokenizer_config.json or chat_template.jinja); "
                         "give one with sft.chat_template=FILE.jinja")
     return JinjaChatFormat(text, tokenizer, _special_strings(tokenizer, _tokenizer_config(tokenizer)), source)
+
+
+def stop_token_ids(tokenizer: Tokenizer, template_file: str | None = None) -> list[int]:
+    """Every token that ends a reply: generation stops at any of them.
+
+    The union, in this order, of the tokenizer's EOS, the ``eos_token_id`` list of the
+    ``generation_config.json`` next to its files, and the token the chat template writes after an
+    assistant answer. They differ in real models: Llama-3 ends turns with ``<|eot_id|>`` while its EOS
+    is ``<|end_of_text|>``; Qwen2.5 lists ``<|im_end|>`` and ``<|endoftext|>``. Stopping at EOS alone
+    would run every chat reply to the token limit.
+    """
+    ids = [tokenizer.eos_id, *getattr(tokenizer, "generation_eos_ids", [])]
+    try:
+        fmt = chat_format_for(tokenizer, template_file)
+    except UserError:  # no chat template: plain text ends at EOS
+        fmt = None
+    if fmt is not None:
+        ids += fmt.end_of_turn_ids()
+    return list(dict.fromkeys(ids))

@@ -12,6 +12,8 @@ every ``_SYNC_EVERY`` steps on accelerators).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import Tensor
 
@@ -39,10 +41,10 @@ def _sample(logits: Tensor, temperature: float, top_p: float, generator: torch.G
 
 
 def _decode(
-    model: Transformer, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None, pad_id: int,
+    model: Transformer, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int], pad_id: int,
     temperature: float, top_p: float, generator: torch.Generator | None,
 ) -> Tensor:
-    """Prefill + decode loop; returns new tokens [B, steps] (rows padded after EOS)."""
+    """Prefill + decode loop; returns new tokens [B, steps] (rows padded after their stop token)."""
     B = len(prompts)
     P = max(len(p) for p in prompts)
     total = P + max_new_tokens
@@ -62,16 +64,17 @@ def _decode(
     out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     sync_every = 1 if device.type == "cpu" else _SYNC_EVERY
+    stops = torch.tensor(stop_ids, dtype=torch.long, device=device)
     steps = max_new_tokens
     for step in range(max_new_tokens):
         tok = _sample(logits, temperature, top_p, generator)
-        if eos_id is not None:
+        if stop_ids:
             tok = tok.masked_fill(finished, pad_id)
-            finished |= tok == eos_id
+            finished |= torch.isin(tok, stops)
         out[:, step] = tok
         if step + 1 == max_new_tokens:
             break
-        if eos_id is not None and (step + 1) % sync_every == 0 and bool(finished.all()):
+        if stop_ids and (step + 1) % sync_every == 0 and bool(finished.all()):
             steps = step + 1
             break
         h = model.hidden_states(tok.unsqueeze(1), position_ids=next_pos, kv_cache=cache)
@@ -82,15 +85,18 @@ def _decode(
 
 @torch.no_grad()
 def generate(
-    model: Transformer, prompts: list[list[int]], max_new_tokens: int, *, eos_id: int | None, pad_id: int,
-    temperature: float = 1.0, top_p: float = 1.0, generator: torch.Generator | None = None,
+    model: Transformer, prompts: list[list[int]], max_new_tokens: int, *,
+    stop_ids: int | Sequence[int] | None = None, pad_id: int, temperature: float = 1.0, top_p: float = 1.0,
+    generator: torch.Generator | None = None, eos_id: int | None = None,
 ) -> list[list[int]]:
     """Continue each prompt by up to ``max_new_tokens`` tokens; return only the new tokens.
 
     ``temperature == 0`` is greedy decoding; otherwise softmax sampling at ``temperature``
-    restricted to the nucleus ``top_p``. A row stops after emitting ``eos_id`` (included
-    in its output). Sampling is reproducible given a seeded ``generator`` on the model's
-    device. The model is run in eval mode and its training flag restored afterwards.
+    restricted to the nucleus ``top_p``. A row stops after emitting any of ``stop_ids`` (included
+    in its output; :func:`lmforge.data.chat.stop_token_ids` gives a tokenizer's full set, since a
+    chat model's turn often ends with a token other than EOS). ``eos_id`` is one more stop id.
+    Sampling is reproducible given a seeded ``generator`` on the model's device. The model is run
+    in eval mode and its training flag restored afterwards.
     """
     if not prompts:
         return []
@@ -106,19 +112,23 @@ def generate(
             f"generate: longest prompt ({P}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len "
             f"{model.args.max_seq_len}"
         )
+    stops = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids or [])
+    stops = list(dict.fromkeys(stops + ([eos_id] if eos_id is not None else [])))
     was_training = model.training
     model.eval()
     try:
         # inference_mode skips autograd's version-counter bookkeeping: measurably cheaper
         # per step for small models, and nothing made here needs gradients.
         with torch.inference_mode():
-            out = _decode(model, prompts, max_new_tokens, eos_id, pad_id, temperature, top_p, generator)
+            out = _decode(model, prompts, max_new_tokens, stops, pad_id, temperature, top_p, generator)
     finally:
         model.train(was_training)
 
     result = out.tolist()
-    if eos_id is not None:
+    if stops:
+        stop_set = set(stops)
         for r in result:
-            if eos_id in r:
-                del r[r.index(eos_id) + 1:]
+            end = next((i for i, t in enumerate(r) if t in stop_set), None)
+            if end is not None:
+                del r[end + 1:]
     return result

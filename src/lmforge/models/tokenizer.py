@@ -13,7 +13,10 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 from lmforge.errors import UserError
 
-__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer"]
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer", "generation_eos_ids"]
+
+Offsets = list[tuple[int, int]]
+"""Per token, the ``[start, end)`` character range of the text it came from."""
 
 
 @runtime_checkable
@@ -25,9 +28,13 @@ class Tokenizer(Protocol):
     eos_id: int
     pad_id: int
     special_tokens: dict[str, int]
+    control_tokens: dict[str, int]
+    """The literal strings of the special tokens (``"<|im_end|>"``, ``"</s>"``, ...) and their ids."""
     chat_template: str | None
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]: ...
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], Offsets]: ...
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str: ...
 
@@ -68,6 +75,7 @@ class ByteTokenizer:
         self.bos_id: int = self.special_tokens["bos"]
         self.eos_id: int = self.special_tokens["eos"]
         self.pad_id: int = self.special_tokens["pad"]
+        self.control_tokens: dict[str, int] = dict(self._literal_to_id)
         self.chat_template: str | None = None
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
@@ -77,6 +85,16 @@ class ByteTokenizer:
         if add_eos:
             ids.append(self.eos_id)
         return ids
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], Offsets]:
+        """Byte ids, each with the character range of the character its byte belongs to."""
+        ids: list[int] = []
+        offsets: Offsets = []
+        for i, ch in enumerate(text):
+            raw = ch.encode("utf-8")
+            ids += raw
+            offsets += [(i, i + 1)] * len(raw)
+        return ids, offsets
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         # Bytes are gathered in runs so a multi-byte character split across ids still decodes;
@@ -170,8 +188,12 @@ class HFTokenizer:
                 tid = self._tok.token_to_id(content)
                 if tid is not None:
                     self.special_tokens.setdefault(content, tid)
+        self.control_tokens: dict[str, int] = {
+            t.content: i for i, t in sorted(self._tok.get_added_tokens_decoder().items()) if t.special}
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
         self.path = tok_file.parent
+        self.generation_eos_ids: list[int] = generation_eos_ids(self.path, self.vocab_size)
+        """``eos_token_id`` of ``generation_config.json`` next to the tokenizer files (the model's stop ids)."""
 
     @staticmethod
     def _read_config(path: Path) -> dict[str, Any]:
@@ -222,6 +244,11 @@ class HFTokenizer:
             ids.append(self.eos_id)
         return ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], Offsets]:
+        """``encode(text)`` with each token's character range in ``text`` (tokenized in one piece)."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, [tuple(o) for o in enc.offsets]
+
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Fast path for datasets: encodes in parallel in Rust, no specials added."""
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
@@ -234,6 +261,27 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+def generation_eos_ids(directory: Path, vocab_size: int) -> list[int]:
+    """The ``eos_token_id`` (an int or a list) of ``directory/generation_config.json``; [] without one.
+
+    Models list every token that ends a reply there (Qwen2.5: ``<|im_end|>`` and ``<|endoftext|>``),
+    while the tokenizer names only one EOS.
+    """
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise UserError(f"{path}: invalid JSON object ({e})") from None
+    ids = value if isinstance(value, list) else [] if value is None else [value]
+    for i in ids:
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab_size:
+            raise UserError(f"{path}: eos_token_id {i!r} is not a token id of this tokenizer "
+                            f"(0..{vocab_size - 1})")
+    return ids
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

@@ -85,19 +85,24 @@ class Rollout:
 
 def collect_rollout(
     policy: nn.Module, records: Sequence[dict[str, Any]], prompt_ids: Sequence[list[int]],
-    rewards: Sequence[WeightedReward], s: RolloutSettings, *, stop_id: int, pad_id: int,
+    rewards: Sequence[WeightedReward], s: RolloutSettings, *, stop_ids: Sequence[int], pad_id: int,
     decode: Callable[[list[int]], str], generator: torch.Generator, reference: nn.Module | None,
     autocast: Any, prompt_field: str = "prompt",
 ) -> Rollout:
-    """Sample, score and lay out one rollout batch for this rank's prompts ``records``."""
+    """Sample, score and lay out one rollout batch for this rank's prompts ``records``.
+
+    A completion ends at the first of ``stop_ids`` (all the tokens that end a reply, see
+    :func:`lmforge.data.chat.stop_token_ids`); one that ends at none of them is truncated.
+    """
     G = s.num_generations
     rows = [list(p) for p in prompt_ids for _ in range(G)]
     t0 = time.perf_counter()
     with autocast:
-        completion_ids = generate(policy, rows, s.max_new_tokens, eos_id=stop_id, pad_id=pad_id,
+        completion_ids = generate(policy, rows, s.max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,
                                   temperature=s.temperature, top_p=s.top_p, generator=generator)
     gen_seconds = time.perf_counter() - t0
-    truncated = [len(c) >= s.max_new_tokens and c[-1] != stop_id for c in completion_ids]
+    stops = set(stop_ids)
+    truncated = [len(c) >= s.max_new_tokens and c[-1] not in stops for c in completion_ids]
     completions = [decode(c) for c in completion_ids]
     prompts = [rec[prompt_field] for rec in records for _ in range(G)]
     fields = {k: [rec.get(k) for rec in records for _ in range(G)] for k in records[0] if k != prompt_field}
@@ -124,6 +129,29 @@ def collect_rollout(
                               gen_seconds, time.perf_counter() - t0, device)
     return Rollout(batches, prompts, completions, scores.total, scores.per_function, metrics,
                    tokens=sum(b.input_ids.numel() for b in batches))
+
+
+class AllTruncatedWarning:
+    """The one warning line of a run whose rollout ended no completion with a stop token.
+
+    Every completion then counts as truncated: with ``mask_truncated`` the loss is zero and nothing
+    learns, without it the rewards score cut-off text. Usually the policy never learned the stop
+    token, or ``max_new_tokens`` is too small. Said once per run, not every step.
+    """
+
+    def __init__(self, stop_names: Sequence[str], max_new_tokens: int, mask_truncated: bool) -> None:
+        self.stop_names, self.max_new_tokens, self.mask_truncated = list(stop_names), max_new_tokens, mask_truncated
+        self.said = False
+
+    def check(self, metrics: dict[str, float]) -> str | None:
+        """The warning, the first time a rollout's completions (all ranks) were all truncated; else None."""
+        if self.said or metrics.get("completion/truncated", 0.0) < 1.0:
+            return None
+        self.said = True
+        effect = ("grpo.mask_truncated drops them all, so the loss is zero" if self.mask_truncated
+                  else "their rewards score cut-off text")
+        return (f"warning: every completion of this rollout was truncated: no stop token "
+                f"({', '.join(self.stop_names)}) within grpo.max_new_tokens={self.max_new_tokens}; {effect}")
 
 
 def layout(prompts: list[list[int]], completions: list[list[int]], keep: list[bool], pad_id: int,

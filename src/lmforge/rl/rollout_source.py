@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmforge.data.chat import chat_format_for
+from lmforge.data.chat import chat_format_for, stop_token_ids
 from lmforge.data.record_formats import prompt_messages
 from lmforge.errors import UserError
 from lmforge.inference import chat_prompt_ids
@@ -25,7 +25,7 @@ from lmforge.models.load import ModelSource, load_model
 from lmforge.models.tokenizer import Tokenizer
 from lmforge.rl.grpo_loss import PolicyBatch
 from lmforge.rl.rewards import WeightedReward
-from lmforge.rl.rollout import PromptSampler, Rollout, RolloutSettings, collect_rollout
+from lmforge.rl.rollout import AllTruncatedWarning, PromptSampler, Rollout, RolloutSettings, collect_rollout
 from lmforge.training.loop import StepBatch
 from lmforge.training.runtime import Runtime
 
@@ -41,6 +41,9 @@ class RolloutSource:
         self.settings = RolloutSettings(g.num_generations, g.max_new_tokens, g.temperature, g.top_p,
                                         t.micro_batch_size, g.scale_rewards, g.mask_truncated,
                                         need_old_logprobs=g.num_iterations > 1)
+        self.stop_ids = stop_token_ids(rt.tokenizer)
+        names = [rt.tokenizer.decode([i], skip_special=False) for i in self.stop_ids]
+        self.truncation_warning = AllTruncatedWarning(names, g.max_new_tokens, g.mask_truncated)
         self.reference_source = rt.model_source
         self.reference = self._load_reference(self.reference_source)
         self.rollout: Rollout | None = None
@@ -61,6 +64,9 @@ class RolloutSource:
             with self.rt.metrics.timed("rollout"):
                 self.rollout = self.sample(self.sampler.next_indices())
             self.uses_left = self.g.num_iterations
+            warning = self.truncation_warning.check(self.rollout.metrics)
+            if warning:
+                self.rt.metrics.record_event("all_truncated", step, warning)
             every = self.g.log_completions_every
             if every and (step == 1 or step % every == 0):
                 self.rt.metrics.record_text(step, "completions", completions_table(self.rollout, self.g.num_generations))
@@ -74,7 +80,7 @@ class RolloutSource:
         records = [self.prompts[i] for i in indices]
         prompt_ids = [prompt_token_ids(rt.tokenizer, r[field]) for r in records]
         return collect_rollout(rt.raw_model, records, prompt_ids, self.rewards, self.settings,
-                               stop_id=rt.tokenizer.eos_id, pad_id=rt.tokenizer.pad_id, decode=rt.tokenizer.decode,
+                               stop_ids=self.stop_ids, pad_id=rt.tokenizer.pad_id, decode=rt.tokenizer.decode,
                                generator=self.generator, reference=self.reference, autocast=rt.autocast(),
                                prompt_field=field)
 

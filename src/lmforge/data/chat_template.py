@@ -1,0 +1,207 @@
+"""A Hugging Face ``chat_template`` rendered as ``transformers`` renders it, and where each answer lies in it.
+
+Training needs the character span of every assistant answer in the rendered conversation, so that the
+whole rendering can be tokenized once (as ``transformers`` and inference do) and tokens marked by the
+characters they cover. :meth:`ChatTemplate.answer_spans` finds them for any template:
+
+* With ``{% generation %}...{% endgeneration %}`` markers, the spans are what the markers enclose,
+  recorded while rendering, exactly as ``transformers`` records them for ``return_assistant_tokens_mask``.
+* Otherwise the conversation is rendered a second time with a unique sentinel in place of each assistant
+  message's content. The text between sentinels is the template's own; the real rendering must be that
+  text with each content put back (verbatim, or with its surrounding whitespace trimmed, as many
+  templates ``trim`` it). That check is exact, so an answer that also occurs in a user message, or a
+  template that is not prefix-stable (a system prompt folded into a later turn), cannot misplace a span.
+  A template that rewrites answers any other way is refused, naming the template.
+
+An answer's span is its content as rendered plus the end-of-turn token: the one special token the template
+writes immediately after the content (``<|im_end|>``, ``</s>``, ``<|eot_id|>``), if there is one. What
+follows (a newline, the next role header, Mistral's trailing space) belongs to the template, not to the
+answer: the model stops generating at the end-of-turn token and never produces that text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from functools import lru_cache
+from typing import Any, Mapping, Sequence
+
+from lmforge.errors import UserError
+
+__all__ = ["ChatTemplate", "Span", "SENTINEL"]
+
+Span = tuple[int, int]
+"""A ``[start, end)`` character range of a rendered conversation."""
+
+SENTINEL = "\ue000{}\ue001"
+"""Stands in for the k-th assistant content: private-use code points around digits, which case and
+whitespace filters leave alone."""
+_SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def _environment():
+    """A jinja2 environment configured like the one ``transformers`` renders chat templates in."""
+    try:
+        import jinja2
+        from jinja2.ext import Extension
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:  # pragma: no cover - jinja2 is a core dependency
+        raise UserError("chat templates need the 'jinja2' package") from e
+
+    class GenerationBlock(Extension):
+        """``{% generation %}...{% endgeneration %}``: renders its body and, while tracking, records where."""
+
+        tags = {"generation"}
+
+        def __init__(self, environment) -> None:
+            super().__init__(environment)
+            self.tracking: tuple[list[str], list[Span]] | None = None
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_generation"), [], [], body).set_lineno(lineno)
+
+        def _generation(self, caller) -> str:
+            text = caller()
+            if self.tracking is not None:
+                blocks, spans = self.tracking
+                start = sum(len(b) for b in blocks)
+                spans.append((start, start + len(text)))
+            return text
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationBlock, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env
+
+
+@lru_cache(maxsize=16)
+def _compile(text: str):
+    """The compiled template and its generation-block extension; cached, as compiling a real template
+    costs tens of milliseconds and every prompt of a rollout or evaluation is formatted with it."""
+    env = _environment()
+    generation = next(e for e in env.extensions.values() if hasattr(e, "tracking"))
+    return env.from_string(text), generation
+
+
+class ChatTemplate:
+    """One compiled template; ``variables`` are its special-token strings (``bos_token``, ``eos_token``...)."""
+
+    def __init__(self, text: str, variables: Mapping[str, str], source: str = "chat_template") -> None:
+        import jinja2
+
+        self.source = source
+        self.variables = dict(variables)
+        self.has_generation_markers = bool(_GENERATION_TAG.search(text))
+        try:
+            self._template, self._generation = _compile(text)
+        except jinja2.TemplateSyntaxError as e:
+            raise UserError(f"{source}: invalid chat template (line {e.lineno}: {e.message})") from None
+
+    def _context(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool) -> dict[str, Any]:
+        return dict(messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+                    tools=None, documents=None, **self.variables)
+
+    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        """The conversation as text; a template's ``raise_exception`` becomes a one-line ValueError."""
+        import jinja2
+
+        try:
+            return self._template.render(**self._context(messages, add_generation_prompt))
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template error: {e}") from None
+
+    def _render_tracked(self, messages: Sequence[dict[str, str]]) -> tuple[str, list[Span]]:
+        """The rendering and the spans its ``{% generation %}`` blocks produced (as transformers tracks them)."""
+        import jinja2
+
+        blocks: list[str] = []
+        spans: list[Span] = []
+        self._generation.tracking = (blocks, spans)
+        try:
+            for block in self._template.generate(**self._context(messages, False)):
+                blocks.append(block)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template error: {e}") from None
+        finally:
+            self._generation.tracking = None
+        return "".join(blocks), spans
+
+    def answer_spans(self, messages: Sequence[dict[str, str]],
+                     control_tokens: Sequence[str]) -> tuple[str, list[Span]]:
+        """The rendering of ``messages`` and the span of each assistant answer that appears in it."""
+        if self.has_generation_markers:
+            return self._render_tracked(messages)
+        text = self.render(messages)
+        spans = self._content_spans(messages, text)
+        return text, [(start, _end_of_turn(text, end, control_tokens)) for start, end in spans]
+
+    def _content_spans(self, messages: Sequence[dict[str, str]], text: str) -> list[Span]:
+        answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if not answers:
+            return []
+        if any("\ue000" in m["content"] for m in messages):
+            raise ValueError(f"{self.source}: a message contains U+E000, which marks answers while masking")
+        marked = list(messages)
+        for k, i in enumerate(answers):
+            marked[i] = {**messages[i], "content": SENTINEL.format(k)}
+        pieces = _SENTINEL_RE.split(self.render(marked))
+        literals, order = pieces[0::2], [int(k) for k in pieces[1::2]]
+        if len(set(order)) != len(order):
+            k = next(k for k in order if order.count(k) > 1)
+            raise ValueError(f"{self.source}: the template writes assistant message {answers[k]} more than "
+                             "once, so its loss tokens are ambiguous")
+        spans: list[Span] = []
+        if not text.startswith(literals[0]):
+            raise ValueError(f"{self.source}: the template renders differently when assistant contents change, "
+                             "so answers cannot be located for the loss mask")
+        pos = len(literals[0])
+        for k, after in zip(order, literals[1:]):
+            content = messages[answers[k]]["content"]
+            for rendered in dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip())):
+                if text.startswith(rendered, pos) and text.startswith(after, pos + len(rendered)):
+                    break
+            else:
+                raise ValueError(f"{self.source}: the template rewrites assistant message {answers[k]} (not "
+                                 "just trimming whitespace), so its tokens cannot be masked")
+            spans.append((pos, pos + len(rendered)))
+            pos += len(rendered) + len(after)
+        if pos != len(text):
+            raise ValueError(f"{self.source}: the template renders differently when assistant contents change, "
+                             "so answers cannot be located for the loss mask")
+        return spans
+
+    def end_of_turn(self, control_tokens: Sequence[str]) -> str | None:
+        """The special token this template writes right after an assistant answer, if any."""
+        probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": SENTINEL.format(0)}]
+        try:
+            text = self.render(probe)
+        except ValueError:
+            return None
+        at = text.find(SENTINEL.format(0))
+        if at < 0:
+            return None
+        end = at + len(SENTINEL.format(0))
+        stop = _end_of_turn(text, end, control_tokens)
+        return text[end:stop] or None
+
+
+def _end_of_turn(text: str, end: int, control_tokens: Sequence[str]) -> int:
+    """``end`` moved past the one special token written at ``end`` (the longest one that matches)."""
+    match = max((t for t in control_tokens if t and text.startswith(t, end)), key=len, default="")
+    return end + len(match)
