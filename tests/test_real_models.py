@@ -1,0 +1,113 @@
+"""A user's path with a real model family, end to end: Hugging Face directory in, SFT, export, and
+``transformers`` loading the result.
+
+Each family is a tiny random model built by ``transformers`` with the family's real tokenizer files
+(``tests/fixtures/tokenizers``, published vocabularies of 32k-152k tokens) and generation config. The
+run goes through the real CLI: ``lmforge sft --model.from_hf`` on multi-turn chats for two steps, then
+``lmforge export --hf``. ``transformers`` must load the export as the same class, give the same logits
+as lmforge on a chat prompt built by its own ``apply_chat_template``, the same greedy tokens as
+lmforge's generator, and the same stop tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from _chat_fixtures import REAL_TOKENIZERS
+from _helpers import finish, start_lmforge, tiny_run_args
+
+transformers = pytest.importorskip("transformers")
+
+CHATS = Path(__file__).resolve().parent / "fixtures" / "data" / "fastchat_identity_multiturn.jsonl"
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=512)
+FAMILIES = {  # name -> (tokenizer fixture, transformers config class, family-specific settings)
+    "qwen2.5": ("qwen2.5-instruct", "Qwen2Config", dict(tie_word_embeddings=True, use_sliding_window=False)),
+    "qwen3": ("qwen2.5-instruct", "Qwen3Config", dict(head_dim=24, tie_word_embeddings=True)),
+    "smollm2": ("smollm2-135m-instruct", "LlamaConfig", dict(tie_word_embeddings=True)),
+    "mistral": ("mistral-7b-instruct-v0.1", "MistralConfig", dict(sliding_window=4096)),
+}
+CONVERSATION = [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "A small model."},
+                {"role": "user", "content": "What can you do?"}]
+
+
+def _hf_start(family: str, out: Path) -> Path:
+    """A tiny random model of ``family`` saved with its real tokenizer and generation config."""
+    tok_dir, config_cls, extra = FAMILIES[family]
+    real = json.loads((REAL_TOKENIZERS / tok_dir / "config.json").read_text())
+    config = getattr(transformers, config_cls)(vocab_size=real["vocab_size"], bos_token_id=real.get("bos_token_id"),
+                                               eos_token_id=real.get("eos_token_id"), **SHAPE, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # non-trivial norms so a wrong mapping shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+    model.save_pretrained(out)
+    for f in (REAL_TOKENIZERS / tok_dir).iterdir():
+        if f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Every family fine-tuned for two steps and exported (the CLI runs concurrently)."""
+    base = tmp_path_factory.mktemp("real_models")
+    procs = {}
+    for family in FAMILIES:
+        start = _hf_start(family, base / family / "hf_start")
+        args = tiny_run_args(CHATS, model_size=None, model_n_layers=None, model_dim=None, model_n_heads=None,
+                             model_n_kv_heads=None, data_seq_len=128, training_steps=2, training_global_batch_size=4,
+                             training_micro_batch_size=2, tasks_eval_examples=0)
+        procs[family] = start_lmforge("sft", *args, f"--model.from_hf={start}", f"--run.dir={base / family / 'run'}")
+    for family, proc in procs.items():
+        rc, out, err = finish(proc, timeout=400)
+        assert rc == 0, (family, out[-2000:], err[-3000:])
+    exports = {family: start_lmforge("export", base / family / "run", "--hf", base / family / "hf_out")
+               for family in FAMILIES}
+    for family, proc in exports.items():
+        rc, out, err = finish(proc, timeout=200)
+        assert rc == 0, (family, err[-3000:])
+    return base
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_export_loads_in_transformers_with_equal_logits_tokens_and_stops(trained, family):
+    from lmforge.data.chat import chat_format_for, stop_token_ids
+    from lmforge.inference import load_for_inference
+    from lmforge.models.generate import generate
+
+    start, out = trained / family / "hf_start", trained / family / "hf_out"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == json.loads((start / "config.json").read_text())["architectures"][0]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    model, tok = load_for_inference(trained / family / "run")
+    model.eval()
+
+    hf_ids = hf_tok.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True)
+    hf_ids = list(hf_ids["input_ids"] if isinstance(hf_ids, dict) or hasattr(hf_ids, "keys") else hf_ids)
+    ids = chat_format_for(tok).prompt_ids(CONVERSATION)
+    assert ids == hf_ids  # the exported template and tokenizer give the prompt lmforge trained with
+
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits, atol=1e-4, rtol=1e-4)
+        ours = generate(model, [ids], 8, stop_ids=stop_token_ids(tok), pad_id=tok.pad_id, temperature=0.0)[0]
+        theirs = hf.generate(x, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_id)[0, len(ids):].tolist()
+    eos = hf.generation_config.eos_token_id
+    stops = set(eos if isinstance(eos, list) else [eos])
+    if theirs and theirs[-1] in stops:  # transformers stops at the same tokens lmforge does
+        assert ours == theirs
+    else:
+        assert ours == theirs[:len(ours)] and len(ours) == 8
+    assert stops == set(stop_token_ids(tok))
+    end_of_turn = {"qwen2.5": "<|im_end|>", "qwen3": "<|im_end|>", "smollm2": "<|im_end|>", "mistral": "</s>"}[family]
+    assert tok.token_id(end_of_turn) in stops
+    start_eos = json.loads((start / "generation_config.json").read_text())["eos_token_id"]
+    assert set(start_eos if isinstance(start_eos, list) else [start_eos]) <= stops  # nothing dropped on export
