@@ -55,7 +55,7 @@ def test_format_maps_to_its_conversation_and_tokenizes_like_messages(tmp_path, n
     chat = ByteChatFormat(tok)
     [(where, mapped)] = read_sft_records(_write(tmp_path / "d.jsonl", record))
     assert where.endswith("d.jsonl:1")
-    assert mapped == {"messages": conversation}
+    assert mapped["messages"] == conversation
     reference = [("m:1", {"messages": conversation})]
     assert tokenize_records([(where, mapped)], tok, chat) == tokenize_records(reference, tok, chat)
     explicit = name.split("_input")[0].split("_rendered")[0]
@@ -151,3 +151,23 @@ def test_sft_cli_on_an_alpaca_file(tmp_path):
     assert data_events[0]["records"] == 24 and data_events[0]["examples"] == 24
     train = read_records(run, "train")
     assert [x["step"] for x in train] == [1, 2] and all(x["total_weights"] > 0 for x in train)
+
+
+def test_conversational_prompt_completion_trains_only_on_the_completion():
+    """TRL's conversational prompt/completion: an assistant turn inside the prompt is context."""
+    from lmforge.data.chat import chat_format_for
+    from lmforge.data.record_formats import to_sft_record
+    from lmforge.data.sft_data import tokenize_records
+    from lmforge.models.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    prompt = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "EARLIER"},
+              {"role": "user", "content": "and now?"}]
+    record = to_sft_record({"prompt": prompt, "completion": [{"role": "assistant", "content": "LATER"}]},
+                           "prompt_completion")
+    [(ids, mask)] = tokenize_records([("x.jsonl:1", record)], tok, chat_format_for(tok))
+    targets = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert "LATER" in targets and "EARLIER" not in targets
+    as_messages = tokenize_records([("x.jsonl:1", {"messages": prompt + record["messages"][-1:]})], tok,
+                                   chat_format_for(tok))
+    assert as_messages[0][0] == ids  # same tokens as the plain conversation; only the mask differs

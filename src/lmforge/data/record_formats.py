@@ -21,6 +21,10 @@ from typing import Any, Callable, Literal
 
 from lmforge.data.chat import validate_messages
 
+PROMPT_TURNS = "prompt_turns"
+"""Key of a mapped record: how many leading messages are prompt (context without loss, even the
+assistant turns among them)."""
+
 __all__ = ["RecordFormat", "FORMATS", "ACCEPTED_SHAPES", "detect_format", "to_sft_record", "prompt_messages",
            "messages_record", "prompt_completion_record", "alpaca_record", "sharegpt_record", "text_record"]
 
@@ -69,7 +73,8 @@ def messages_record(record: dict[str, Any]) -> dict[str, Any]:
 def prompt_completion_record(record: dict[str, Any]) -> dict[str, Any]:
     """``{"prompt": "...", "completion": "..."}`` (plain text, no template; loss on the completion), or
     TRL's conversational form ``{"prompt": [messages], "completion": [messages]}``, which becomes
-    one conversation (assistant turns carry the loss)."""
+    one conversation whose loss is on the completion's assistant turns only (as in TRL: assistant
+    turns inside the prompt are context)."""
     for key in ("prompt", "completion"):
         if key not in record:
             raise ValueError(f"missing key {key!r} (format prompt_completion; keys: {_keys(record)})")
@@ -79,7 +84,7 @@ def prompt_completion_record(record: dict[str, Any]) -> dict[str, Any]:
     if isinstance(prompt, list) and isinstance(completion, list):
         if not completion:
             raise ValueError("'completion' is an empty message list")
-        return {"messages": validate_messages(prompt + completion)}
+        return {"messages": validate_messages(prompt + completion), PROMPT_TURNS: len(prompt)}
     raise ValueError(f"'prompt' and 'completion' must both be strings or both message lists "
                      f"(got {type(prompt).__name__} and {type(completion).__name__})")
 

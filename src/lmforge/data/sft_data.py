@@ -34,7 +34,7 @@ import torch
 
 from lmforge.data.chat import ChatFormat, validate_messages
 from lmforge.data.packing import IGNORE_INDEX, Sample
-from lmforge.data.record_formats import RecordFormat, detect_format, to_sft_record
+from lmforge.data.record_formats import PROMPT_TURNS, RecordFormat, detect_format, to_sft_record
 from lmforge.data.sources import Record, read_file_records, record_files
 from lmforge.data.tasks import TaskExample
 from lmforge.errors import UserError
@@ -128,8 +128,16 @@ def _tokenize(record: dict[str, Any], tokenizer: Tokenizer, chat: ChatFormat | N
         if chat is None:
             raise ValueError(f"conversational records need a chat template and {tokenizer!r} has none "
                              "(give one with sft.chat_template=FILE.jinja)")
-        enc = chat.encode(validate_messages(record["messages"]))
+        messages = validate_messages(record["messages"])
+        enc = chat.encode(messages)
         ids, mask = enc.ids, enc.assistant_mask
+        prompt_turns = record.get(PROMPT_TURNS, 0)
+        if prompt_turns:  # conversational prompt/completion: assistant turns of the prompt are context
+            prompt = chat.prompt_ids(messages[:prompt_turns])
+            if ids[:len(prompt)] != prompt:
+                raise ValueError("the chat template renders the prompt differently on its own and before the "
+                                 "completion, so the completion cannot be located; use the messages format")
+            mask = [False] * len(prompt) + mask[len(prompt):]
     elif "prompt" in record or "completion" in record:
         prompt, completion = record.get("prompt"), record.get("completion")
         if not isinstance(prompt, str) or not isinstance(completion, str):
