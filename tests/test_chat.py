@@ -126,3 +126,27 @@ def test_exported_byte_tokenizer_is_equivalent(tmp_path):
     for conv in CONVERSATIONS:
         a, b = back.encode(conv), ByteChatFormat(tok).encode(conv)
         assert (a.ids, a.assistant_mask) == (b.ids, b.assistant_mask)
+
+
+def test_templates_that_need_a_system_message_or_fail_give_file_line_errors(tmp_path):
+    """A template that insists on a system message still trains on chats that have one (and finds its
+    end-of-turn token); a template that fails on a record names the record, in one line."""
+    from lmforge.data.chat import JinjaChatFormat, chat_format_for, stop_token_ids
+    from lmforge.data.sft_data import tokenize_records
+    from lmforge.errors import UserError
+
+    needs_system = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message is required') }}"
+                    "{% endif %}" + CHATML_TEMPLATE)
+    tok = load_tokenizer(str(make_tokenizer_dir(tmp_path / "tok", needs_system)))
+    chat = chat_format_for(tok)
+    assert isinstance(chat, JinjaChatFormat) and tok.token_id("<|im_end|>") in stop_token_ids(tok)
+    good = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "q"},
+                         {"role": "assistant", "content": "a"}]}
+    bad = {"messages": good["messages"][1:]}
+    [(ids, mask)] = tokenize_records([("d.jsonl:1", good)], tok, chat)
+    assert any(mask)
+    with pytest.raises(UserError, match=r"^d\.jsonl:2: chat template error: a system message is required$"):
+        tokenize_records([("d.jsonl:1", good), ("d.jsonl:2", bad)], tok, chat)
+    broken = load_tokenizer(str(make_tokenizer_dir(tmp_path / "tok2", "{{ messages[0]['content'] + 1 }}")))
+    with pytest.raises(UserError, match=r"^d\.jsonl:1: chat template error: TypeError"):
+        tokenize_records([("d.jsonl:1", good)], broken, chat_format_for(broken))

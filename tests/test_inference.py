@@ -114,3 +114,20 @@ def test_export_lists_every_stop_token(tmp_path):
     stops = [hf_tok.convert_tokens_to_ids("<|endoftext|>"), hf_tok.convert_tokens_to_ids("<|im_end|>")]
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == stops
     assert transformers.GenerationConfig.from_pretrained(str(out)).eos_token_id == stops
+
+
+def test_export_refuses_a_file_and_replaces_an_earlier_export_whole(tmp_path):
+    from lmforge.errors import UserError
+
+    trained_run = make_hf_model_dir(tmp_path / "src")
+
+    target = tmp_path / "existing"
+    target.write_text("not a directory")
+    with pytest.raises(UserError, match="exists and is not a directory"):
+        export_hf(trained_run, target)
+    assert target.read_text() == "not a directory"
+    out = export_hf(trained_run, tmp_path / "hf")
+    (out / "stale.txt").write_text("from an earlier export")
+    export_hf(trained_run, out)
+    assert (out / "config.json").is_file() and not (out / "stale.txt").exists()
+    assert not list(tmp_path.glob(".hf.*"))

@@ -71,7 +71,7 @@ def _generate(argv: list[str]) -> int:
 
 def _export(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lmforge export", description="Export a checkpoint.")
-    p.add_argument("--hf", required=True, metavar="OUT_DIR", help="write a Hugging Face Llama directory here")
+    p.add_argument("--hf", required=True, metavar="OUT_DIR", help="write a Hugging Face model directory here (config.json, safetensors, tokenizer)")
     p.add_argument("run_dir", help="run directory or checkpoint directory")
     a = p.parse_args(argv)
     from lmforge.export import export_hf

@@ -41,7 +41,7 @@ class ModelSection(Section):
     tokenizer: str = "byte"
     """``byte`` (needs no files) or a local directory holding ``tokenizer.json``."""
     from_hf: str | None = None
-    """A local Hugging Face Llama directory to start from (weights, config and tokenizer)."""
+    """A local Hugging Face model directory to start from (Llama, Qwen2/2.5/3, Mistral: weights, config, tokenizer)."""
     from_checkpoint: str | None = None
     """An lmforge run directory or checkpoint to take the starting weights from (model only)."""
 

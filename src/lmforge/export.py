@@ -1,4 +1,4 @@
-"""Export a checkpoint as a Hugging Face Llama directory (config, safetensors, tokenizer files).
+"""Export a checkpoint as a Hugging Face model directory (config, safetensors, tokenizer files).
 
 The byte tokenizer is exported as an equivalent ``tokenizer.json`` with the chat template, so
 ``transformers`` can tokenize, chat-format and decode exactly as lmforge does.
@@ -7,6 +7,7 @@ The byte tokenizer is exported as an equivalent ``tokenizer.json`` with the chat
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -75,21 +76,36 @@ def _write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
 
 
 def export_hf(run_or_ckpt: str | Path, out_dir: str | Path) -> Path:
-    """Write a Hugging Face Llama directory for a run or checkpoint directory (see module doc)."""
+    """Write a Hugging Face model directory for a run or checkpoint directory (see module doc).
+
+    Written next to ``out_dir`` under a temporary name and renamed into place when complete, so an
+    interrupted or failed export never leaves a half-written directory (nor harms an earlier export).
+    """
     from lmforge.models.hf import save_hf_model
 
-    model, tokenizer = load_for_inference(run_or_ckpt)
     out = Path(out_dir).expanduser()
-    if out.exists() and any(out.iterdir()) and not (out / "config.json").is_file():
-        raise UserError(f"{out} exists and is not a model directory; choose an empty or new directory")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--hf {out}: exists and is not a directory; choose an empty or new directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise UserError(f"--hf {out}: exists and is not a model directory; choose an empty or new directory")
+    model, tokenizer = load_for_inference(run_or_ckpt)
+    partial = out.with_name(f".{out.name}.partial")
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        # Every stop token (EOS, generation_config.json's, the template's end of turn), so transformers'
+        # generate stops where lmforge does.
+        stops = stop_token_ids(tokenizer)
+        save_hf_model(model.state_dict(), model.args, partial, bos_token_id=tokenizer.bos_id,
+                      eos_token_id=stops if len(stops) > 1 else stops[0], pad_token_id=tokenizer.pad_id)
+        _write_tokenizer(tokenizer, partial)
+        old = out.with_name(f".{out.name}.old")
+        if out.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+        os.replace(partial, out)
+        shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
-        raise UserError(f"cannot create {out}: {e.strerror or e}") from None
-    # Every stop token (EOS, generation_config.json's, the template's end of turn), so transformers'
-    # generate stops where lmforge does.
-    stops = stop_token_ids(tokenizer)
-    save_hf_model(model.state_dict(), model.args, out, bos_token_id=tokenizer.bos_id,
-                  eos_token_id=stops if len(stops) > 1 else stops[0], pad_token_id=tokenizer.pad_id)
-    _write_tokenizer(tokenizer, out)
+        shutil.rmtree(partial, ignore_errors=True)
+        raise UserError(f"--hf {out}: cannot write the export ({e.strerror or e})") from None
     return out

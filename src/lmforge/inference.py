@@ -1,7 +1,7 @@
 """Using a trained model: load it with its tokenizer and continue prompts (plain or chat-formatted).
 
 A model is found from a path that is an lmforge run directory, a checkpoint directory, or a Hugging
-Face Llama directory (see :class:`lmforge.models.load.ModelSource`).
+Face model directory (see :class:`lmforge.models.load.ModelSource`).
 """
 
 from __future__ import annotations

@@ -125,6 +125,8 @@ class ChatTemplate:
             return self._template.render(**self._context(messages, add_generation_prompt))
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template error: {e}") from None
+        except Exception as e:  # noqa: BLE001 - a template is code: any failure of it is the template's
+            raise ValueError(f"chat template error: {type(e).__name__}: {e}") from None
 
     def _render_tracked(self, messages: Sequence[dict[str, str]]) -> tuple[str, list[Span]]:
         """The rendering and the spans its ``{% generation %}`` blocks produced (as transformers tracks them)."""
@@ -138,6 +140,8 @@ class ChatTemplate:
                 blocks.append(block)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template error: {e}") from None
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"chat template error: {type(e).__name__}: {e}") from None
         finally:
             self._generation.tracking = None
         return "".join(blocks), spans
@@ -188,17 +192,18 @@ class ChatTemplate:
 
     def end_of_turn(self, control_tokens: Sequence[str]) -> str | None:
         """The special token this template writes right after an assistant answer, if any."""
-        probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": SENTINEL.format(0)}]
-        try:
-            text = self.render(probe)
-        except ValueError:
-            return None
-        at = text.find(SENTINEL.format(0))
-        if at < 0:
-            return None
-        end = at + len(SENTINEL.format(0))
-        stop = _end_of_turn(text, end, control_tokens)
-        return text[end:stop] or None
+        answer = {"role": "assistant", "content": SENTINEL.format(0)}
+        for probe in ([{"role": "user", "content": "hi"}, answer],  # templates differ in what they accept:
+                      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}, answer]):
+            try:
+                text = self.render(probe)
+            except Exception:  # noqa: BLE001 - raise_exception, or a template that needs another shape
+                continue
+            at = text.find(SENTINEL.format(0))
+            if at >= 0:
+                end = at + len(SENTINEL.format(0))
+                return text[end:_end_of_turn(text, end, control_tokens)] or None
+        return None
 
 
 def _end_of_turn(text: str, end: int, control_tokens: Sequence[str]) -> int:

@@ -75,10 +75,12 @@ def chat_format(rt: Runtime, cfg: SFTConfig) -> ChatFormat | None:
         if cfg.sft.chat_template:
             raise
         return None
-    ids = chat.prompt_ids([{"role": "user", "content": "x"}])  # type: ignore[union-attr]
-    bad = [i for i in ids if i >= rt.model_args.vocab_size]
+    # The template's special tokens must exist in the model. Checked on the tokenizer's control tokens,
+    # not by rendering a sample chat: a template may rightly refuse any given sample (e.g. one that
+    # requires a system message), and the data's own chats are rendered and checked line by line.
+    bad = sorted((i, t) for t, i in rt.tokenizer.control_tokens.items() if i >= rt.model_args.vocab_size)
     if bad:
-        raise UserError(f"chat template token id {bad[0]} is outside the model's vocabulary "
+        raise UserError(f"chat token {bad[0][1]!r} (id {bad[0][0]}) is outside the model's vocabulary "
                         f"({rt.model_args.vocab_size}): model.tokenizer does not match the model")
     return chat
 
