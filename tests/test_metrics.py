@@ -1,5 +1,6 @@
 """MetricLogger: step-time rules, sinks (console, JSONL, real TensorBoard events), no eager reads."""
 
+import json
 import time
 
 import pytest
@@ -126,3 +127,37 @@ def test_train_line_shows_only_the_trainers_chosen_fields():
                            "total_weights: 400, loss: 2.0000, lr: 0.001, grad_norm: 0.5, reward/mean: 0.75, grpo/kl: 0.01")
     assert "entropy" not in line and "reward/format" not in line and "accuracy" not in line
     assert "accuracy: 0.5" in format_train_line(rec)  # the next-token trainers' default
+
+
+def test_a_full_disk_while_logging_is_one_line(tmp_path):
+    import errno
+
+    from lmforge.errors import UserError
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    m = MetricLogger(tmp_path, log_every=1, tensorboard=False, console=lambda s: None)
+    m._jsonl = FullDisk()
+    with pytest.raises(UserError, match=r"cannot write .*metrics\.jsonl \(No space left on device\)"):
+        m.record_event("note", 0, "hello")
+
+
+def test_deferred_logger_writes_nothing_until_opened(tmp_path):
+    m = MetricLogger(tmp_path / "run", log_every=1, tensorboard=True, console=lambda s: None, defer=True)
+    m.log_setup({"trainer": "x"}, "a = 1")
+    m.record_event("note", 0, "before open")
+    assert not (tmp_path / "run").exists()
+    m.open()
+    m.record_event("note", 1, "after open")
+    m.close()
+    kinds = [json.loads(line)["kind"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert kinds == ["setup", "note", "note"]
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
