@@ -18,8 +18,8 @@ Systems: ``lmforge`` is lmforge's train step (``gradient_computation`` with ``cr
 cross-entropy, backward, AdamW; ``hf`` is ``transformers``' ``LlamaForCausalLM`` of the same
 shape with its own loss (``labels=``) and AdamW, the step its ``Trainer`` runs. Memory is the
 process's peak RSS minus its RSS just before the first step (what the steps
-themselves add: activations, logits, gradients, optimizer state). The "x per doubling" columns are the
-geometric mean growth from one point to the next.
+themselves add: activations, logits, gradients, optimizer state). The growth columns are the geometric
+mean factor from one point of the sweep to the next (for T, per doubling).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def growth(values: list[float]) -> str:
 
 
 def sweep_table(a, results: dict, points: list, axis: str) -> str:
-    header = ["system", "kind"] + [f"{axis}={p}" for p in points] + ["x per step (memory)", "x per step (tokens/s)"]
+    header = ["system", "kind"] + [f"{axis}={p}" for p in points] + ["memory growth per point", "tokens/s growth per point"]
     rows = []
     for (system, kind), per_point in results.items():
         cells = []
