@@ -84,11 +84,42 @@ def measure(path: str, T: int, doc_len: int, layers: int, repeats: int) -> dict:
 def run_child(path: str, T: int, a: argparse.Namespace) -> dict | None:
     cmd = [sys.executable, __file__, "--child", path, "--seq-lens", str(T), "--doc-len", str(a.doc_len),
            "--layers", str(a.layers), "--repeats", str(a.repeats)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         print(f"{path} T={T} failed (rc {proc.returncode}): {proc.stderr.strip()[-300:]}", file=sys.stderr)
         return None
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def probe_alternatives() -> list[str]:
+    """Whether flex_attention and nested-tensor SDPA can train (forward+backward) on this CPU."""
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    T, lines = 512, []
+    docs = torch.arange(T) // 128
+    q = torch.randn(1, 4, T, 64, requires_grad=True)
+    kv = torch.randn(1, 2, T, 64, requires_grad=True)
+
+    def same_document_causal(b, h, qi, ki):
+        return (docs[qi] == docs[ki]) & (qi >= ki)
+
+    def flex_step() -> None:
+        mask = create_block_mask(same_document_causal, None, None, T, T, device="cpu")
+        flex_attention(q, kv, kv, block_mask=mask, enable_gqa=True).sum().backward()
+
+    def nested_step() -> None:
+        x = torch.nested.nested_tensor([torch.randn(n, 4, 64) for n in (100, 200)], layout=torch.jagged,
+                                       requires_grad=True).transpose(1, 2)
+        F.scaled_dot_product_attention(x, x, x, is_causal=True).values().sum().backward()
+
+    for name, fn in (("flex_attention + BlockMask (eager)", flex_step), ("nested jagged SDPA", nested_step)):
+        try:
+            fn()
+            lines.append(f"- {name}: forward+backward runs on CPU")
+        except Exception as e:  # noqa: BLE001 - the point is to report what this torch does
+            lines.append(f"- {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    return lines
 
 
 def growth(values: list[float | None], i: int) -> str:
@@ -112,6 +143,7 @@ def main() -> None:
         return
 
     load_before = loadavg()
+    alternatives = probe_alternatives()
     results = {path: [run_child(path, T, a) for T in seq_lens] for path in PATHS}
     rows = []
     for path in PATHS:
@@ -137,7 +169,8 @@ def main() -> None:
         "during the steps). `dense`: the [B, 1, T, T] document mask passed to SDPA (the previous path); "
         "`packed`: per-document causal SDPA (`lmforge.models.attention`).\n\n"
         f"Command: `OMP_NUM_THREADS={threads} python bench/packed_attention.py "
-        f"--seq-lens {a.seq_lens} --doc-len {a.doc_len} --layers {a.layers} --repeats {a.repeats}`\n\n{table}\n"
+        f"--seq-lens {a.seq_lens} --doc-len {a.doc_len} --layers {a.layers} --repeats {a.repeats}`\n\n{table}\n\n"
+        "Alternatives on this CPU (T=512, fp32, forward+backward):\n\n" + "\n".join(alternatives) + "\n"
     )
     print(body)
     if not a.no_append:

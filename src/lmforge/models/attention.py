@@ -8,9 +8,9 @@ documents, padded at the end to a common length. Padding at the end of a causal 
 never attended by a real token, so the result is exact; the work and memory grow with the
 tokens per document, not with T.
 
-Why not the alternatives (measured with torch 2.13, see ``bench/packed_attention.py``):
-``flex_attention`` has no backward on CPU (eager or compiled) and, uncompiled, materialises the
-full score matrix; nested (jagged) tensors have no SDPA backend on CPU.
+Why not the alternatives (torch 2.13; ``bench/packed_attention.py`` probes them): ``flex_attention``
+has no backward on CPU (eager or compiled) and, uncompiled, materialises the full score matrix;
+nested (jagged) tensors find no SDPA backend for causal attention (``is_causal=True``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["PackedLayout", "packed_layout", "attend", "sliding_window_mask"]
+__all__ = ["LengthGroup", "PackedLayout", "attend", "packed_layout", "sliding_window_mask"]
 
 
 def sliding_window_mask(T: int, window: int, device: torch.device | str | None = None) -> Tensor:

@@ -25,7 +25,12 @@ from torch import Tensor, nn
 
 from lmforge.errors import UserError
 from lmforge.models.args import MODEL_SIZES, ModelArgs, model_args_for
-from lmforge.models.attention import PackedLayout, attend, packed_layout, sliding_window_mask
+from lmforge.models.attention import (
+    PackedLayout,
+    attend,
+    packed_layout,
+    sliding_window_mask,
+)
 
 __all__ = [
     "MODEL_SIZES", "ModelArgs", "model_args_for", "Transformer", "TransformerBlock", "Attention", "FeedForward",
@@ -264,7 +269,7 @@ class Transformer(nn.Module):
 
         Exposed so callers can project only the positions they need (generation, chunked loss).
         """
-        B, T = tokens.shape
+        _, T = tokens.shape
         if T > self.args.max_seq_len:
             raise UserError(
                 f"sequence length {T} exceeds the model's max_seq_len {self.args.max_seq_len}; "
