@@ -6,11 +6,12 @@ checkpoints map onto it tensor-for-tensor with no permutation (see ``lmforge.mod
 The family options (``ModelArgs.qkv_bias``, ``qk_norm``, explicit ``head_dim``,
 ``sliding_window``) cover Qwen2/2.5, Qwen3 and Mistral with the same modules.
 
-Attention always goes through ``F.scaled_dot_product_attention`` so PyTorch can pick
-flash / memory-efficient kernels; the plain causal case passes ``is_causal=True`` (no mask
-tensor at all), which is the fast path on GPUs; a sliding window only adds a banded mask once the sequence is
-longer than the window. The forward contains no host syncs, so it
-is safe under ``torch.compile`` and does not stall CUDA streams.
+Attention always goes through ``F.scaled_dot_product_attention`` (``lmforge.models.attention``)
+so PyTorch can pick flash / memory-efficient kernels; the plain causal case passes
+``is_causal=True`` (no mask tensor at all), which is the fast path on GPUs; a sliding window
+only adds a banded mask once the sequence is longer than the window. Packed batches
+(``document_ids``) run causal SDPA per document, never a T x T mask; reading the document
+boundaries is the forward's only host sync (once per batch, outside any compiled block).
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ from torch import Tensor, nn
 
 from lmforge.errors import UserError
 from lmforge.models.args import MODEL_SIZES, ModelArgs, model_args_for
+from lmforge.models.attention import (
+    PackedLayout,
+    attend,
+    packed_layout,
+    sliding_window_mask,
+)
 
 __all__ = [
     "MODEL_SIZES", "ModelArgs", "model_args_for", "Transformer", "TransformerBlock", "Attention", "FeedForward",
@@ -144,7 +151,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, is_causal: bool,
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | PackedLayout | None, is_causal: bool,
         kv_cache: KVCache | None = None, layer_idx: int = 0,
     ) -> Tensor:
         B, T, _ = x.shape
@@ -157,10 +164,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(layer_idx, k, v)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.n_kv_heads != self.n_heads
-        )
-        return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        out = attend(q, k, v, mask, is_causal, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.wo(out.reshape(B, T, self.n_heads * self.head_dim))
 
 
 class FeedForward(nn.Module):
@@ -186,7 +191,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None, is_causal: bool = True,
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | PackedLayout | None = None, is_causal: bool = True,
         kv_cache: KVCache | None = None,
     ) -> Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, mask, is_causal, kv_cache, self.layer_idx)
@@ -194,18 +199,15 @@ class TransformerBlock(nn.Module):
 
 
 def document_mask(document_ids: Tensor) -> Tensor:
-    """Block-diagonal causal mask [B, 1, T, T]: i attends j iff j <= i and same document."""
+    """Block-diagonal causal mask [B, 1, T, T]: i attends j iff j <= i and same document.
+
+    The dense reference for packed attention; the model itself uses ``packed_layout``, whose
+    memory grows with the tokens per document instead of T^2.
+    """
     T = document_ids.shape[1]
     same = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)
     causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
     return (same & causal).unsqueeze(1)
-
-
-def sliding_window_mask(T: int, window: int, device: torch.device | str | None = None) -> Tensor:
-    """Banded causal mask [1, 1, T, T]: i attends j iff i - window < j <= i (Mistral's rule)."""
-    i = torch.arange(T, device=device).unsqueeze(1)
-    j = torch.arange(T, device=device).unsqueeze(0)
-    return ((j <= i) & (j > i - window))[None, None]
 
 
 class Transformer(nn.Module):
@@ -267,7 +269,7 @@ class Transformer(nn.Module):
 
         Exposed so callers can project only the positions they need (generation, chunked loss).
         """
-        B, T = tokens.shape
+        _, T = tokens.shape
         if T > self.args.max_seq_len:
             raise UserError(
                 f"sequence length {T} exceeds the model's max_seq_len {self.args.max_seq_len}; "
@@ -279,7 +281,7 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         cos, sin = self.rope(position_ids, h.dtype)
 
-        mask: Tensor | None = None
+        mask: Tensor | PackedLayout | None = None
         is_causal = True
         if kv_cache is not None:
             if document_ids is not None:
@@ -288,11 +290,10 @@ class Transformer(nn.Module):
             is_causal = mask is None and T > 1
         else:
             window = self.args.sliding_window
-            if document_ids is not None:
-                mask, is_causal = document_mask(document_ids), False
-            if window is not None and T > window:  # shorter sequences: the band is the causal mask
-                band = sliding_window_mask(T, window, tokens.device)
-                mask, is_causal = band if mask is None else mask & band, False
+            if document_ids is not None:  # per-document causal attention, window applied inside
+                mask, is_causal = packed_layout(document_ids, window), False
+            elif window is not None and T > window:  # shorter sequences: the band is the causal mask
+                mask, is_causal = sliding_window_mask(T, window, tokens.device), False
 
         for layer in self.layers:
             h = layer(h, cos, sin, mask, is_causal, kv_cache)

@@ -1,0 +1,125 @@
+"""The attention kernel choice: plain SDPA, or SDPA over the documents of a packed batch.
+
+Packed sequences (several documents per row, ``document_ids``) need block-diagonal causal
+attention. A dense ``[B, 1, T, T]`` mask does that, but costs O(T^2) memory per row and rules
+out flash kernels. Instead, :func:`packed_layout` cuts every row into its documents once per
+batch, and :func:`attend` runs ``is_causal=True`` SDPA on each group of similar-length
+documents, padded at the end to a common length. Padding at the end of a causal sequence is
+never attended by a real token, so the result is exact; the work and memory grow with the
+tokens per document, not with T.
+
+Why not the alternatives (torch 2.13; ``bench/packed_attention.py`` probes them): ``flex_attention``
+has no backward on CPU (eager or compiled) and, uncompiled, materialises the full score matrix;
+nested (jagged) tensors find no SDPA backend for causal attention (``is_causal=True``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["LengthGroup", "PackedLayout", "attend", "packed_layout", "sliding_window_mask"]
+
+
+def sliding_window_mask(T: int, window: int, device: torch.device | str | None = None) -> Tensor:
+    """Banded causal mask [1, 1, T, T]: i attends j iff i - window < j <= i (Mistral's rule)."""
+    i = torch.arange(T, device=device).unsqueeze(1)
+    j = torch.arange(T, device=device).unsqueeze(0)
+    return ((j <= i) & (j > i - window))[None, None]
+
+
+@dataclass(frozen=True)
+class LengthGroup:
+    """Documents padded to one length: ``index`` [n, length] picks their tokens from the
+    flattened batch; ``mask`` is the sliding-window band when ``length`` exceeds the window."""
+
+    length: int
+    index: Tensor
+    mask: Tensor | None
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where the documents of a packed ``[B, T]`` batch sit; built once, shared by all layers.
+
+    ``unpack`` [B*T] gives each token's row in the concatenated outputs of ``groups``.
+    """
+
+    batch: int
+    seq_len: int
+    groups: tuple[LengthGroup, ...]
+    unpack: Tensor
+
+
+def _padded_length(n: int) -> int:
+    """Round up to a quarter of the length's octave: at most 25% padding, and few groups."""
+    step = max(1, (1 << (n.bit_length() - 1)) // 4)
+    return -(-n // step) * step
+
+
+@torch.compiler.disable
+def packed_layout(document_ids: Tensor, window: int | None = None) -> PackedLayout:
+    """Group the documents of ``document_ids`` [B, T] by padded length.
+
+    A document is a run of equal ids within a row (as packing writes them); padding that
+    carries its own id is just one more document. Reads the ids on the host once per batch.
+    """
+    B, T = document_ids.shape
+    device = document_ids.device
+    ids = document_ids.detach().to("cpu", torch.long)
+    first = torch.ones(B, T, dtype=torch.bool)
+    first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    starts = first.reshape(-1).nonzero().squeeze(1)
+    lengths = torch.diff(starts, append=torch.tensor([B * T]))
+    padded = torch.tensor([_padded_length(n) for n in lengths.tolist()])
+    unpack = torch.empty(B * T, dtype=torch.long)
+    groups = []
+    offset = 0
+    for length in sorted(set(padded.tolist())):
+        pick = padded == length
+        s, n = starts[pick], lengths[pick]
+        j = torch.arange(length)
+        valid = j < n[:, None]
+        # Padding slots repeat the document's last token: causal attention never lets a real
+        # query see them, and their outputs are dropped by `unpack`.
+        index = s[:, None] + torch.minimum(j, n[:, None] - 1)
+        rows = offset + torch.arange(index.numel()).view_as(index)
+        unpack[index[valid]] = rows[valid]
+        offset += index.numel()
+        mask = None
+        if window is not None and length > window:
+            mask = sliding_window_mask(length, window, device)
+        groups.append(LengthGroup(length, index.to(device, non_blocking=True), mask))
+    return PackedLayout(B, T, tuple(groups), unpack.to(device, non_blocking=True))
+
+
+@torch.compiler.disable
+def _attend_packed(q: Tensor, k: Tensor, v: Tensor, layout: PackedLayout, enable_gqa: bool) -> Tensor:
+    B, _, T, _ = q.shape
+    # [B, H, T, D] -> [B*T, H, D], so one index picks a document's tokens for every head.
+    q, k, v = (x.transpose(1, 2).reshape(B * T, x.shape[1], x.shape[3]) for x in (q, k, v))
+    outs = []
+    for g in layout.groups:
+        qg, kg, vg = (x[g.index].transpose(1, 2) for x in (q, k, v))  # [n, H, length, D]
+        out = F.scaled_dot_product_attention(
+            qg, kg, vg, attn_mask=g.mask, is_causal=g.mask is None, enable_gqa=enable_gqa
+        )
+        outs.append(out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2]))
+    return torch.cat(outs).index_select(0, layout.unpack).view(B, T, q.shape[1], q.shape[2])
+
+
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | PackedLayout | None, is_causal: bool, enable_gqa: bool,
+) -> Tensor:
+    """Attention of q [B, H, T, D] over k, v [B, Hkv, S, D] -> [B, T, H, D].
+
+    ``mask`` is a boolean SDPA mask, a :class:`PackedLayout` (block-diagonal causal attention
+    per document), or None (``is_causal`` decides).
+    """
+    if isinstance(mask, PackedLayout):
+        return _attend_packed(q, k, v, mask, enable_gqa)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=enable_gqa)
+    return out.transpose(1, 2)
