@@ -102,7 +102,7 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
                 h = hidden[s:s + chunk].to(cdtype)
                 g = grad_logp[s:s + chunk].unsqueeze(-1)
                 # d logp_y / dz = onehot(y) - softmax(z), times the incoming gradient, / temperature
-                grad_z = torch.softmax(_chunk_logits(h, w, temperature), dim=-1).mul_(g).neg_()
+                grad_z = torch.softmax(_chunk_logits(h, w, temperature), dim=-1).mul_(-g)
                 grad_z.scatter_add_(-1, targets[s:s + chunk].unsqueeze(-1), g)
                 if temperature != 1.0:
                     grad_z.div_(temperature)
