@@ -55,8 +55,13 @@ class FixedLogits(nn.Module):
         super().__init__()
         self.logits = nn.Parameter(logits.clone())
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.logits
+    def forward(self, input_ids: torch.Tensor, head=None):
+        return self.project(self.logits, head)
+
+    def project(self, logits: torch.Tensor, head):
+        """Logits as they are, or through ``head`` with the logits as hidden states and an identity
+        output weight (exact in fp32), as ``Transformer.forward(..., head=...)`` does."""
+        return logits if head is None else head(logits, torch.eye(logits.shape[-1]))
 
 
 def _setup(seed: int = 0, B: int = 4, T: int = 5, V: int = 7):
@@ -119,8 +124,8 @@ def test_microbatch_split_gives_the_same_gradient(mode):
     loss_fn = GRPOLoss(eps_low=0.2, eps_high=0.2, beta=0.1, aggregation=mode, max_new_tokens=5, temperature=1.0)
 
     class RowLogits(FixedLogits):
-        def forward(self, input_ids):
-            return self.logits[input_ids[:, 0]]
+        def forward(self, input_ids, head=None):
+            return self.project(self.logits[input_ids[:, 0]], head)
 
     whole = PolicyBatch(torch.arange(4)[:, None].expand(4, 5).clone(), batch.targets, batch.mask, batch.advantages,
                         batch.old_logprobs, batch.ref_logprobs)

@@ -76,6 +76,9 @@ class TrainingSection(Section):
     """Autocast dtype for the forward pass; parameters and optimizer state stay fp32."""
     compile: bool = False
     activation_checkpointing: bool = False
+    loss_chunk_tokens: int = Field(1024, gt=0)
+    """Target tokens whose logits the loss computes at once (forward and backward): bounds the loss's
+    memory to chunk x vocab fp32 values (``lmforge.training.chunked_loss``)."""
     threads: int = Field(0, ge=0)
     """torch intra-op threads on CPU (0: leave torch's default)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

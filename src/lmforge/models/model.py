@@ -17,7 +17,7 @@ boundaries is the forward's only host sync (once per batch, outside any compiled
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,9 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover
     from lmforge.models.kv_cache import KVCache
+
+OutputHead = Callable[[Tensor, Tensor], Any]
+"""(final-normed hidden states [B, T, dim], output weight [vocab, dim]) -> anything: see ``Transformer.forward``."""
 
 
 class RMSNorm(nn.Module):
@@ -303,16 +306,25 @@ class Transformer(nn.Module):
 
     def forward(
         self, tokens: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None,
-        kv_cache: KVCache | None = None,
-    ) -> Tensor:
-        """Logits [B, T, vocab_size] (in the model's dtype).
+        kv_cache: KVCache | None = None, head: OutputHead | None = None,
+    ) -> Any:
+        """Logits [B, T, vocab_size] (in the model's dtype), or ``head(hidden, output_weight)``.
 
         ``document_ids`` [B, T] switches to block-diagonal causal attention for packed
         sequences; the caller then supplies ``position_ids`` that restart at 0 per document.
         With a ``kv_cache`` the new keys/values are appended to the cache and attention
         covers everything cached so far (see ``lmforge.models.kv_cache.KVCache``).
+
+        ``head`` replaces the output projection: it gets the final-normed hidden states [B, T, dim]
+        and the output weight [vocab_size, dim] and its result is returned (e.g. the chunked loss of
+        ``lmforge.training.chunked_loss``, which never holds all logits at once). It runs here, inside
+        forward, rather than on ``hidden_states`` afterwards, because wrappers act only on a forward
+        call: FSDP2 unshards the root's parameters (the output weight among them) for that call only.
         """
-        return self.output(self.hidden_states(tokens, position_ids, document_ids, kv_cache))
+        h = self.hidden_states(tokens, position_ids, document_ids, kv_cache)
+        if head is not None:
+            return head(h, self.output.weight)
+        return self.output(h)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Unique parameter count (tied weights counted once).

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmforge import distributed as dist_utils
+from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobHead
 
 Aggregation = Literal["grpo", "dapo", "dr_grpo"]
 AdvantageScale = Literal["group", "batch", "none"]
@@ -125,21 +125,27 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: Aggregation) -> Tensor:
     return summed.sum()
 
 
-def token_logprobs_and_entropy(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """log p(target) under softmax(logits / temperature), and the entropy per position (no grad)."""
-    logp_all = F.log_softmax(logits.float() / temperature, dim=-1)
-    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+def policy_logprobs(model: nn.Module, batch: PolicyBatch, temperature: float, *, chunk_tokens: int,
+                    entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """log p(target) [B, T] under softmax(logits / temperature), and the entropy [B, T] (no grad) if asked.
+
+    Only completion positions (``mask > 0``) are computed, ``chunk_tokens`` rows of logits at a time
+    (see :mod:`lmforge.training.chunked_loss`); every other position holds 0. Differentiable when
+    called with grad enabled.
+    """
+    head = TargetLogprobHead(batch.targets, batch.mask > 0, chunk_tokens=chunk_tokens, temperature=temperature,
+                             entropy=entropy)
+    out = model(batch.input_ids, head=head)
+    shape = batch.targets.shape
+    ent = None if out.entropy is None else out.dense(out.entropy, shape)
+    return out.dense(out.logprobs, shape), ent
 
 
 @torch.no_grad()
-def token_logprobs(model: nn.Module, batch: PolicyBatch, temperature: float) -> Tensor:
-    """log p(target) of every position, for the old-policy and reference passes."""
-    logits = model(batch.input_ids)
-    logp_all = F.log_softmax(logits.float() / temperature, dim=-1)
-    return logp_all.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+def token_logprobs(model: nn.Module, batch: PolicyBatch, temperature: float,
+                   chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+    """log p(target) at completion positions (0 elsewhere), for the old-policy and reference passes."""
+    return policy_logprobs(model, batch, temperature, chunk_tokens=chunk_tokens)[0]
 
 
 class GRPOLoss:
@@ -153,13 +159,14 @@ class GRPOLoss:
     """
 
     def __init__(self, *, eps_low: float, eps_high: float, beta: float, aggregation: Aggregation,
-                 max_new_tokens: int, temperature: float) -> None:
+                 max_new_tokens: int, temperature: float, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
         self.eps_low, self.eps_high, self.beta = eps_low, eps_high, beta
         self.aggregation, self.max_new_tokens, self.temperature = aggregation, max_new_tokens, temperature
+        self.chunk_tokens = chunk_tokens
 
     def __call__(self, model: nn.Module, batch: PolicyBatch) -> tuple[Tensor, dict[str, Tensor]]:
-        logits = model(batch.input_ids)
-        logp, entropy = token_logprobs_and_entropy(logits, batch.targets, self.temperature)
+        logp, entropy = policy_logprobs(model, batch, self.temperature, chunk_tokens=self.chunk_tokens, entropy=True)
+        assert entropy is not None
         mask = batch.mask
         old = logp.detach() if batch.old_logprobs is None else batch.old_logprobs
         ratio = torch.exp(logp - old)
@@ -216,9 +223,9 @@ class GRPOObjective:
     watch_spikes = False  # the GRPO loss hovers around 0 with either sign: a ratio test means nothing
 
     def __init__(self, *, eps_low: float, eps_high: float, beta: float, aggregation: Aggregation,
-                 max_new_tokens: int, temperature: float) -> None:
+                 max_new_tokens: int, temperature: float, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
         self.loss_fn = GRPOLoss(eps_low=eps_low, eps_high=eps_high, beta=beta, aggregation=aggregation,
-                                max_new_tokens=max_new_tokens, temperature=temperature)
+                                max_new_tokens=max_new_tokens, temperature=temperature, chunk_tokens=chunk_tokens)
         self.aggregation, self.max_new_tokens = aggregation, max_new_tokens
 
     def normalizer(self, microbatches: list[PolicyBatch]) -> Tensor:

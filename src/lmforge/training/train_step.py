@@ -19,11 +19,11 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lmforge import distributed as dist_utils
 from lmforge.data.packing import IGNORE_INDEX, Batch
+from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobHead
 
 if TYPE_CHECKING:  # pragma: no cover
     from lmforge.training.state import TrainState
@@ -32,20 +32,22 @@ LossFn = Callable[[nn.Module, Batch], "tuple[torch.Tensor, dict[str, torch.Tenso
 """(model, microbatch) -> (objective summed over its terms, summed statistics as device tensors)."""
 
 
-def cross_entropy_loss(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def cross_entropy_loss(model: nn.Module, batch: Batch,
+                       chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Summed next-token cross-entropy over target tokens (labels != IGNORE_INDEX).
 
     Statistics: ``loss_sum``, ``total_weights`` (target tokens) and ``correct`` (argmax hits), all
     sums, so they add up exactly across microbatches and ranks.
+
+    Logits exist only at target positions and only ``chunk_tokens`` rows at a time (fp32), in
+    forward and backward (see :mod:`lmforge.training.chunked_loss`); the values equal the full
+    ``F.cross_entropy`` over fp32 logits. Bind ``chunk_tokens`` with ``functools.partial``.
     """
-    logits = model(batch.input_ids, position_ids=batch.position_ids, document_ids=batch.document_ids)
-    logits = logits.float().flatten(0, 1)
-    labels = batch.labels.flatten()
-    loss_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
-    mask = labels != IGNORE_INDEX
-    with torch.no_grad():
-        correct = ((logits.argmax(-1) == labels) & mask).sum()
-    return loss_sum, {"loss_sum": loss_sum.detach(), "total_weights": mask.sum(), "correct": correct}
+    mask = batch.labels != IGNORE_INDEX
+    head = TargetLogprobHead(batch.labels, mask, chunk_tokens=chunk_tokens)
+    out = model(batch.input_ids, position_ids=batch.position_ids, document_ids=batch.document_ids, head=head)
+    loss_sum = -out.logprobs.sum()
+    return loss_sum, {"loss_sum": loss_sum.detach(), "total_weights": mask.sum(), "correct": out.hits.sum()}
 
 
 def gradient_computation(
