@@ -137,3 +137,51 @@ def test_tflops_from_step_flops_and_memory_field(tmp_path):
     assert rec["mfu"] == pytest.approx(500.0 / rec["seconds"] / 1e6)
     assert rec["memory_gb"] > 0.01  # a Python process with torch loaded holds well over 10 MB
     assert "mem: " in lines[-1] and " GB" in lines[-1]
+
+
+def test_no_checkpoint_of_a_diverged_step_between_log_steps(tmp_path, monkeypatch):
+    """On an accelerator the non-finite guard reads the loss on log steps only; a save on a step in
+    between must still check first: the run stops without saving, and says nothing untrue."""
+    import lmforge.training.loop as loop
+    from lmforge.checkpoint import RunDir, list_checkpoints
+    from lmforge.config import Config, validate_config
+    from lmforge.data.corpus import embedded_corpus
+    from lmforge.data.packing import PackedTokenDataset
+    from lmforge.training.guard import Guard, NonFiniteLoss
+    from lmforge.training.next_token import NextTokenObjective
+    from lmforge.training.runtime import build_runtime
+    from lmforge.training.train_step import cross_entropy_loss
+
+    class LogStepsOnly(Guard):  # what a GPU run does: no per-step read
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.every_step = False
+
+    monkeypatch.setattr(loop, "Guard", LogStepsOnly)
+    calls = {"n": 0}
+
+    def nan_at_step_3(model, batch):
+        calls["n"] += 1
+        objective, stats = cross_entropy_loss(model, batch)
+        return (objective * float("nan") if calls["n"] == 3 else objective), stats
+
+    run = tmp_path / "run"
+    cfg = validate_config(Config, {
+        "model": {"n_layers": 2, "dim": 64}, "data": {"seq_len": 32, "prefetch": 0},
+        "training": {"steps": 8, "global_batch_size": 4, "micro_batch_size": 4, "dtype": "float32"},
+        "schedule": {"warmup_steps": 0}, "eval": {"interval": 0}, "checkpoint": {"interval": 3},
+        "metrics": {"log_every": 4, "tensorboard": False, "peak_tflops": 1.0, "progress": "off"},
+        "run": {"dir": str(run)}})
+    rt = build_runtime(cfg, "pretrain")
+    source = LoaderSource(rt, PackedTokenDataset(embedded_corpus("train", num_docs=200), rt.tokenizer, 32))
+    objective = NextTokenObjective()
+    objective.loss_fn = nan_at_step_3
+    with pytest.raises(NonFiniteLoss) as error:
+        try:
+            loop.train(rt, source, objective, None)
+        finally:
+            source.close()
+            rt.metrics.close()
+    assert "at step 3 (checked before saving it)" in str(error.value)
+    assert "intact" not in str(error.value)
+    assert list_checkpoints(RunDir(run).checkpoints) == []
