@@ -185,3 +185,57 @@ def test_no_checkpoint_of_a_diverged_step_between_log_steps(tmp_path, monkeypatc
     assert "at step 3 (checked before saving it)" in str(error.value)
     assert "intact" not in str(error.value)
     assert list_checkpoints(RunDir(run).checkpoints) == []
+
+
+def _pretrain_in_process(run, steps: int, size: str, **training):
+    from lmforge.config import Config, validate_config
+    from lmforge.data.corpus import embedded_corpus
+    from lmforge.data.packing import PackedTokenDataset
+    from lmforge.metrics.records import read_records
+    from lmforge.training.loop import train
+    from lmforge.training.next_token import NextTokenObjective
+    from lmforge.training.runtime import build_runtime
+
+    cfg = validate_config(Config, {
+        "model": {"size": size}, "data": {"seq_len": 64, "prefetch": 0},
+        "training": {"steps": steps, "global_batch_size": 4, "micro_batch_size": 4, **training},
+        "schedule": {"warmup_steps": 0}, "eval": {"interval": 0}, "checkpoint": {"enabled": False},
+        "metrics": {"log_every": 1, "tensorboard": False, "progress": "off"}, "run": {"dir": str(run)}})
+    rt = build_runtime(cfg, "pretrain")
+    source = LoaderSource(rt, PackedTokenDataset(embedded_corpus("train", num_docs=200), rt.tokenizer, 64))
+    try:
+        train(rt, source, NextTokenObjective(), None)
+    finally:
+        source.close()
+        rt.metrics.close()
+    return rt, read_records(run)
+
+
+def test_bf16_on_cpu_mfu_against_the_bf16_peak(tmp_path):
+    rt, records = _pretrain_in_process(tmp_path / "run", 4, "small", dtype="bfloat16")
+    setup = next(r for r in records if r["kind"] == "setup")
+    assert setup["dtype"] == "bfloat16" and "bfloat16" in setup["peak_source"]
+    train_mfu = [r["mfu"] for r in records if r["kind"] == "train"]
+    assert len(train_mfu) == 4 and all(0 < m < 1.0 for m in train_mfu), train_mfu
+
+
+def test_auto_dtype_rule(monkeypatch):
+    from lmforge.training import precision
+
+    cpu = torch.device("cpu")
+    assert precision.choose_dtype("float32", cpu, 10**9) == ("float32", "training.dtype")
+    monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda: True)
+    dtype, why = precision.choose_dtype("auto", cpu, 140_000)
+    assert dtype == "float32" and "0.1M non-embedding parameters" in why
+    assert precision.choose_dtype("auto", cpu, precision.CPU_BF16_MIN_PARAMS)[0] == "bfloat16"
+    monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda: False)
+    assert precision.choose_dtype("auto", cpu, 10**9)[0] == "float32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert precision.choose_dtype("auto", torch.device("cuda", 0), 1000) == ("bfloat16", "auto: the GPU supports bf16")
+
+
+def test_auto_dtype_in_the_setup_record(tmp_path):
+    rt, records = _pretrain_in_process(tmp_path / "run", 1, "debug")
+    setup = next(r for r in records if r["kind"] == "setup")
+    assert setup["dtype"] == rt.dtype == "float32"  # debug is far under the CPU threshold
+    assert setup["dtype_reason"].startswith("auto: ")
