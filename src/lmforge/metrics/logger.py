@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import sys
 import time
 from contextlib import contextmanager
@@ -42,6 +41,7 @@ import torch
 
 from lmforge.checkpoint.layout import RunDir
 from lmforge.errors import UserError
+from lmforge.metrics.device_stats import device_synchronizer, peak_memory_bytes
 
 
 
@@ -71,33 +71,6 @@ GOODPUT_CATEGORIES = (
     "eval", "rollout", "lost_progress", "recovery", "other",
 )
 _PERF_KEYS = {"seconds", "tflops_per_device", "tokens_per_sec_per_device", "mfu", "data_wait_seconds", "memory_gb"}
-
-
-def device_synchronizer(device: torch.device | str | None) -> Callable[[], None] | None:
-    """A function that waits for ``device``'s queued work, or None on CPU (work there is synchronous)."""
-    if device is None:
-        return None
-    device = torch.device(device)
-    if device.type == "cpu":
-        return None
-    accel = getattr(torch, "accelerator", None)
-    if accel is not None and hasattr(accel, "synchronize"):
-        return lambda: accel.synchronize(device)
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return None
-
-
-def peak_memory_bytes(device: torch.device | str | None, reset: bool = False) -> int:
-    """Peak memory since the last reset: GPU bytes allocated by tensors, or CPU peak resident set size."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type == "cuda":
-        peak = int(torch.cuda.max_memory_allocated(device))
-        if reset:
-            torch.cuda.reset_peak_memory_stats(device)
-        return peak
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
 class MetricLogger:
