@@ -40,6 +40,7 @@ TINY_RUN: dict[str, Any] = {
     "data.seq_len": SEQ_LEN, "training.global_batch_size": GLOBAL_BATCH, "training.steps": STEPS,
     "training.threads": 1, "metrics.log_every": 1, "metrics.tensorboard": False, "metrics.peak_tflops": 1,
     "metrics.progress": "off", "eval.interval": 0, "checkpoint.interval": 1000, "schedule.warmup_steps": 2,
+    "training.dtype": "float32",
 }
 """The base of every tiny run: a ~140k-parameter model (setup, not compute, dominates these runs),
 STEPS steps of GLOBAL_BATCH sequences of SEQ_LEN tokens, a line per step, no eval, no periodic

@@ -79,3 +79,34 @@ def test_one_process_continues_an_fsdp2_checkpoint(fsdp, corpus, reference_losse
     resume = read_records(fsdp, "resume")[-1]
     assert resume["step"] == HALF and resume["saved_world_size"] == 2
     assert_losses_match(losses(fsdp), reference_losses, range(1, STEPS + 1))
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_accumulation_reduces_gradients_once_per_step(mode, tmp_path):
+    """3 microbatches per rank: the gradients are reduced once (FSDP2: one reduce-scatter per unit, the
+    2 blocks and the root; DDP: once per bucket), as for a single microbatch, and equal one process's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from _helpers import STEP_MODEL_ARGS, make_batch
+    from lmforge.models.model import Transformer
+    from lmforge.training.train_step import cross_entropy_loss, global_target_count, gradient_computation
+
+    out = tmp_path / "sync.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(Path(__file__).with_name("_grad_sync_check.py")), mode, str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(out, weights_only=True)
+    if mode == "fsdp":
+        assert got["one_microbatch"] == STEP_MODEL_ARGS.n_layers + 1
+    assert got["three_microbatches"] == got["one_microbatch"] >= 1
+    model = Transformer(STEP_MODEL_ARGS)
+    model.init_weights(seed=0)
+    batch = [make_batch(n=12, t=24)]
+    gradient_computation(model, batch, cross_entropy_loss, global_target_count(batch))
+    for p, g in zip(model.parameters(), got["grads"]):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7)

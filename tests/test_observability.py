@@ -107,7 +107,7 @@ def test_progress_eta_from_the_budget_that_ends_first():
 
 _TRAIN_LINE = re.compile(r"^completed step: \d+, seconds: [\d.]+, TFLOP/s/device: [\d.]+, Tokens/s/device: [\d.]+, "
                          r"total_weights: \d+, loss: [\d.]+, lr: \S+, grad_norm: \S+, accuracy: \S+, "
-                         r"mfu: [\d.]+%( \((first step: warm-up, not representative|time averaged over \d+ steps)\))?$")
+                         r"mfu: [\d.]+%, mem: [\d.]+ GB( \((first step: warm-up, not representative|time averaged over \d+ steps)\))?$")
 
 
 def test_progress_bar_on_a_terminal_does_not_garble_log_lines(observed_run):

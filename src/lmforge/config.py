@@ -72,8 +72,10 @@ class TrainingSection(Section):
     """Stop once the training clock passes this many seconds (0: no time budget)."""
     target_eval_loss: float = Field(0.0, ge=0)
     """Stop as soon as an eval loss is at or below this (0: off)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Autocast dtype for the forward pass; parameters and optimizer state stay fp32."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Autocast dtype for the forward pass; parameters and optimizer state stay fp32. ``auto``: bf16
+    where it is faster (a GPU with bf16; a CPU with native bf16 and a model large enough, see
+    lmforge.training.precision), else fp32; the setup line says which and why."""
     compile: bool = False
     activation_checkpointing: bool = False
     loss_chunk_tokens: int = Field(1024, gt=0)

@@ -32,6 +32,8 @@ class Sample:
     labels: torch.Tensor
     position_ids: torch.Tensor | None = None
     document_ids: torch.Tensor | None = None
+    document_lengths: list[int] | None = None
+    """Real (non-padding) tokens of each document in order; ``None``: one document of length T."""
 
 
 @dataclass
@@ -42,6 +44,10 @@ class Batch:
     labels: torch.Tensor
     position_ids: torch.Tensor | None = None
     document_ids: torch.Tensor | None = None
+    document_lengths: list[list[int]] | None = None
+    """Host-side real document lengths per row (see :attr:`Sample.document_lengths`), so FLOPs of
+    the real tokens are known without reading the device tensors; ``None``: every row is one
+    document of length T."""
 
     def _map(self, fn) -> "Batch":
         return Batch(
@@ -49,7 +55,15 @@ class Batch:
             labels=fn(self.labels),
             position_ids=None if self.position_ids is None else fn(self.position_ids),
             document_ids=None if self.document_ids is None else fn(self.document_ids),
+            document_lengths=self.document_lengths,
         )
+
+    def real_document_lengths(self) -> list[int]:
+        """Lengths of every real document of the batch (all rows), from host data only."""
+        if self.document_lengths is None:
+            B, T = self.input_ids.shape
+            return [T] * B
+        return [n for row in self.document_lengths for n in row]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -83,7 +97,14 @@ def collate(samples: list[Sample]) -> Batch:
         labels=torch.stack([s.labels for s in samples]),
         position_ids=_stack_optional(samples, "position_ids"),
         document_ids=_stack_optional(samples, "document_ids"),
+        document_lengths=_lengths(samples),
     )
+
+
+def _lengths(samples: Sequence[Sample]) -> list[list[int]] | None:
+    if all(s.document_lengths is None for s in samples):
+        return None
+    return [list(s.document_lengths) if s.document_lengths is not None else [len(s.input_ids)] for s in samples]
 
 
 class SampleDataset(Protocol):

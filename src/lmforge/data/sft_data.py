@@ -236,7 +236,7 @@ class SFTDataset:
             ex = self.examples[self.bins[i][0]]
             inputs[: len(ex)] = ex.input_ids
             labels[: len(ex)] = ex.labels
-            return Sample(torch.from_numpy(inputs), torch.from_numpy(labels))
+            return Sample(torch.from_numpy(inputs), torch.from_numpy(labels), document_lengths=[len(ex)])
         positions = np.zeros(T, dtype=np.int64)
         documents = np.full(T, len(self.bins[i]), dtype=np.int64)
         at = 0
@@ -250,7 +250,7 @@ class SFTDataset:
             at += n
         positions[at:] = np.arange(T - at)
         return Sample(torch.from_numpy(inputs), torch.from_numpy(labels), torch.from_numpy(positions),
-                      torch.from_numpy(documents))
+                      torch.from_numpy(documents), [len(self.examples[j]) for j in self.bins[i]])
 
 
 def build_sft_dataset(records: Sequence[Record], source: str, tokenizer: Tokenizer, chat: ChatFormat | None, *,

@@ -12,7 +12,15 @@ Step-time rules (the same for pretraining, SFT, GRPO and elastic runs):
   ``first_step: true`` and is always logged on its own; later lines average over the steps since the
   previous logged line.
 * No host-device synchronization per step: metrics arrive as device tensors and are only converted
-  to Python numbers on a log step (every ``log_every`` steps), in one transfer.
+  to Python numbers on a log step (every ``log_every`` steps), in one transfer. On an accelerator the
+  clock start and both ends of every :meth:`MetricLogger.timed` block wait for the device (one
+  synchronize each): kernels a step queued are then charged to the steps, not to the eval or
+  checkpoint that happens to follow them, and a timed block's own kernels are inside its time.
+* TFLOP/s and MFU count the FLOPs of each step's real tokens (given by the step source, see
+  :func:`lmforge.models.flops.training_flops`) over the window's seconds, against the peak of the
+  dtype in use.
+* ``memory_gb``: the peak memory of the log window (GPU: peak allocated by the caching allocator,
+  reset after each log line; CPU: the process's peak resident set size, which never resets).
 
 Goodput: every second of wall-clock time since process start falls into exactly one category
 (``GOODPUT_CATEGORIES``); ``other`` is whatever no category claimed.
@@ -33,6 +41,7 @@ import torch
 
 from lmforge.checkpoint.layout import RunDir
 from lmforge.errors import UserError
+from lmforge.metrics.device_stats import device_synchronizer, peak_memory_bytes
 
 
 
@@ -61,7 +70,7 @@ GOODPUT_CATEGORIES = (
     "setup", "first_step", "productive", "data_wait", "checkpoint_save", "checkpoint_restore",
     "eval", "rollout", "lost_progress", "recovery", "other",
 )
-_PERF_KEYS = {"seconds", "tflops_per_device", "tokens_per_sec_per_device", "mfu", "data_wait_seconds"}
+_PERF_KEYS = {"seconds", "tflops_per_device", "tokens_per_sec_per_device", "mfu", "data_wait_seconds", "memory_gb"}
 
 
 class MetricLogger:
@@ -82,18 +91,24 @@ class MetricLogger:
         sinks: list[Any] | None = None,
         progress: Any = None,
         defer: bool = False,
+        device: torch.device | str | None = None,
+        synchronize: Callable[[], None] | None = None,
     ) -> None:
         """``process_start`` earlier than this process's own start (an elastic restart passes the time
         its predecessor failed) makes goodput cover the gap as ``recovery``. ``sinks`` receive every
         scalar (``.scalars(step, dict)``, ``.close()``, e.g. W&B); ``progress`` observes every step
         (``.update(step, metrics)``, ``.close()``, e.g. the progress bar). ``defer`` holds every record
-        in memory until :meth:`open` (a trainer opens once its start-up checks have passed)."""
+        in memory until :meth:`open` (a trainer opens once its start-up checks have passed). ``device``
+        is the training device (memory field, and the default ``synchronize``: see
+        :func:`device_synchronizer`); ``synchronize`` replaces that wait."""
         self.run_dir = Path(run_dir)
         self.rank = rank
         self.world_size = world_size
         self.log_every = log_every
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
+        self.device = torch.device(device) if device is not None else None
+        self._synchronize = synchronize if synchronize is not None else device_synchronizer(device)
         self.writes = rank == 0
         self._console = console or (lambda line: print(line, flush=True))
         self.process_start = PROCESS_START
@@ -105,7 +120,7 @@ class MetricLogger:
         self._last_mark = 0.0
         self._excluded = 0.0  # seconds of timed() work since the last step ended
         self._nested: list[float] = []  # per open timed() block: seconds claimed by blocks inside it
-        self._window: list[tuple[float, int, float]] = []  # (seconds, tokens, data_wait) per step
+        self._window: list[tuple[float, int, float, float | None]] = []  # (seconds, tokens, data_wait, flops)
         self._steps_seen = 0
         self._jsonl = None
         self._tb = None
@@ -204,11 +219,18 @@ class MetricLogger:
     # ------------------------------------------------------------------ timing
     def start_clock(self) -> None:
         """Call immediately before the first step: everything earlier counts as setup."""
+        self._sync()
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         now = time.perf_counter()
         self.goodput["setup"] += time.time() - self.process_start - self._accounted()
         self._clock_start = now
         self._last_mark = now
         self._excluded = 0.0
+
+    def _sync(self) -> None:
+        if self._synchronize is not None:
+            self._synchronize()
 
     @property
     def training_seconds(self) -> float:
@@ -224,11 +246,13 @@ class MetricLogger:
         """
         if category not in self.goodput:
             raise ValueError(f"unknown goodput category {category!r}; known: {', '.join(GOODPUT_CATEGORIES)}")
+        self._sync()  # the previous step's queued kernels belong to that step, not to this block
         t0 = time.perf_counter()
         self._nested.append(0.0)
         try:
             yield
         finally:
+            self._sync()
             dt = time.perf_counter() - t0
             self.goodput[category] += dt - self._nested.pop()
             if self._nested:
@@ -261,6 +285,7 @@ class MetricLogger:
         tokens: int,
         metrics: dict[str, torch.Tensor | float],
         *,
+        flops: float | None = None,
         data_wait: float = 0.0,
         force_log: bool = False,
         lost: bool = False,
@@ -269,7 +294,8 @@ class MetricLogger:
         """Close the timing of ``step`` and log it on log steps.
 
         ``tokens`` is this device's processed tokens (inputs, padding included) — the throughput
-        numerator; ``metrics`` holds device tensors (loss, total_weights, lr, grad_norm, ...) that are
+        numerator; ``flops`` the training FLOPs of the step's real tokens on this device (without it,
+        ``flops_per_token`` x ``tokens``); ``metrics`` holds device tensors (loss, total_weights, lr, grad_norm, ...) that are
         only read on log steps; ``console_keys`` are the trainer's fields shown on the console line
         (every field goes to JSONL and TensorBoard). ``lost`` marks a step redone after a restart (goodput
         ``lost_progress``). Returns the logged record, or None on a non-log step.
@@ -287,7 +313,7 @@ class MetricLogger:
         else:
             self.goodput["productive"] += seconds - data_wait
             self.goodput["data_wait"] += data_wait
-        self._window.append((seconds, tokens, data_wait))
+        self._window.append((seconds, tokens, data_wait, flops))
         if self.progress is not None and self.writes:
             self.progress.update(step, metrics)
         if not (first or force_log or step % self.log_every == 0):
@@ -300,16 +326,18 @@ class MetricLogger:
         seconds = sum(w[0] for w in self._window) / n
         tokens = sum(w[1] for w in self._window) / n
         wait = sum(w[2] for w in self._window) / n
+        step_flops = sum(w[3] if w[3] is not None else self.flops_per_token * w[1] for w in self._window) / n
         self._window.clear()
         values = to_python(metrics)
         tps = tokens / seconds if seconds > 0 else 0.0
-        flops = self.flops_per_token * tps
+        flops = step_flops / seconds if seconds > 0 else 0.0
+        memory = peak_memory_bytes(self.device, reset=True)
         rec: dict[str, Any] = {
             "kind": "train", "step": step, "seconds": seconds, "steps_averaged": n,
             "tflops_per_device": flops / 1e12, "tokens_per_sec_per_device": tps,
             "mfu": flops / self.peak_flops if self.peak_flops else 0.0,
-            "data_wait_seconds": wait, "world_size": self.world_size, "first_step": first,
-            **values,
+            "data_wait_seconds": wait, "memory_gb": memory / 1e9, "world_size": self.world_size,
+            "first_step": first, **values,
         }
         if self.writes:
             self._write(rec)
@@ -420,6 +448,8 @@ def format_train_line(rec: dict[str, Any], trainer_keys: tuple[str, ...] = ("acc
         if k in rec:
             line += f", {k}: {_fmt(rec[k])}"
     line += f", mfu: {100 * rec['mfu']:.1f}%"
+    if "memory_gb" in rec:
+        line += f", mem: {rec['memory_gb']:.2f} GB"
     if rec.get("world_size", 1) > 1:
         line += f", world_size: {rec['world_size']}"
     if rec.get("first_step"):

@@ -8,6 +8,7 @@ so MFU stays comparable across memory-saving settings.
 from __future__ import annotations
 
 import time
+from typing import Iterable
 
 import torch
 
@@ -55,6 +56,27 @@ def attended_keys(args: ModelArgs, seq_len: int) -> float:
     if W is None or T <= W:
         return T / 2
     return T / 2 - (T - W) ** 2 / (2 * T)
+
+
+def training_flops(args: ModelArgs, document_lengths: Iterable[int]) -> float:
+    """Training FLOPs (forward + backward) of the real tokens of a batch, given as document lengths.
+
+    Each document is a run of real tokens that attend causally among themselves only: a packed
+    SFT example, a GRPO row's prompt + completion, or a whole pretraining window. Padding is not a
+    document, so it costs nothing here even though the kernels run over it: MFU measures useful
+    work. Per document of ``L`` tokens: ``6 * N * L`` for the weight matmuls plus
+    ``12 * n_layers * d * L * attended_keys(L)`` for the attention scores, the same convention as
+    :func:`flops_per_token` (a packed row of several documents costs less than one document of the
+    row's length, since a query never looks past its own document). Pure host arithmetic on lengths
+    known when the batch is built: no device sync.
+    """
+    attn_d = args.n_heads * args.head_dim
+    tokens, pairs = 0, 0.0
+    for length in document_lengths:
+        if length > 0:
+            tokens += length
+            pairs += length * attended_keys(args, length)
+    return 6.0 * matmul_params(args) * tokens + 12.0 * args.n_layers * attn_d * pairs
 
 
 # Dense (no structured sparsity) peak FLOP/s from vendor spec sheets: (bf16/fp16, tf32, fp32).

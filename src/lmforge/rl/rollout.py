@@ -81,6 +81,9 @@ class Rollout:
     metrics: dict[str, float] = field(default_factory=dict)
     tokens: int = 0
     """Tokens one update pass processes on this rank (padding included): the throughput numerator."""
+    sequence_lengths: list[int] = field(default_factory=list)
+    """Real input tokens of each row (prompt + completion minus the last target, padding excluded),
+    known on the host: what the FLOPs of an update pass are counted from."""
 
 
 def collect_rollout(
@@ -128,7 +131,8 @@ def collect_rollout(
     metrics = rollout_metrics(scores.total, scores.per_function, lengths, truncated, int(zero_std), len(records),
                               gen_seconds, time.perf_counter() - t0, device)
     return Rollout(batches, prompts, completions, scores.total, scores.per_function, metrics,
-                   tokens=sum(b.input_ids.numel() for b in batches))
+                   tokens=sum(b.input_ids.numel() for b in batches),
+                   sequence_lengths=[len(p) + len(c) - 1 for p, c in zip(rows, completion_ids)])
 
 
 class AllTruncatedWarning:

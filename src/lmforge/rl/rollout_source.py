@@ -21,6 +21,7 @@ from lmforge.data.chat import chat_format_for, stop_token_ids
 from lmforge.data.record_formats import prompt_messages
 from lmforge.errors import UserError
 from lmforge.inference import chat_prompt_ids
+from lmforge.models.flops import training_flops
 from lmforge.models.load import ModelSource, load_model
 from lmforge.models.tokenizer import Tokenizer
 from lmforge.rl.grpo_loss import PolicyBatch
@@ -72,7 +73,13 @@ class RolloutSource:
                 self.rt.metrics.record_text(step, "completions", completions_table(self.rollout, self.g.num_generations))
         r = self.rollout
         self.uses_left -= 1
-        return StepBatch(r.batches, tokens=r.tokens, metrics=r.metrics)
+        return StepBatch(r.batches, tokens=r.tokens, metrics=r.metrics, flops=self.update_flops(r))
+
+    def update_flops(self, r: Rollout) -> float:
+        """Training FLOPs of one update pass over rollout ``r``: its rows' real lengths, padding excluded
+        (a rollout restored from an older checkpoint without lengths counts its full rows)."""
+        lengths = r.sequence_lengths or [n for b in r.batches for n in [b.input_ids.shape[1]] * b.input_ids.shape[0]]
+        return training_flops(self.rt.model_args, lengths)
 
     def sample(self, indices: list[int]) -> Rollout:
         """G completions for each of this rank's prompts from the current (unwrapped) policy, scored."""
@@ -108,7 +115,7 @@ class RolloutSource:
         if self.rollout is None or self.uses_left == 0:
             return {}
         r = self.rollout
-        return {"uses_left": self.uses_left, "tokens": r.tokens, "metrics": r.metrics,
+        return {"uses_left": self.uses_left, "tokens": r.tokens, "metrics": r.metrics, "lengths": r.sequence_lengths,
                 "batches": [{k: v for k, v in vars(b).items()} for b in r.batches]}
 
     def load_rank_state(self, state: dict[str, Any]) -> None:
@@ -118,7 +125,8 @@ class RolloutSource:
         batches = [PolicyBatch(**{k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()})
                    for b in state["batches"]]
         metrics = {k: v.to(device) if torch.is_tensor(v) else v for k, v in state["metrics"].items()}
-        self.rollout = Rollout(batches, [], [], [], {}, metrics, tokens=int(state["tokens"]))
+        self.rollout = Rollout(batches, [], [], [], {}, metrics, tokens=int(state["tokens"]),
+                               sequence_lengths=[int(n) for n in state.get("lengths", [])])
         self.uses_left = int(state["uses_left"])
 
     def close(self) -> None:

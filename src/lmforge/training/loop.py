@@ -40,6 +40,9 @@ class StepBatch:
     microbatches: list[Any]
     tokens: int
     """Input tokens this rank processes in the step (padding included): the throughput numerator."""
+    flops: float = 0.0
+    """Training FLOPs of the step's real tokens on this rank (:func:`lmforge.models.flops.training_flops`),
+    computed on the host when the batch is built: the TFLOP/s and MFU numerator."""
     metrics: dict[str, Any] = field(default_factory=dict)
     """Values the source measured for this step (e.g. rollout rewards), logged with the step."""
 
@@ -70,6 +73,7 @@ def train(rt: Runtime, source: StepSource, objective: Objective, evaluate: EvalF
     state = resume(rt, source)
     rt.open_run_dir()  # every start-up check has passed: only now is the run directory written
     guard = Guard(rt, spike_factor=rt.cfg.training.spike_factor if objective.watch_spikes else 0.0)
+    rt.before_save = guard.before_save
     with StopSignals(state):
         if evaluate and rt.cfg.eval.at_start and rt.cfg.eval.interval and state.step == 0:
             do_eval(rt, state, evaluate)  # the starting model's scores, before the clock starts
@@ -83,7 +87,7 @@ def train(rt: Runtime, source: StepSource, objective: Objective, evaluate: EvalF
             grad_norm = guard.optimizer_step(step, lr := lr_at(rt, step))
             state.step = step
             values = objective.log_values(compute_global_loss(stats)) | batch.metrics | {"lr": lr, "grad_norm": grad_norm}
-            record = rt.metrics.record_step(step, tokens=batch.tokens, metrics=values, data_wait=wait.seconds,
+            record = rt.metrics.record_step(step, tokens=batch.tokens, flops=batch.flops, metrics=values, data_wait=wait.seconds,
                                             lost=step <= state.redo_until, console_keys=objective.console_keys)
             guard.after_step(step, values, record)
             end_of_step(rt, state, source, values["total_weights"], logged=record is not None, evaluate=evaluate)
@@ -147,6 +151,9 @@ def checkpoint_state(rt: Runtime, state: TrainState, source: StepSource) -> dict
 
 
 def save(rt: Runtime, state: TrainState, source: StepSource, tier: str = "durable") -> Any:
+    """Checkpoint the current step (every rank); the guard first refuses a non-finite step."""
+    if rt.before_save is not None:
+        rt.before_save()
     with rt.metrics.timed("checkpoint_save"):
         return rt.checkpoints.save(state.step, rt.model, rt.optimizer, checkpoint_state(rt, state, source),
                                    rank_state=source.rank_state(), tier=tier)  # type: ignore[arg-type]

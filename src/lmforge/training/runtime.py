@@ -30,6 +30,7 @@ from lmforge.models.flops import flops_per_token, peak_flops_per_device
 from lmforge.models.load import LoadedModel, ModelSource, load_model
 from lmforge.models.model import ModelArgs, Transformer
 from lmforge.models.tokenizer import Tokenizer
+from lmforge.training.precision import choose_dtype
 from lmforge.training.train_step import build_optimizer
 
 StepHook = Callable[["Runtime", Any, Any], None]
@@ -59,6 +60,10 @@ class Runtime:
     model_description: dict[str, Any]
     """Model shape and tokenizer, stored in every checkpoint so it describes itself."""
     step_hooks: tuple[StepHook, ...] = ()
+    dtype: str = "float32"
+    """The autocast dtype in use (``training.dtype`` with ``auto`` resolved, see training.precision)."""
+    before_save: Callable[[], None] | None = None
+    """Called before every checkpoint save (the loop installs its non-finite guard here)."""
 
     def open_run_dir(self) -> None:
         """Write the run's config, model description and metrics: called once every start-up check
@@ -74,7 +79,7 @@ class Runtime:
                 raise UserError(f"run.dir={self.run_dir}: cannot write the run directory ({e.strerror or e})") from None
 
     def autocast(self) -> Any:
-        if self.cfg.training.dtype == "bfloat16":
+        if self.dtype == "bfloat16":
             return torch.autocast(self.dist.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
@@ -161,11 +166,12 @@ def build_runtime(cfg: Config, trainer: str, *, step_hooks: tuple[StepHook, ...]
     if cfg.training.compile:
         for i, block in enumerate(model.layers):
             model.layers[i] = torch.compile(block)
-    wrapped = dist_utils.wrap_model(model, cfg.parallel.mode, info, bf16=cfg.training.dtype == "bfloat16")
+    dtype, dtype_why = choose_dtype(cfg.training.dtype, info.device, raw.num_params(exclude_embeddings=True))
+    wrapped = dist_utils.wrap_model(model, cfg.parallel.mode, info, bf16=dtype == "bfloat16")
     o = cfg.optimizer
     optimizer = build_optimizer(wrapped, o.lr, o.weight_decay, (o.beta1, o.beta2), o.eps)
-    peak, peak_src = peak_flops_per_device(
-        info.device, torch.bfloat16 if cfg.training.dtype == "bfloat16" else torch.float32,
+    peak, peak_src = peak_flops_per_device(  # MFU is measured against the peak of the dtype in use
+        info.device, torch.bfloat16 if dtype == "bfloat16" else torch.float32,
         cfg.metrics.peak_tflops * 1e12 if cfg.metrics.peak_tflops else None)
     fpt = flops_per_token(args, cfg.data.seq_len)
     bar = progress_bar(cfg.metrics.progress, cfg.training.steps, cfg.training.max_tokens, is_main=info.is_main)
@@ -173,12 +179,12 @@ def build_runtime(cfg: Config, trainer: str, *, step_hooks: tuple[StepHook, ...]
     metrics = MetricLogger(run.root, rank=info.rank, world_size=info.world_size, log_every=cfg.metrics.log_every,
                            flops_per_token=fpt, peak_flops=peak, tensorboard=cfg.metrics.tensorboard,
                            console=bar.write if bar else None, process_start=process_start, sinks=sinks,
-                           progress=bar, defer=True)
+                           progress=bar, defer=True, device=info.device)
     metrics.log_setup({
         "trainer": trainer, "parameters": raw.num_params(), "non_embedding_parameters":
         raw.num_params(exclude_embeddings=True), "flops_per_token": fpt, "peak_tflops_per_device": peak / 1e12,
         "peak_source": peak_src, "world_size": info.world_size, "device": str(info.device),
-        "parallel": cfg.parallel.mode if info.world_size > 1 else "none", "dtype": cfg.training.dtype,
+        "parallel": cfg.parallel.mode if info.world_size > 1 else "none", "dtype": dtype, "dtype_reason": dtype_why,
         "threads": torch.get_num_threads(), "run_dir": str(run.root),
     }, cfg.to_toml())
     report = lambda line: metrics.record_event("checkpoint_damaged", 0, line)  # noqa: E731
@@ -193,7 +199,7 @@ def build_runtime(cfg: Config, trainer: str, *, step_hooks: tuple[StepHook, ...]
     return Runtime(cfg=cfg, dist=info, tokenizer=loaded.tokenizer, model_args=args, raw_model=raw, model=wrapped,
                    optimizer=optimizer, metrics=metrics, checkpoints=CheckpointTiers(durable, fast),
                    run_dir=run.root, model_source=loaded.source, model_description=loaded.description(),
-                   step_hooks=tuple(step_hooks))
+                   step_hooks=tuple(step_hooks), dtype=dtype)
 
 
 def _check_fresh_start(cfg: Config, run: RunDir) -> None:

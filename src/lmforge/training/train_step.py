@@ -60,15 +60,18 @@ def gradient_computation(
     """Accumulate gradients of ``sum(objective) / normalizer`` over this rank's microbatches.
 
     ``normalizer`` must already be global (see :func:`global_target_count`). Gradient sync between
-    ranks happens once, on the last microbatch. Returns the summed statistics (device tensors).
+    ranks happens once, on the last microbatch: the backward pass runs inside the no-sync block
+    too, because that is when DDP and FSDP2 read the flag (the reduction is launched by backward
+    hooks). Returns the summed statistics (device tensors).
     """
     scale = dist_utils.world_size() / normalizer.clamp(min=1)
     totals: dict[str, torch.Tensor] = {}
     for i, mb in enumerate(microbatches):
         last = i == len(microbatches) - 1
-        with dist_utils.no_grad_sync(model, enabled=not last), autocast or nullcontext():
-            objective, stats = loss_fn(model, mb)
-        (objective * scale).backward()
+        with dist_utils.no_grad_sync(model, enabled=not last):
+            with autocast or nullcontext():
+                objective, stats = loss_fn(model, mb)
+            (objective * scale).backward()
         for k, v in stats.items():
             totals[k] = totals[k] + v if k in totals else v.detach().clone()
     return totals
