@@ -24,6 +24,7 @@ from lmforge import distributed as dist_utils
 from lmforge.models.generate import generate
 from lmforge.rl.grpo_loss import AdvantageScale, PolicyBatch, group_advantages, token_logprobs
 from lmforge.rl.rewards import WeightedReward, score_completions
+from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS
 
 
 class PromptSampler:
@@ -69,6 +70,8 @@ class RolloutSettings:
     mask_truncated: bool
     need_old_logprobs: bool
     """True when a batch is reused for several updates: pi_old must then be frozen at sampling time."""
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    """Completion tokens whose vocabulary log-softmax is computed at once (bounded memory)."""
 
 
 @dataclass
@@ -121,10 +124,10 @@ def collect_rollout(
         mb = layout(rows[start:end], completion_ids[start:end], keep, pad_id, advantages[start:end], device)
         if s.need_old_logprobs:
             with autocast:
-                mb.old_logprobs = token_logprobs(policy, mb, s.temperature)
+                mb.old_logprobs = token_logprobs(policy, mb, s.temperature, s.chunk_tokens)
         if reference is not None:
             with autocast:
-                mb.ref_logprobs = token_logprobs(reference, mb, s.temperature)
+                mb.ref_logprobs = token_logprobs(reference, mb, s.temperature, s.chunk_tokens)
         batches.append(mb)
 
     lengths = [len(c) for c in completion_ids]

@@ -41,7 +41,8 @@ class RolloutSource:
         self.generator.manual_seed(t.seed * 1_000_003 + 7919 * rt.dist.rank + 1)
         self.settings = RolloutSettings(g.num_generations, g.max_new_tokens, g.temperature, g.top_p,
                                         t.micro_batch_size, g.scale_rewards, g.mask_truncated,
-                                        need_old_logprobs=g.num_iterations > 1)
+                                        need_old_logprobs=g.num_iterations > 1,
+                                        chunk_tokens=t.loss_chunk_tokens)
         self.stop_ids = stop_token_ids(rt.tokenizer)
         names = [rt.tokenizer.decode([i], skip_special=False) for i in self.stop_ids]
         self.truncation_warning = AllTruncatedWarning(names, g.max_new_tokens, g.mask_truncated)

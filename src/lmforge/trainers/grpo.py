@@ -155,7 +155,7 @@ def run(cfg: GRPOConfig) -> Runtime:
         train_set, eval_set = data
         objective = GRPOObjective(eps_low=g.epsilon_low, eps_high=g.epsilon_high, beta=g.beta,
                                   aggregation=g.loss_aggregation, max_new_tokens=g.max_new_tokens,
-                                  temperature=g.temperature)
+                                  temperature=g.temperature, chunk_tokens=cfg.training.loss_chunk_tokens)
         evaluate = TaskEval([TaskExample(r.get("task", "file"), r[g.prompt_field], str(r["answer"]))
                              for r in eval_set if r.get("answer") is not None and isinstance(r[g.prompt_field], str)],
                             cfg.tasks.eval_max_new_tokens)

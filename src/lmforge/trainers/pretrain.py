@@ -13,7 +13,6 @@ from lmforge.models.tokenizer import Tokenizer
 from lmforge.training.loop import train
 from lmforge.training.next_token import LoaderSource, NextTokenObjective
 from lmforge.training.runtime import Runtime, build_runtime
-from lmforge.training.train_step import cross_entropy_loss
 
 Corpora = tuple[list[str], list[str]]
 
@@ -45,10 +44,11 @@ def train_on_corpora(rt: Runtime, corpora: Corpora) -> Runtime:
     """The pretraining job on an already built runtime (the elastic trainer runs it too)."""
     cfg = rt.cfg
     train_set, val_set = build_datasets(cfg, rt.tokenizer, corpora)
+    objective = NextTokenObjective(cfg.training.loss_chunk_tokens)
 
     def evaluate(rt: Runtime):
         batches = eval_batches(val_set, cfg.eval.batch_size, cfg.eval.steps, rt.dist.rank, rt.dist.world_size)
-        return evaluate_loss(rt, batches, cross_entropy_loss)
+        return evaluate_loss(rt, batches, objective.loss_fn)
 
     if cfg.eval.interval:  # a validation set too small for one eval batch fails now, not after training
         try:
@@ -58,7 +58,7 @@ def train_on_corpora(rt: Runtime, corpora: Corpora) -> Runtime:
     source = LoaderSource(rt, train_set)
 
     try:
-        train(rt, source, NextTokenObjective(), evaluate)
+        train(rt, source, objective, evaluate)
     finally:
         source.close()
         rt.metrics.close()

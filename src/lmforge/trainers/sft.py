@@ -9,6 +9,7 @@ the first step too (``eval.at_start``), so every run reports its before/after.
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 
@@ -96,7 +97,8 @@ def make_eval(cfg: SFTConfig, val_set: SFTDataset | None, tasks: TaskEval) -> Ev
             W = rt.dist.world_size  # a small validation set still gives one (smaller) batch
             size = max(min(cfg.eval.batch_size, len(val_set)) // W * W, W)
             batches = eval_batches(val_set, size, cfg.eval.steps, rt.dist.rank, W)
-            values.update(evaluate_loss(rt, batches, cross_entropy_loss))
+            values.update(evaluate_loss(rt, batches, functools.partial(
+                cross_entropy_loss, chunk_tokens=cfg.training.loss_chunk_tokens)))
         return values | tasks(rt)
 
     return evaluate
@@ -110,7 +112,7 @@ def run(cfg: SFTConfig) -> Runtime:
         source = LoaderSource(rt, train_set)
         tasks = TaskEval(held_out_examples(cfg.tasks) if cfg.data.train == "embedded" else [],
                          cfg.tasks.eval_max_new_tokens)
-        state = train(rt, source, NextTokenObjective(), make_eval(cfg, val_set, tasks))
+        state = train(rt, source, NextTokenObjective(cfg.training.loss_chunk_tokens), make_eval(cfg, val_set, tasks))
         record_task_summary(rt, state.step)
     finally:
         if source is not None:

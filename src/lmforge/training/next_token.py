@@ -3,6 +3,7 @@ and the cross-entropy objective that :func:`lmforge.training.loop.train` runs.""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from lmforge.data.packing import Batch, SampleDataset
 from lmforge.models.flops import training_flops
 from lmforge.training.loop import StepBatch
 from lmforge.training.runtime import Runtime
+from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS
 from lmforge.training.train_step import cross_entropy_loss, global_target_count
 
 
@@ -56,9 +58,11 @@ class NextTokenObjective:
     """Summed cross-entropy over target tokens, divided by the target tokens of the whole step (all
     microbatches, all ranks): accumulation and ranks give the same gradient as one big batch."""
 
-    loss_fn = staticmethod(cross_entropy_loss)
     console_keys = ("accuracy",)
     watch_spikes = True
+
+    def __init__(self, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+        self.loss_fn = functools.partial(cross_entropy_loss, chunk_tokens=chunk_tokens)
 
     def normalizer(self, microbatches: list[Batch]) -> torch.Tensor:
         return global_target_count(microbatches)
