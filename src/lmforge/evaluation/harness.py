@@ -14,9 +14,13 @@ embedded tasks (``harness_tasks/``). :class:`DownstreamEval` runs them inside tr
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import re
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -251,23 +255,36 @@ class LMForgeLM(TemplateLM):  # type: ignore[misc,valid-type]
 
 
 # -- running tasks --------------------------------------------------------------------------------
-def _task_manager(tasks: Sequence[str], include_path: str | Path | None) -> Any:
-    """The harness's task index over the shipped tasks and ``include_path``; its built-in tasks are
-    indexed too (a slower scan) only when a requested name is not found in those."""
+@functools.lru_cache(maxsize=8)
+def _index(paths: tuple[str, ...], include_defaults: bool) -> Any:
+    """A harness task index, kept for the process: indexing the harness's own ~15k tasks takes seconds."""
     from lm_eval.tasks import TaskManager
 
-    paths = [str(SHIPPED_TASKS)] + ([str(Path(include_path).expanduser())] if include_path else [])
+    return TaskManager(include_path=list(paths), include_defaults=include_defaults)
+
+
+def _task_manager(tasks: Sequence[str], include_path: str | Path | None) -> Any:
+    """The harness's task index over the shipped tasks and ``include_path``; its built-in tasks are
+    indexed too only when a requested name is not found in those."""
     if include_path and not Path(include_path).expanduser().is_dir():
         raise UserError(f"--include-path {include_path}: not a directory")
-    manager = TaskManager(include_path=paths, include_defaults=False)
+    paths = (str(SHIPPED_TASKS),) + ((str(Path(include_path).expanduser().resolve()),) if include_path else ())
+    manager = _index(paths, False)
     if all(t in manager.all_tasks for t in tasks):
         return manager
-    manager = TaskManager(include_path=paths)
+    manager = _index(paths, True)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise UserError(f"unknown task(s) {', '.join(unknown)}: not a harness task, not in lmforge_tasks"
                         + (f", not in {include_path}" if include_path else " (give task YAMLs with --include-path)"))
     return manager
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """No progress bars or notes from the harness (tqdm draws on stderr; its env switch is read at import)."""
+    with contextlib.redirect_stderr(io.StringIO()):
+        yield
 
 
 def is_chat_task(name: str) -> bool:
@@ -277,11 +294,12 @@ def is_chat_task(name: str) -> bool:
 
 def evaluate_tasks(model: Transformer, tokenizer: Tokenizer, tasks: Sequence[str], *, limit: int | float | None = None,
                    apply_chat_template: bool | None = None, batch_size: int = 16, include_path: str | Path | None = None,
-                   log_samples: bool = False, bootstrap_iters: int = 1000) -> dict[str, Any]:
+                   log_samples: bool = False, bootstrap_iters: int = 1000, quiet: bool = False) -> dict[str, Any]:
     """The harness's results dict (``results``, ``groups``, ``configs``, ...) of ``tasks`` on the model.
 
     ``apply_chat_template=None`` applies the chat template exactly when every task is a shipped
-    ``lmforge_*`` task (the harness's own tasks are scored on plain text unless asked).
+    ``lmforge_*`` task (the harness's own tasks are scored on plain text unless asked). ``quiet`` (inside
+    training) hides the harness's progress bars and leaves the global random generators alone.
     """
     require_lm_eval()
     import logging
@@ -297,9 +315,12 @@ def evaluate_tasks(model: Transformer, tokenizer: Tokenizer, tasks: Sequence[str
     lm = LMForgeLM(model, tokenizer, batch_size=batch_size)
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its notes on custom datasets, caches, ...
     try:
-        results = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
-                                  apply_chat_template=apply_chat_template, log_samples=log_samples,
-                                  bootstrap_iters=bootstrap_iters, verbosity="WARNING")
+        # Quiet runs happen inside training: the harness's reseeding of the global RNGs is left out there.
+        seeds = {"random_seed": None, "numpy_random_seed": None, "torch_random_seed": None} if quiet else {}
+        with _quiet() if quiet else contextlib.nullcontext():
+            results = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
+                                      apply_chat_template=apply_chat_template, log_samples=log_samples,
+                                      bootstrap_iters=bootstrap_iters, **seeds)
     except (FileNotFoundError, ValueError) as e:  # a task's data_files or config
         raise UserError(f"task {', '.join(tasks)}: {e}") from None
     if results is None:
@@ -322,8 +343,9 @@ def flat_scores(results: dict[str, Any]) -> dict[str, float]:
 
 
 class DownstreamEval:
-    """Harness tasks scored inside training (``eval.tasks``), every ``eval.tasks_interval`` steps and at
-    the end of the run; values come back as ``eval/<task>/<metric>`` for the run's metric logger."""
+    """Harness tasks scored inside training (``eval.tasks``): at the evals of steps that are multiples of
+    ``eval.tasks_interval`` (every eval if 0) and at the last step; values come back as
+    ``eval/<task>/<metric>``, which the run's metric logger writes to the console, JSONL and TensorBoard."""
 
     def __init__(self, tasks: Sequence[str], interval: int, limit: int | None, total_steps: int,
                  batch_size: int = 16) -> None:
@@ -332,8 +354,20 @@ class DownstreamEval:
         self.limit = limit or None
         self.total_steps = total_steps
         self.batch_size = batch_size
-        if self.tasks:
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "DownstreamEval":
+        """From ``cfg.eval``; a schedule that would never score the tasks is refused at start-up."""
+        e = cfg.eval
+        if e.tasks:
             require_lm_eval()
+            if not e.interval:
+                raise UserError("eval.tasks needs evals: set eval.interval > 0")
+            if e.tasks_interval % e.interval:
+                raise UserError(f"eval.tasks_interval={e.tasks_interval} must be a multiple of "
+                                f"eval.interval={e.interval} (the tasks are scored at evals)")
+            _task_manager(e.tasks, None)  # unknown task names fail now, not after training
+        return cls(e.tasks, e.tasks_interval, e.tasks_limit, cfg.training.steps, e.batch_size)
 
     def __bool__(self) -> bool:
         return bool(self.tasks)
@@ -345,7 +379,13 @@ class DownstreamEval:
         if not self.due(step) or (rt.cfg.parallel.mode == "fsdp" and rt.dist.world_size > 1):
             return {}  # generation needs the whole model; FSDP shards it
         # Every rank scores the same examples (identical results), so no collective is needed.
-        results = evaluate_tasks(rt.raw_model, rt.tokenizer, self.tasks, limit=self.limit, batch_size=self.batch_size)
+        model = rt.raw_model
+        was_training = model.training
+        try:
+            results = evaluate_tasks(model.eval(), rt.tokenizer, self.tasks, limit=self.limit,
+                                     batch_size=self.batch_size, quiet=True)
+        finally:
+            model.train(was_training)
         return {f"eval/{k}": v for k, v in flat_scores(results).items()}
 
 

@@ -41,14 +41,31 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer,
     return sets[0], sets[1]
 
 
+def downstream_eval(cfg: Config):
+    """The harness tasks of ``eval.tasks`` (imported only when asked for: ``lm-eval`` is optional)."""
+    if not cfg.eval.tasks:
+        return None
+    from lmforge.evaluation.harness import DownstreamEval
+
+    return DownstreamEval.from_config(cfg)
+
+
+def steps_done(source: LoaderSource, cfg: Config) -> int:
+    """The optimizer steps taken so far, from the loader's position (every step consumes one global batch)."""
+    return source.loader.samples_consumed // cfg.training.global_batch_size
+
+
 def train_on_corpora(rt: Runtime, corpora: Corpora) -> Runtime:
     """The pretraining job on an already built runtime (the elastic trainer runs it too)."""
     cfg = rt.cfg
     train_set, val_set = build_datasets(cfg, rt.tokenizer, corpora)
 
+    downstream = downstream_eval(cfg)
+
     def evaluate(rt: Runtime):
         batches = eval_batches(val_set, cfg.eval.batch_size, cfg.eval.steps, rt.dist.rank, rt.dist.world_size)
-        return evaluate_loss(rt, batches, cross_entropy_loss)
+        values = evaluate_loss(rt, batches, cross_entropy_loss)
+        return (values | downstream(rt, steps_done(source, cfg))) if downstream else values
 
     if cfg.eval.interval:  # a validation set too small for one eval batch fails now, not after training
         try:
