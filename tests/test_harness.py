@@ -17,7 +17,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from _chat_fixtures import make_hf_model_dir  # noqa: E402
+from _chat_fixtures import REAL_TOKENIZERS, make_hf_model_dir  # noqa: E402
 from _helpers import tiny_run_args  # noqa: E402
 from lmforge.cli import main  # noqa: E402
 from lmforge.data.tasks import TaskExample, extract_answer, task_examples  # noqa: E402
@@ -53,17 +53,37 @@ def bpe_hf(tmp_path_factory):
     return make_hf_model_dir(tmp_path_factory.mktemp("harness") / "bpe")
 
 
+@pytest.fixture(scope="module")
+def mistral_hf(tmp_path_factory):
+    """A tiny random Llama with Mistral's tokenizer, which adds BOS to plain text (as the hf model does)."""
+    import torch
+    import transformers
+
+    out = tmp_path_factory.mktemp("harness") / "mistral"
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((REAL_TOKENIZERS / "mistral-7b-instruct-v0.1" / name).read_bytes())
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=32000, max_position_embeddings=64,
+                                   tie_word_embeddings=True, initializer_range=0.3)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(out))
+    return out
+
+
 def _hf(directory) -> HFLM:
     return HFLM(pretrained=str(directory), device="cpu", batch_size=1, dtype="float32")
 
 
-@pytest.mark.parametrize("family", ["byte", "bpe"])
-def test_loglikelihoods_equal_the_hf_model(family, byte_run, byte_hf, bpe_hf):
+@pytest.mark.parametrize("family", ["byte", "bpe", "mistral"])
+def test_loglikelihoods_equal_the_hf_model(family, request, byte_run, byte_hf):
     """Same (context, continuation) split and scores as ``--model hf`` on the exported directory, empty
     contexts, trailing spaces and special-token text included; rolling windows past the context too."""
-    ours_from, theirs_from = (byte_run, byte_hf) if family == "byte" else (bpe_hf, bpe_hf)
+    hf_dir = request.getfixturevalue(f"{family}_hf")
+    ours_from = byte_run if family == "byte" else hf_dir  # lmforge's checkpoint vs its export
     lm = LMForgeLM(*load_for_inference(ours_from), batch_size=4)
-    hf = _hf(theirs_from)
+    hf = _hf(hf_dir)
+    assert lm.add_bos == (family == "mistral")
     requests = [Instance("loglikelihood", {}, r, i) for i, r in enumerate(REQUESTS)]
     ours, theirs = lm.loglikelihood(requests), hf.loglikelihood(requests)
     assert [g for _, g in ours] == [g for _, g in theirs]
