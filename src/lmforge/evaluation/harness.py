@@ -294,7 +294,7 @@ def is_chat_task(name: str) -> bool:
 
 def evaluate_tasks(model: Transformer, tokenizer: Tokenizer, tasks: Sequence[str], *, limit: int | float | None = None,
                    apply_chat_template: bool | None = None, batch_size: int = 16, include_path: str | Path | None = None,
-                   log_samples: bool = False, bootstrap_iters: int = 1000, quiet: bool = False) -> dict[str, Any]:
+                   log_samples: bool = False, bootstrap_iters: int = 100_000, quiet: bool = False) -> dict[str, Any]:
     """The harness's results dict (``results``, ``groups``, ``configs``, ...) of ``tasks`` on the model.
 
     ``apply_chat_template=None`` applies the chat template exactly when every task is a shipped
@@ -383,7 +383,7 @@ class DownstreamEval:
         was_training = model.training
         try:
             results = evaluate_tasks(model.eval(), rt.tokenizer, self.tasks, limit=self.limit,
-                                     batch_size=self.batch_size, quiet=True)
+                                     batch_size=self.batch_size, bootstrap_iters=0, quiet=True)
         finally:
             model.train(was_training)
         return {f"eval/{k}": v for k, v in flat_scores(results).items()}
@@ -417,6 +417,7 @@ def run_eval(model_path: str, tasks: Sequence[str], *, limit: float | None = Non
     model, tokenizer = load_for_inference(model_path, device)
     results = evaluate_tasks(model, tokenizer, tasks, limit=int(limit) if limit and limit >= 1 else limit,
                              apply_chat_template=apply_chat_template, batch_size=batch_size, include_path=include_path)
+    results["config"].update(model="lmforge", model_args=str(model_path), batch_size=batch_size, device=device)
     print(make_table(results))
     if results.get("groups"):
         print(make_table(results, "groups"))
