@@ -20,7 +20,7 @@ from lmforge.data.tasks import task_examples
 from lmforge.errors import UserError
 from lmforge.evaluation.loss import evaluate_loss
 from lmforge.evaluation.tasks import TaskEval, held_out_examples, record_task_summary
-from lmforge.trainers.pretrain import downstream_eval, steps_done
+from lmforge.trainers.pretrain import with_downstream
 from lmforge.training.loop import EvalFn, train
 from lmforge.training.next_token import LoaderSource, NextTokenObjective
 from lmforge.training.runtime import Runtime, build_runtime
@@ -86,12 +86,9 @@ def chat_format(rt: Runtime, cfg: SFTConfig) -> ChatFormat | None:
     return chat
 
 
-def make_eval(cfg: SFTConfig, val_set: SFTDataset | None, tasks: TaskEval,
-              source: LoaderSource | None = None) -> EvalFn | None:
-    """Eval loss on the validation set, plus held-out exact match when training on the embedded tasks,
-    plus the harness tasks of ``eval.tasks`` on their schedule (the step is read from ``source``)."""
-    downstream = downstream_eval(cfg)
-    if val_set is None and not tasks and not downstream:
+def make_eval(cfg: SFTConfig, val_set: SFTDataset | None, tasks: TaskEval) -> EvalFn | None:
+    """Eval loss on the validation set, plus held-out exact match when training on the embedded tasks."""
+    if val_set is None and not tasks:
         return None
 
     def evaluate(rt: Runtime) -> dict:
@@ -101,8 +98,7 @@ def make_eval(cfg: SFTConfig, val_set: SFTDataset | None, tasks: TaskEval,
             size = max(min(cfg.eval.batch_size, len(val_set)) // W * W, W)
             batches = eval_batches(val_set, size, cfg.eval.steps, rt.dist.rank, W)
             values.update(evaluate_loss(rt, batches, cross_entropy_loss))
-        values |= tasks(rt)
-        return (values | downstream(rt, steps_done(source, cfg))) if downstream and source else values
+        return values | tasks(rt)
 
     return evaluate
 
@@ -115,7 +111,7 @@ def run(cfg: SFTConfig) -> Runtime:
         source = LoaderSource(rt, train_set)
         tasks = TaskEval(held_out_examples(cfg.tasks) if cfg.data.train == "embedded" else [],
                          cfg.tasks.eval_max_new_tokens)
-        state = train(rt, source, NextTokenObjective(), make_eval(cfg, val_set, tasks, source))
+        state = train(rt, source, NextTokenObjective(), with_downstream(make_eval(cfg, val_set, tasks), cfg, source))
         record_task_summary(rt, state.step)
     finally:
         if source is not None:
