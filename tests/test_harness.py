@@ -9,23 +9,23 @@ import sys
 
 import pytest
 
+from _chat_fixtures import REAL_TOKENIZERS, make_hf_model_dir
+from _helpers import small_corpus, tiny_run_args
+from lmforge.cli import main
+from lmforge.data.tasks import TaskExample, extract_answer, task_examples
+from lmforge.evaluation.harness import SHIPPED_TASKS, LMForgeLM, evaluate_tasks, flat_scores
+from lmforge.evaluation.tasks import task_accuracy
+from lmforge.export import export_hf
+from lmforge.inference import load_for_inference, sample_texts
+from lmforge.metrics.records import read_records
+
 pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 
-from lm_eval import simple_evaluate  # noqa: E402
-from lm_eval.api.instance import Instance  # noqa: E402
-from lm_eval.models.huggingface import HFLM  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
-
-from _chat_fixtures import REAL_TOKENIZERS, make_hf_model_dir  # noqa: E402
-from _helpers import tiny_run_args  # noqa: E402
-from lmforge.cli import main  # noqa: E402
-from lmforge.data.tasks import TaskExample, extract_answer, task_examples  # noqa: E402
-from lmforge.evaluation.harness import SHIPPED_TASKS, LMForgeLM, evaluate_tasks, flat_scores  # noqa: E402
-from lmforge.evaluation.tasks import task_accuracy  # noqa: E402
-from lmforge.export import export_hf  # noqa: E402
-from lmforge.inference import load_for_inference, sample_texts  # noqa: E402
-from lmforge.metrics.records import read_records  # noqa: E402
+from lm_eval import simple_evaluate  # the harness itself, for its own `hf` model type
+from lm_eval.api.instance import Instance
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
 
 # One SFT step at a high learning rate: a byte model whose greedy replies are short and often non-empty.
 SFT_ONE_STEP = ["--tasks.train_examples=32", "--tasks.eval_examples=0", "--data.validation=none",
@@ -189,6 +189,15 @@ def test_training_logs_downstream_scores_on_schedule(tmp_path):
 
     events = EventAccumulator(str(run / "tensorboard")).Reload()
     assert [e.step for e in events.Scalars("eval/lmforge_choice/acc")] == [0, 4]
+
+
+def test_pretraining_logs_downstream_scores(tmp_path):
+    run = tmp_path / "run"
+    assert main(["pretrain", *tiny_run_args(**small_corpus(tmp_path)), "--training.steps=2", "--eval.interval=2",
+                 "--eval.steps=1", "--eval.batch_size=8", "--eval.tasks=lmforge_choice", "--eval.tasks_limit=1",
+                 f"--run.dir={run}"]) == 0
+    [final] = read_records(run, "eval")
+    assert final["step"] == 2 and "loss" in final and final["eval/lmforge_choice/acc"] in (0.0, 1.0)
 
 
 @pytest.mark.parametrize("flags, message", [
