@@ -81,20 +81,46 @@ def _export(argv: list[str]) -> int:
     return 0
 
 
+def _eval(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="lmforge eval", description="Score a model with the lm-evaluation-harness.",
+                                epilog="Task data must be local: --include-path DIR holds task YAMLs with data_files.")
+    p.add_argument("model", help="run directory, checkpoint directory, or Hugging Face model directory")
+    p.add_argument("--tasks", required=True, help="comma-separated harness task or group names (lmforge_tasks: "
+                   "the embedded tasks)")
+    p.add_argument("--limit", type=float, default=None, help="examples per task (a fraction if below 1)")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--apply-chat-template", dest="chat", action="store_true", default=None,
+                      help="format prompts with the model's chat template (default: only for lmforge_* tasks)")
+    chat.add_argument("--no-chat-template", dest="chat", action="store_false", help="never apply it")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--include-path", help="a directory of task YAMLs (data_files with local paths)")
+    p.add_argument("--out", help="write the results JSON here (default: RUN_DIR/eval/results_<time>.json)")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
+    a = p.parse_args(argv)
+    from lmforge.evaluation.harness import require_lm_eval
+
+    require_lm_eval()  # before loading the model: say at once what to install
+    from lmforge.evaluation.harness import run_eval
+
+    return run_eval(a.model, a.tasks.split(","), limit=a.limit, apply_chat_template=a.chat,
+                    batch_size=a.batch_size, include_path=a.include_path, out=a.out, device=a.device)
+
+
 def _report(argv: list[str]) -> int:
     from lmforge.metrics.report import main as report_main
     return report_main(argv)
 
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
-    "generate": _generate, "export": _export, "report": _report,
+    "generate": _generate, "export": _export, "report": _report, "eval": _eval,
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = ("usage: lmforge {pretrain,sft,grpo,elastic} --config FILE [--section.key=value ...]\n"
-             "       lmforge generate CHECKPOINT --prompt TEXT | export --hf OUT RUN_DIR | report RUN_DIR...")
+             "       lmforge generate CHECKPOINT --prompt TEXT | export --hf OUT RUN_DIR | report RUN_DIR...\n"
+             "       lmforge eval RUN_OR_MODEL_DIR --tasks T1,T2 [--limit N] [--apply-chat-template]")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2

@@ -115,6 +115,18 @@ class EvalSection(Section):
     batch_size: int = Field(16, gt=0)
     at_start: bool = False
     """Also evaluate the starting model before the first step (the "before" of a fine-tuning run)."""
+    tasks: list[str] = []
+    """lm-evaluation-harness tasks or groups scored during training (e.g. ``["lmforge_tasks"]``; needs
+    ``lmforge[eval]``), logged as ``eval/<task>/<metric>``."""
+    tasks_interval: int = Field(0, ge=0)
+    """Score ``tasks`` at the evals of steps that are multiples of this, and at the end (0: every eval)."""
+    tasks_limit: int = Field(0, ge=0)
+    """Examples per task (0: all of them)."""
+
+    @field_validator("tasks", mode="before")
+    @classmethod
+    def _task_list(cls, v: Any) -> Any:
+        return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
 
 
 class StartEvalSection(EvalSection):

@@ -10,7 +10,7 @@ from lmforge.data.sources import read_documents
 from lmforge.errors import UserError
 from lmforge.evaluation.loss import evaluate_loss
 from lmforge.models.tokenizer import Tokenizer
-from lmforge.training.loop import train
+from lmforge.training.loop import EvalFn, train
 from lmforge.training.next_token import LoaderSource, NextTokenObjective
 from lmforge.training.runtime import Runtime, build_runtime
 
@@ -40,6 +40,27 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer,
     return sets[0], sets[1]
 
 
+def steps_done(source: LoaderSource, cfg: Config) -> int:
+    """The optimizer steps taken so far, from the loader's position (every step consumes one global batch)."""
+    return source.loader.samples_consumed // cfg.training.global_batch_size
+
+
+def with_downstream(evaluate: EvalFn | None, cfg: Config, source: LoaderSource) -> EvalFn | None:
+    """``evaluate`` plus the harness tasks of ``eval.tasks`` on their schedule, in the same eval (so timed
+    as eval). ``lm-eval`` is optional: imported only when tasks are asked for, and checked now."""
+    if not cfg.eval.tasks:
+        return evaluate
+    from lmforge.evaluation.harness import DownstreamEval
+
+    downstream = DownstreamEval.from_config(cfg)
+
+    def evaluate_with_tasks(rt: Runtime) -> dict:
+        values = dict(evaluate(rt)) if evaluate else {}
+        return values | downstream(rt, steps_done(source, cfg))
+
+    return evaluate_with_tasks
+
+
 def train_on_corpora(rt: Runtime, corpora: Corpora) -> Runtime:
     """The pretraining job on an already built runtime (the elastic trainer runs it too)."""
     cfg = rt.cfg
@@ -56,6 +77,7 @@ def train_on_corpora(rt: Runtime, corpora: Corpora) -> Runtime:
         except UserError as e:
             raise UserError(f"data.validation={cfg.data.validation}: {e} (eval.batch_size)") from None
     source = LoaderSource(rt, train_set)
+    evaluate = with_downstream(evaluate, cfg, source)  # type: ignore[assignment]
 
     try:
         train(rt, source, objective, evaluate)

@@ -21,6 +21,7 @@ from lmforge.data.tasks import task_examples
 from lmforge.errors import UserError
 from lmforge.evaluation.loss import evaluate_loss
 from lmforge.evaluation.tasks import TaskEval, held_out_examples, record_task_summary
+from lmforge.trainers.pretrain import with_downstream
 from lmforge.training.loop import EvalFn, train
 from lmforge.training.next_token import LoaderSource, NextTokenObjective
 from lmforge.training.runtime import Runtime, build_runtime
@@ -112,7 +113,8 @@ def run(cfg: SFTConfig) -> Runtime:
         source = LoaderSource(rt, train_set)
         tasks = TaskEval(held_out_examples(cfg.tasks) if cfg.data.train == "embedded" else [],
                          cfg.tasks.eval_max_new_tokens)
-        state = train(rt, source, NextTokenObjective(cfg.training.loss_chunk_tokens), make_eval(cfg, val_set, tasks))
+        evaluate = with_downstream(make_eval(cfg, val_set, tasks), cfg, source)
+        state = train(rt, source, NextTokenObjective(cfg.training.loss_chunk_tokens), evaluate)
         record_task_summary(rt, state.step)
     finally:
         if source is not None:
