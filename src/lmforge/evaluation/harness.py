@@ -342,53 +342,6 @@ def flat_scores(results: dict[str, Any]) -> dict[str, float]:
     return scores
 
 
-class DownstreamEval:
-    """Harness tasks scored inside training (``eval.tasks``): at the evals of steps that are multiples of
-    ``eval.tasks_interval`` (every eval if 0) and at the last step; values come back as
-    ``eval/<task>/<metric>``, which the run's metric logger writes to the console, JSONL and TensorBoard."""
-
-    def __init__(self, tasks: Sequence[str], interval: int, limit: int | None, total_steps: int,
-                 batch_size: int = 16) -> None:
-        self.tasks = list(tasks)
-        self.interval = interval
-        self.limit = limit or None
-        self.total_steps = total_steps
-        self.batch_size = batch_size
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> "DownstreamEval":
-        """From ``cfg.eval``; a schedule that would never score the tasks is refused at start-up."""
-        e = cfg.eval
-        if e.tasks:
-            require_lm_eval()
-            if not e.interval:
-                raise UserError("eval.tasks needs evals: set eval.interval > 0")
-            if e.tasks_interval % e.interval:
-                raise UserError(f"eval.tasks_interval={e.tasks_interval} must be a multiple of "
-                                f"eval.interval={e.interval} (the tasks are scored at evals)")
-            _task_manager(e.tasks, None)  # unknown task names fail now, not after training
-        return cls(e.tasks, e.tasks_interval, e.tasks_limit, cfg.training.steps, e.batch_size)
-
-    def __bool__(self) -> bool:
-        return bool(self.tasks)
-
-    def due(self, step: int) -> bool:
-        return bool(self.tasks) and (not self.interval or step % self.interval == 0 or step >= self.total_steps)
-
-    def __call__(self, rt: Any, step: int) -> dict[str, float]:
-        if not self.due(step) or (rt.cfg.parallel.mode == "fsdp" and rt.dist.world_size > 1):
-            return {}  # generation needs the whole model; FSDP shards it
-        # Every rank scores the same examples (identical results), so no collective is needed.
-        model = rt.raw_model
-        was_training = model.training
-        try:
-            results = evaluate_tasks(model.eval(), rt.tokenizer, self.tasks, limit=self.limit,
-                                     batch_size=self.batch_size, bootstrap_iters=0, quiet=True)
-        finally:
-            model.train(was_training)
-        return {f"eval/{k}": v for k, v in flat_scores(results).items()}
-
-
 # -- the command ------------------------------------------------------------------------------------
 def results_dir(model_path: str | Path) -> Path:
     """Where ``lmforge eval`` keeps results: the run directory of a run or of a checkpoint in one, else

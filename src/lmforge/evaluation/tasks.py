@@ -40,7 +40,7 @@ def held_out_examples(tasks: TasksSection) -> list[TaskExample]:
 
 
 class TaskEval:
-    """``evaluate(rt) -> {"exact_match": ..., "exact_match_<task>": ...}`` on fixed held-out examples."""
+    """``evaluate(rt, step) -> {"exact_match": ..., "exact_match_<task>": ...}`` on fixed held-out examples."""
 
     def __init__(self, examples: Sequence[TaskExample], max_new_tokens: int, batch_size: int = 32) -> None:
         self.examples = list(examples)
@@ -50,7 +50,7 @@ class TaskEval:
     def __bool__(self) -> bool:
         return bool(self.examples)
 
-    def __call__(self, rt: Runtime) -> dict[str, float]:
+    def __call__(self, rt: Runtime, step: int = 0) -> dict[str, float]:
         if not self.examples or (rt.cfg.parallel.mode == "fsdp" and rt.dist.world_size > 1):
             return {}  # generation needs the whole model; FSDP shards it
         # Every rank scores the same examples (identical results), so no collective is needed.

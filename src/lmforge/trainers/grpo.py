@@ -22,6 +22,7 @@ from lmforge.data.tasks import TaskExample, task_examples, task_share
 from lmforge.errors import UserError
 from lmforge.evaluation.tasks import TaskEval, record_task_summary
 from lmforge.rl.grpo_loss import GRPOObjective
+from lmforge.evaluation.downstream import with_downstream
 from lmforge.rl.rewards import load_rewards, probe_rewards
 from lmforge.rl.rollout_source import RolloutSource
 from lmforge.training.loop import train
@@ -159,7 +160,8 @@ def run(cfg: GRPOConfig) -> Runtime:
         evaluate = TaskEval([TaskExample(r.get("task", "file"), r[g.prompt_field], str(r["answer"]))
                              for r in eval_set if r.get("answer") is not None and isinstance(r[g.prompt_field], str)],
                             cfg.tasks.eval_max_new_tokens)
-        state = train(rt, RolloutSource(rt, rewards, train_set), objective, evaluate if evaluate else None)
+        state = train(rt, RolloutSource(rt, rewards, train_set), objective,
+                      with_downstream(evaluate if evaluate else None, cfg))
         record_task_summary(rt, state.step)
     finally:
         rt.metrics.close()

@@ -8,9 +8,10 @@ from lmforge.data.loader import eval_batches
 from lmforge.data.packing import PackedTokenDataset
 from lmforge.data.sources import read_documents
 from lmforge.errors import UserError
+from lmforge.evaluation.downstream import with_downstream
 from lmforge.evaluation.loss import evaluate_loss
 from lmforge.models.tokenizer import Tokenizer
-from lmforge.training.loop import EvalFn, train
+from lmforge.training.loop import train
 from lmforge.training.next_token import LoaderSource, NextTokenObjective
 from lmforge.training.runtime import Runtime, build_runtime
 
@@ -40,34 +41,13 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer,
     return sets[0], sets[1]
 
 
-def steps_done(source: LoaderSource, cfg: Config) -> int:
-    """The optimizer steps taken so far, from the loader's position (every step consumes one global batch)."""
-    return source.loader.samples_consumed // cfg.training.global_batch_size
-
-
-def with_downstream(evaluate: EvalFn | None, cfg: Config, source: LoaderSource) -> EvalFn | None:
-    """``evaluate`` plus the harness tasks of ``eval.tasks`` on their schedule, in the same eval (so timed
-    as eval). ``lm-eval`` is optional: imported only when tasks are asked for, and checked now."""
-    if not cfg.eval.tasks:
-        return evaluate
-    from lmforge.evaluation.harness import DownstreamEval
-
-    downstream = DownstreamEval.from_config(cfg)
-
-    def evaluate_with_tasks(rt: Runtime) -> dict:
-        values = dict(evaluate(rt)) if evaluate else {}
-        return values | downstream(rt, steps_done(source, cfg))
-
-    return evaluate_with_tasks
-
-
 def train_on_corpora(rt: Runtime, corpora: Corpora) -> Runtime:
     """The pretraining job on an already built runtime (the elastic trainer runs it too)."""
     cfg = rt.cfg
     train_set, val_set = build_datasets(cfg, rt.tokenizer, corpora)
     objective = NextTokenObjective(cfg.training.loss_chunk_tokens)
 
-    def evaluate(rt: Runtime):
+    def evaluate(rt: Runtime, step: int):
         batches = eval_batches(val_set, cfg.eval.batch_size, cfg.eval.steps, rt.dist.rank, rt.dist.world_size)
         return evaluate_loss(rt, batches, objective.loss_fn)
 
@@ -77,7 +57,7 @@ def train_on_corpora(rt: Runtime, corpora: Corpora) -> Runtime:
         except UserError as e:
             raise UserError(f"data.validation={cfg.data.validation}: {e} (eval.batch_size)") from None
     source = LoaderSource(rt, train_set)
-    evaluate = with_downstream(evaluate, cfg, source)  # type: ignore[assignment]
+    evaluate = with_downstream(evaluate, cfg)  # type: ignore[assignment]
 
     try:
         train(rt, source, objective, evaluate)

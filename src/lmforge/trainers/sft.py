@@ -19,9 +19,9 @@ from lmforge.data.loader import eval_batches
 from lmforge.data.sft_data import Record, SFTDataset, build_sft_dataset, read_sft_records, task_records
 from lmforge.data.tasks import task_examples
 from lmforge.errors import UserError
+from lmforge.evaluation.downstream import with_downstream
 from lmforge.evaluation.loss import evaluate_loss
 from lmforge.evaluation.tasks import TaskEval, held_out_examples, record_task_summary
-from lmforge.trainers.pretrain import with_downstream
 from lmforge.training.loop import EvalFn, train
 from lmforge.training.next_token import LoaderSource, NextTokenObjective
 from lmforge.training.runtime import Runtime, build_runtime
@@ -92,7 +92,7 @@ def make_eval(cfg: SFTConfig, val_set: SFTDataset | None, tasks: TaskEval) -> Ev
     if val_set is None and not tasks:
         return None
 
-    def evaluate(rt: Runtime) -> dict:
+    def evaluate(rt: Runtime, step: int) -> dict:
         values: dict = {}
         if val_set is not None:
             W = rt.dist.world_size  # a small validation set still gives one (smaller) batch
@@ -100,7 +100,7 @@ def make_eval(cfg: SFTConfig, val_set: SFTDataset | None, tasks: TaskEval) -> Ev
             batches = eval_batches(val_set, size, cfg.eval.steps, rt.dist.rank, W)
             values.update(evaluate_loss(rt, batches, functools.partial(
                 cross_entropy_loss, chunk_tokens=cfg.training.loss_chunk_tokens)))
-        return values | tasks(rt)
+        return values | tasks(rt, step)
 
     return evaluate
 
@@ -113,7 +113,7 @@ def run(cfg: SFTConfig) -> Runtime:
         source = LoaderSource(rt, train_set)
         tasks = TaskEval(held_out_examples(cfg.tasks) if cfg.data.train == "embedded" else [],
                          cfg.tasks.eval_max_new_tokens)
-        evaluate = with_downstream(make_eval(cfg, val_set, tasks), cfg, source)
+        evaluate = with_downstream(make_eval(cfg, val_set, tasks), cfg)
         state = train(rt, source, NextTokenObjective(cfg.training.loss_chunk_tokens), evaluate)
         record_task_summary(rt, state.step)
     finally:

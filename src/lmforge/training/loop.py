@@ -30,7 +30,8 @@ from lmforge.training.train_step import (
     LossFn, compute_global_loss, gradient_computation, learning_rate, should_continue_training,
 )
 
-EvalFn = Callable[[Runtime], "dict[str, torch.Tensor | float]"]
+EvalFn = Callable[[Runtime, int], "dict[str, torch.Tensor | float]"]
+"""``evaluate(rt, step)``: the eval values after ``step`` optimizer steps."""
 
 
 @dataclass
@@ -137,7 +138,7 @@ def finish(rt: Runtime, state: TrainState, source: StepSource, evaluate: EvalFn 
 def do_eval(rt: Runtime, state: TrainState, evaluate: EvalFn) -> dict[str, Any]:
     t0 = time.perf_counter()
     with rt.metrics.timed("eval"):
-        values = evaluate(rt)
+        values = evaluate(rt, state.step)
     rec = rt.metrics.record_eval(state.step, values, time.perf_counter() - t0)
     if "loss" in rec:
         state.last_eval_loss = rec["loss"]
