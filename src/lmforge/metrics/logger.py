@@ -29,8 +29,6 @@ Goodput: every second of wall-clock time since process start falls into exactly 
 from __future__ import annotations
 
 import json
-import math
-import os
 import sys
 import time
 from contextlib import contextmanager
@@ -40,31 +38,11 @@ from typing import Any, Callable, Iterator
 import torch
 
 from lmforge.checkpoint.layout import RunDir
+from lmforge.metrics.lines import PROCESS_START, format_train_line, format_value, to_python  # noqa: F401
 from lmforge.errors import UserError
 from lmforge.metrics.device_stats import device_synchronizer, peak_memory_bytes
 
 
-
-def process_start_time() -> float:
-    """Wall-clock time this process started (Linux: from /proc, ~10 ms resolution).
-
-    Interpreter start-up and ``import torch`` take seconds before any lmforge code runs; goodput
-    counts them as ``setup``. Elsewhere the import time of this module is the best available.
-    """
-    try:
-        with open("/proc/self/stat", encoding="ascii") as f:
-            stat = f.read()
-        start_ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22: starttime since boot
-        age = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
-        if 0 <= age < 7 * 86400:
-            return time.time() - age
-    except (OSError, ValueError, IndexError, AttributeError):
-        pass
-    return time.time()
-
-
-PROCESS_START = process_start_time()
-"""Wall-clock time when this process started: the start of the ``setup`` goodput category."""
 
 GOODPUT_CATEGORIES = (
     "setup", "first_step", "productive", "data_wait", "checkpoint_save", "checkpoint_restore",
@@ -212,7 +190,7 @@ class MetricLogger:
         if not self.writes:
             return
         self._write({"kind": "setup", **info})
-        self.console("setup: " + ", ".join(f"{k}={_fmt(v)}" for k, v in info.items()))
+        self.console("setup: " + ", ".join(f"{k}={format_value(v)}" for k, v in info.items()))
         self._tb_call("add_text", "config", "```toml\n" + config_toml + "\n```", 0)
         self._tb_call("add_text", "setup", "\n".join(f"* {k}: {v}" for k, v in info.items()), 0)
 
@@ -353,7 +331,7 @@ class MetricLogger:
         if self.writes:
             self._write(rec)
             self._scalars(step, {k: v for k, v in values.items()} | {"seconds": seconds}, group="eval")
-            parts = ", ".join(f"{k}={_fmt(v)}" for k, v in values.items())
+            parts = ", ".join(f"{k}={format_value(v)}" for k, v in values.items())
             self.console(f"eval metrics after step: {step}, {parts}, eval_seconds={seconds:.3f}")
         return rec
 
@@ -411,52 +389,6 @@ class MetricLogger:
 
 class DataWait:
     seconds: float = 0.0
-
-
-def to_python(metrics: dict[str, torch.Tensor | float]) -> dict[str, float]:
-    """Convert a dict of scalars/tensors to floats with one device-to-host transfer."""
-    tensors = {k: v for k, v in metrics.items() if isinstance(v, torch.Tensor)}
-    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
-    if tensors:
-        stacked = torch.stack([t.detach().float().reshape(()) for t in tensors.values()]).cpu().tolist()
-        out.update(zip(tensors.keys(), stacked))
-    return out
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        if v == 0 or math.isnan(v) or math.isinf(v):
-            return str(v)
-        if v.is_integer() and abs(v) < 1e12:  # counts such as total_weights
-            return str(int(v))
-        if abs(v) >= 1e4 or abs(v) < 1e-3:
-            return f"{v:.3e}"
-        return f"{v:.4g}"
-    return str(v)
-
-
-def format_train_line(rec: dict[str, Any], trainer_keys: tuple[str, ...] = ("accuracy",)) -> str:
-    """The per-step console line shared by all trainers: the same fields first everywhere, then lr and
-    grad norm, then at most a handful of the trainer's own (``trainer_keys``) and MFU."""
-    line = (
-        f"completed step: {rec['step']}, seconds: {rec['seconds']:.3f}, "
-        f"TFLOP/s/device: {rec['tflops_per_device']:.3f}, "
-        f"Tokens/s/device: {rec['tokens_per_sec_per_device']:.1f}, "
-        f"total_weights: {int(rec.get('total_weights', 0))}, loss: {rec.get('loss', float('nan')):.4f}"
-    )
-    for k in ("lr", "grad_norm", *trainer_keys):
-        if k in rec:
-            line += f", {k}: {_fmt(rec[k])}"
-    line += f", mfu: {100 * rec['mfu']:.1f}%"
-    if "memory_gb" in rec:
-        line += f", mem: {rec['memory_gb']:.2f} GB"
-    if rec.get("world_size", 1) > 1:
-        line += f", world_size: {rec['world_size']}"
-    if rec.get("first_step"):
-        line += " (first step: warm-up, not representative)"
-    elif rec.get("steps_averaged", 1) > 1:
-        line += f" (time averaged over {rec['steps_averaged']} steps)"
-    return line
 
 
 def stderr(msg: str) -> None:
