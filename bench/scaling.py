@@ -131,9 +131,9 @@ def _hf_step(args, b):
     return step, before
 
 
-def run_point(a: argparse.Namespace, system: str, kind: str, seq: int, vocab: int) -> dict:
+def run_point(a: argparse.Namespace, system: str, kind: str, seq: int, vocab: int, tokens: int) -> dict:
     cmd = [sys.executable, __file__, "--one", "--system", system, "--kind", kind, "--seq", str(seq),
-           "--vocab", str(vocab), "--tokens", str(a.tokens), "--steps", str(a.steps), "--layers", str(a.layers),
+           "--vocab", str(vocab), "--tokens", str(tokens), "--steps", str(a.steps), "--layers", str(a.layers),
            "--threads", str(a.threads), "--doc-len", str(a.doc_len)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -173,7 +173,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sweep", default="seq,vocab", help="seq, vocab or both")
     p.add_argument("--systems", default="lmforge,bare,hf")
-    p.add_argument("--tokens", type=int, default=8192, help="tokens per optimizer step")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per optimizer step (sequence sweep)")
+    p.add_argument("--vocab-tokens", type=int, default=4096,
+                   help="tokens per step of the vocabulary sweep (full fp32 logits at 152k need ~4 GB per 1k tokens)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per point (after one warm-up step)")
     p.add_argument("--layers", type=int, default=12, help="layers of the 125m shape (12 = the real shape)")
     p.add_argument("--threads", type=int, default=2)
@@ -195,17 +197,17 @@ def main() -> None:
         results: dict = {}
         for seq in SEQS:
             for system in systems:
-                results.setdefault((system, "pretrain"), {})[seq] = run_point(a, system, "pretrain", seq, 320)
+                results.setdefault((system, "pretrain"), {})[seq] = run_point(a, system, "pretrain", seq, 320, a.tokens)
             if "lmforge" in systems:
-                results.setdefault(("lmforge", "packed"), {})[seq] = run_point(a, "lmforge", "packed", seq, 320)
+                results.setdefault(("lmforge", "packed"), {})[seq] = run_point(a, "lmforge", "packed", seq, 320, a.tokens)
         sections.append(f"Sequence length, {a.tokens} tokens per step, vocabulary 320:\n\n"
                         + sweep_table(a, results, list(SEQS), "T"))
     if "vocab" in a.sweep:
         results = {}
         for vocab in VOCABS:
             for system in systems:
-                results.setdefault((system, "pretrain"), {})[vocab] = run_point(a, system, "pretrain", 512, vocab)
-        sections.append(f"Vocabulary, T=512, {a.tokens} tokens per step:\n\n"
+                results.setdefault((system, "pretrain"), {})[vocab] = run_point(a, system, "pretrain", 512, vocab, a.vocab_tokens)
+        sections.append(f"Vocabulary, T=512, {a.vocab_tokens} tokens per step:\n\n"
                         + sweep_table(a, results, list(VOCABS), "V"))
     body = (f"Machine: {machine(torch.device('cpu'))}, {a.threads} threads. Load average before/after: "
             f"{load_before} / {loadavg()}.\n\nModel: the `125m` shape (dim 768, 12 heads, 4 kv heads) with "
