@@ -3,7 +3,9 @@
 At a 152k vocabulary, 4096 tokens of fp32 logits take 2.5 GB, and the log-softmax and its gradient
 as much again. Here the output projection, the fp32 log-softmax and its gradient run chunk by chunk
 over the target positions only: at any time at most one chunk's logits (and their gradient) exist.
-The backward recomputes each chunk's logits instead of keeping them.
+For a sum of log-probs (cross-entropy) both gradients are computed in the forward pass while each
+chunk's softmax is at hand, so nothing is recomputed; per-token log-probs whose upstream gradients
+differ (GRPO) recompute each chunk's logits in the backward instead of keeping them.
 
 Used through :class:`TargetLogprobHead`, which ``Transformer.forward(..., head=...)`` calls with the
 final hidden states and the output weight *inside* the model's forward, so that wrappers (DDP,
@@ -117,6 +119,72 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None)
 
 
+class _ChunkedLogprobSum(torch.autograd.Function):
+    """``sum_i log p(y_i)`` (the negative summed cross-entropy), chunk by chunk, with both input
+    gradients computed in the forward pass.
+
+    The gradient of a *sum* of log-probs w.r.t. each chunk's logits is ``onehot(y) - softmax(z)``
+    whatever comes after, up to one scalar (the upstream gradient of the sum). So the forward
+    accumulates ``d/dhidden`` and ``d/dweight`` while each chunk's softmax is at hand, and the backward
+    only scales them: no second projection and softmax, unlike the per-token path above (whose
+    upstream gradients differ per token, as in GRPO). Memory: one chunk of logits at a time plus the
+    two gradients, which are the size of ``hidden`` and ``weight`` (the weight's gradient exists
+    after the backward anyway).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int,
+                cdtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        n = hidden.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        hits = torch.empty(n, dtype=torch.bool, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        w = weight.to(cdtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, n, chunk):
+                y = targets[s:s + chunk].unsqueeze(-1)
+                h = hidden[s:s + chunk].to(cdtype)
+                z = F.linear(h, w).float()
+                hits[s:s + chunk] = z.argmax(-1) == y.squeeze(-1)
+                logp_all = F.log_softmax(z, dim=-1)
+                del z
+                total += logp_all.gather(-1, y).sum()
+                if need_h or need_w:
+                    grad_z = logp_all.exp_().neg_().scatter_add_(-1, y, torch.ones_like(y, dtype=torch.float32))
+                    grad_z = grad_z.to(cdtype)
+                    if grad_h is not None:
+                        grad_h[s:s + chunk] = grad_z @ w
+                    if grad_w is not None and cdtype == torch.float32:
+                        grad_w.addmm_(grad_z.t(), h)
+                    elif grad_w is not None:
+                        grad_w.add_(grad_z.t() @ h)
+                    del grad_z
+                del logp_all
+        ctx.save_for_backward(*(g for g in (grad_h, grad_w) if g is not None))
+        ctx.has = (grad_h is not None, grad_w is not None)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(hits)
+        return total, hits
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
+        saved = iter(ctx.saved_tensors)
+        grad_h = next(saved) * grad_total if ctx.has[0] else None
+        grad_w = (next(saved) * grad_total).to(ctx.weight_dtype) if ctx.has[1] else None
+        return grad_h, grad_w, None, None, None
+
+
+def chunked_target_logprob_sum(hidden: Tensor, weight: Tensor, targets: Tensor, *,
+                               chunk_tokens: int) -> tuple[Tensor, Tensor]:
+    """``sum log p(target)`` over rows ``hidden`` [N, dim] and the argmax hits [N]: the cross-entropy
+    path. No more than ``chunk_tokens`` rows of logits exist at once, and nothing is recomputed."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    return _ChunkedLogprobSum.apply(hidden, weight, targets, chunk_tokens, _compute_dtype(hidden, weight))
+
+
 def chunked_target_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, chunk_tokens: int,
                             temperature: float = 1.0, entropy: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
     """log p(target), argmax hits and (optionally) entropy for rows ``hidden`` [N, dim], ``targets`` [N].
@@ -129,6 +197,21 @@ def chunked_target_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, 
     logp, hits, ent = _ChunkedTargetLogprobs.apply(hidden, weight, targets, chunk_tokens, float(temperature),
                                                    entropy, _compute_dtype(hidden, weight))
     return logp, hits, ent if entropy else None
+
+
+class TargetLogprobSumHead:
+    """Like :class:`TargetLogprobHead` for a loss that only needs the *sum* of the target log-probs
+    (cross-entropy): returns ``(sum of log p(target), hits [N])`` over the ``mask`` positions, with the
+    gradients computed in the forward pass (see :class:`_ChunkedLogprobSum`)."""
+
+    def __init__(self, targets: Tensor, mask: Tensor, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+        self.targets, self.mask, self.chunk_tokens = targets, mask.bool(), chunk_tokens
+
+    def __call__(self, hidden: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+        positions = self.mask.flatten().nonzero().squeeze(1)
+        rows = hidden.flatten(0, -2).index_select(0, positions)
+        targets = self.targets.flatten().index_select(0, positions)
+        return chunked_target_logprob_sum(rows, weight, targets, chunk_tokens=self.chunk_tokens)
 
 
 class TargetLogprobHead:

@@ -23,7 +23,7 @@ from torch import nn
 
 from lmforge import distributed as dist_utils
 from lmforge.data.packing import IGNORE_INDEX, Batch
-from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobHead
+from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobSumHead
 
 if TYPE_CHECKING:  # pragma: no cover
     from lmforge.training.state import TrainState
@@ -44,10 +44,11 @@ def cross_entropy_loss(model: nn.Module, batch: Batch,
     ``F.cross_entropy`` over fp32 logits. Bind ``chunk_tokens`` with ``functools.partial``.
     """
     mask = batch.labels != IGNORE_INDEX
-    head = TargetLogprobHead(batch.labels, mask, chunk_tokens=chunk_tokens)
-    out = model(batch.input_ids, position_ids=batch.position_ids, document_ids=batch.document_ids, head=head)
-    loss_sum = -out.logprobs.sum()
-    return loss_sum, {"loss_sum": loss_sum.detach(), "total_weights": mask.sum(), "correct": out.hits.sum()}
+    head = TargetLogprobSumHead(batch.labels, mask, chunk_tokens=chunk_tokens)
+    logprob_sum, hits = model(batch.input_ids, position_ids=batch.position_ids, document_ids=batch.document_ids,
+                              head=head)
+    loss_sum = -logprob_sum
+    return loss_sum, {"loss_sum": loss_sum.detach(), "total_weights": mask.sum(), "correct": hits.sum()}
 
 
 def gradient_computation(
