@@ -24,6 +24,11 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+def comma_separated(v: Any) -> Any:
+    """``"a, b"`` (as a command-line override gives it) -> ``["a", "b"]``; lists pass through."""
+    return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
@@ -126,7 +131,7 @@ class EvalSection(Section):
     @field_validator("tasks", mode="before")
     @classmethod
     def _task_list(cls, v: Any) -> Any:
-        return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
+        return comma_separated(v)
 
 
 class StartEvalSection(EvalSection):
@@ -150,7 +155,7 @@ class TasksSection(Section):
     @field_validator("names", mode="before")
     @classmethod
     def _split(cls, v: Any) -> Any:
-        return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
+        return comma_separated(v)
 
     @field_validator("names")
     @classmethod

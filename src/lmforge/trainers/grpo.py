@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from lmforge.config import Config, StartEvalSection, Section, TasksSection
+from lmforge.config import Config, Section, StartEvalSection, TasksSection, comma_separated
 from lmforge.data.record_formats import prompt_messages
 from lmforge.data.sources import read_records
 from lmforge.data.tasks import TaskExample, task_examples, task_share
@@ -60,14 +60,14 @@ class GRPOSection(Section):
     @field_validator("rewards", mode="before")
     @classmethod
     def _split_names(cls, v: Any) -> Any:
-        return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
+        return comma_separated(v)
 
     @field_validator("rewards_weights", mode="before")
     @classmethod
     def _split_weights(cls, v: Any) -> Any:
         if isinstance(v, (int, float)):
             return [v]
-        return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
+        return comma_separated(v)
 
 
 class GRPOConfig(Config):
