@@ -180,6 +180,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=12, help="layers of the 125m shape (12 = the real shape)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--doc-len", type=int, default=256, help="tokens per packed document")
+    p.add_argument("--vocabs", default=",".join(map(str, VOCABS)), help="vocabulary sizes of the vocabulary sweep")
+    p.add_argument("--seqs", default=",".join(map(str, SEQS)), help="sequence lengths of the sequence sweep")
     p.add_argument("--no-append", action="store_true")
     # one point, in a subprocess
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
@@ -195,20 +197,22 @@ def main() -> None:
     load_before, sections = loadavg(), []
     if "seq" in a.sweep:
         results: dict = {}
-        for seq in SEQS:
+        seqs = [int(x) for x in a.seqs.split(",")]
+        for seq in seqs:
             for system in systems:
                 results.setdefault((system, "pretrain"), {})[seq] = run_point(a, system, "pretrain", seq, 320, a.tokens)
             if "lmforge" in systems:
                 results.setdefault(("lmforge", "packed"), {})[seq] = run_point(a, "lmforge", "packed", seq, 320, a.tokens)
         sections.append(f"Sequence length, {a.tokens} tokens per step, vocabulary 320:\n\n"
-                        + sweep_table(a, results, list(SEQS), "T"))
+                        + sweep_table(a, results, seqs, "T"))
     if "vocab" in a.sweep:
         results = {}
-        for vocab in VOCABS:
+        vocabs = [int(x) for x in a.vocabs.split(",")]
+        for vocab in vocabs:
             for system in systems:
                 results.setdefault((system, "pretrain"), {})[vocab] = run_point(a, system, "pretrain", 512, vocab, a.vocab_tokens)
         sections.append(f"Vocabulary, T=512, {a.vocab_tokens} tokens per step:\n\n"
-                        + sweep_table(a, results, list(VOCABS), "V"))
+                        + sweep_table(a, results, vocabs, "V"))
     body = (f"Machine: {machine(torch.device('cpu'))}, {a.threads} threads. Load average before/after: "
             f"{load_before} / {loadavg()}.\n\nModel: the `125m` shape (dim 768, 12 heads, 4 kv heads) with "
             f"{a.layers} layers, fp32; {a.steps} timed steps after one warm-up step per point; memory = peak RSS "
