@@ -193,6 +193,23 @@ class RunSection(Section):
     """Run directory: metrics, TensorBoard events, checkpoints, resolved config."""
 
 
+class LoraSection(Section):
+    """Low-rank adapters (``peft``) on the attention and MLP projections: only they train."""
+
+    enabled: bool = False
+    rank: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0)
+    """Scale of the adapter's output: alpha / rank."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
+    """lmforge module names (``wq wk wv wo`` attention, ``w1 w2 w3`` MLP)."""
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:
+        return comma_separated(v)
+
+
 class ParallelSection(Section):
     mode: Literal["ddp", "fsdp"] = "ddp"
 
@@ -208,6 +225,7 @@ class Config(Section):
     metrics: MetricsSection = MetricsSection()
     run: RunSection = RunSection()
     parallel: ParallelSection = ParallelSection()
+    lora: LoraSection = LoraSection()
 
     def to_dict(self) -> dict[str, Any]:
         return json.loads(self.model_dump_json())

@@ -1,0 +1,109 @@
+"""LoRA adapters on lmforge's own modules, through ``peft``.
+
+``peft.inject_adapter_in_model`` replaces each targeted ``nn.Linear`` (``wq``, ``wk``, ``wv``, ``wo``,
+``w1``, ``w2``, ``w3``) with a ``peft`` LoRA layer that keeps the original as ``base_layer``; the base
+weights are frozen, so the optimizer, the gradient sync and the checkpoints hold only the adapters.
+The model stays an lmforge ``Transformer`` (no ``PeftModel`` wrapper), so the loop, the data-parallel
+wrappers, generation and the chunked loss work on it unchanged.
+
+With the adapters switched off (:func:`adapters_disabled`) the model *is* its base: that is the
+reference model of GRPO's KL and of DPO, with no second copy of the weights.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator
+
+from torch import nn
+
+from lmforge.errors import UserError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lmforge.config import LoraSection
+
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+"""lmforge's linear layers that can carry adapters (attention and MLP projections)."""
+
+
+def require_peft() -> Any:
+    try:
+        import peft
+    except ImportError:
+        raise UserError("lora.enabled=true needs the peft package: pip install 'lmforge[lora]'") from None
+    return peft
+
+
+def _tuner_layers(model: nn.Module) -> list[Any]:
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+def has_adapters(model: nn.Module) -> bool:
+    """Whether ``model`` (or the module a wrapper holds) carries LoRA adapters."""
+    return bool(_tuner_layers(model))
+
+
+def apply_lora(model: nn.Module, lora: "LoraSection") -> nn.Module:
+    """Inject adapters into ``model`` in place and freeze everything else; returns ``model``.
+
+    The adapters' B matrices start at zero (peft's default), so the adapted model starts out equal
+    to its base.
+    """
+    peft = require_peft()
+    unknown = sorted(set(lora.target_modules) - set(LORA_TARGETS))
+    if unknown:
+        raise UserError(f"lora.target_modules: unknown module(s) {unknown}; choose from {', '.join(LORA_TARGETS)}")
+    config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                             target_modules=list(lora.target_modules), bias="none")
+    model.requires_grad_(False)
+    peft.inject_adapter_in_model(config, model)
+    for layer in _tuner_layers(model):  # adapters train, everything else stays frozen
+        layer.enable_adapters(True)
+    return model
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model: adapters switched off for the block (a no-op for a model without adapters).
+
+    Use under ``torch.no_grad()``: peft drops the adapters' ``requires_grad`` while they are off and
+    restores it on exit.
+    """
+    layers = _tuner_layers(model)
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+def merge_adapters(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight and put the plain ``nn.Linear`` back (in place)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, module.get_base_layer())
+    return model
+
+
+def trainable_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) unique parameter counts (tied weights counted once)."""
+    seen: set[int] = set()
+    trainable = total = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    return trainable, total
