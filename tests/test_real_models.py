@@ -12,47 +12,19 @@ lmforge's generator, and the same stop tokens.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from _chat_fixtures import REAL_TOKENIZERS
 from _helpers import finish, start_lmforge, tiny_run_args
+from _hf_models import FAMILIES, hf_start as _hf_start
 
 transformers = pytest.importorskip("transformers")
 
 CHATS = Path(__file__).resolve().parent / "fixtures" / "data" / "fastchat_identity_multiturn.jsonl"
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=512)
-FAMILIES = {  # name -> (tokenizer fixture, transformers config class, family-specific settings)
-    "qwen2.5": ("qwen2.5-instruct", "Qwen2Config", dict(tie_word_embeddings=True, use_sliding_window=False)),
-    "qwen3": ("qwen2.5-instruct", "Qwen3Config", dict(head_dim=24, tie_word_embeddings=True)),
-    "smollm2": ("smollm2-135m-instruct", "LlamaConfig", dict(tie_word_embeddings=True)),
-    "mistral": ("mistral-7b-instruct-v0.1", "MistralConfig", dict(sliding_window=4096)),
-}
 CONVERSATION = [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "A small model."},
                 {"role": "user", "content": "What can you do?"}]
-
-
-def _hf_start(family: str, out: Path) -> Path:
-    """A tiny random model of ``family`` saved with its real tokenizer and generation config."""
-    tok_dir, config_cls, extra = FAMILIES[family]
-    real = json.loads((REAL_TOKENIZERS / tok_dir / "config.json").read_text())
-    config = getattr(transformers, config_cls)(vocab_size=real["vocab_size"], bos_token_id=real.get("bos_token_id"),
-                                               eos_token_id=real.get("eos_token_id"), **SHAPE, **extra)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # non-trivial norms so a wrong mapping shows
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-    model.save_pretrained(out)
-    for f in (REAL_TOKENIZERS / tok_dir).iterdir():
-        if f.name != "config.json":
-            shutil.copy(f, out / f.name)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -71,13 +71,25 @@ def _generate(argv: list[str]) -> int:
 
 def _export(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lmforge export", description="Export a checkpoint.")
-    p.add_argument("--hf", required=True, metavar="OUT_DIR", help="write a Hugging Face model directory here (config.json, safetensors, tokenizer)")
+    p.add_argument("--hf", metavar="OUT_DIR", help="write a Hugging Face model directory here (config.json, "
+                   "safetensors, tokenizer); a LoRA run's adapters are merged into it")
+    p.add_argument("--adapter", metavar="OUT_DIR", help="LoRA runs: write a PEFT adapter directory here")
+    p.add_argument("--base", metavar="OUT_DIR", help="with --adapter: also write the adapter's base model here "
+                   "(required unless the run started from a Hugging Face directory)")
     p.add_argument("run_dir", help="run directory or checkpoint directory")
     a = p.parse_args(argv)
-    from lmforge.export import export_hf
+    if not a.hf and not a.adapter:
+        p.error("give --hf OUT_DIR and/or --adapter OUT_DIR")
+    if a.base and not a.adapter:
+        p.error("--base goes with --adapter")
+    from lmforge.export import export_adapter, export_hf
 
-    out = export_hf(a.run_dir, a.hf)
-    print(f"exported Hugging Face model to {out}")
+    if a.hf:
+        print(f"exported Hugging Face model to {export_hf(a.run_dir, a.hf)}")
+    if a.adapter:
+        print(f"exported PEFT adapter to {export_adapter(a.run_dir, a.adapter, a.base)}")
+        if a.base:
+            print(f"exported its base model to {a.base}")
     return 0
 
 
@@ -119,7 +131,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = ("usage: lmforge {pretrain,sft,grpo,elastic} --config FILE [--section.key=value ...]\n"
-             "       lmforge generate CHECKPOINT --prompt TEXT | export --hf OUT RUN_DIR | report RUN_DIR...\n"
+             "       lmforge generate CHECKPOINT --prompt TEXT | export --hf OUT [--adapter OUT] RUN_DIR | report RUN_DIR...\n"
              "       lmforge eval RUN_OR_MODEL_DIR --tasks T1,T2 [--limit N] [--apply-chat-template]")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)

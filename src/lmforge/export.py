@@ -1,4 +1,5 @@
-"""Export a checkpoint as a Hugging Face model directory (config, safetensors, tokenizer files).
+"""Export a checkpoint as a Hugging Face model directory (config, safetensors, tokenizer files), or a
+LoRA run's adapters as a PEFT adapter directory.
 
 The byte tokenizer is exported as an equivalent ``tokenizer.json`` with the chat template, so
 ``transformers`` can tokenize, chat-format and decode exactly as lmforge does.
@@ -10,10 +11,13 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 from lmforge.data.chat import BYTE_CHAT_TEMPLATE, stop_token_ids
 from lmforge.errors import UserError
 from lmforge.inference import load_for_inference
+from lmforge.models.load import ModelSource
+from lmforge.models.model import Transformer
 from lmforge.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 
@@ -76,29 +80,94 @@ def _write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
 
 
 def export_hf(run_or_ckpt: str | Path, out_dir: str | Path) -> Path:
-    """Write a Hugging Face model directory for a run or checkpoint directory (see module doc).
+    """Write a Hugging Face model directory for a run or checkpoint directory (see module doc); a LoRA
+    run's adapters are merged into its base weights.
 
     Written next to ``out_dir`` under a temporary name and renamed into place when complete, so an
     interrupted or failed export never leaves a half-written directory (nor harms an earlier export).
     """
+    out = _check_out(out_dir, "--hf", "config.json")
+    model, tokenizer = load_for_inference(run_or_ckpt)
+    return _write_atomically(out, "--hf", lambda d: write_hf_dir(model, tokenizer, d))
+
+
+def write_hf_dir(model: Transformer, tokenizer: Tokenizer, out: Path) -> None:
+    """config.json, generation_config.json, safetensors and tokenizer files of ``model`` into ``out``."""
     from lmforge.models.hf import save_hf_model
 
+    # Every stop token (EOS, generation_config.json's, the template's end of turn), so transformers'
+    # generate stops where lmforge does.
+    stops = stop_token_ids(tokenizer)
+    save_hf_model(model.state_dict(), model.args, out, bos_token_id=tokenizer.bos_id,
+                  eos_token_id=stops if len(stops) > 1 else stops[0], pad_token_id=tokenizer.pad_id)
+    _write_tokenizer(tokenizer, out)
+
+
+def export_adapter(run_or_ckpt: str | Path, adapter_dir: str | Path, base_dir: str | Path | None = None) -> Path:
+    """A PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``) of a LoRA run.
+
+    Tensor and module names are the Hugging Face ones (``model.layers.N.self_attn.q_proj`` ...), so
+    ``peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), adapter_dir)`` gives
+    the model lmforge trained. ``BASE`` is the run's base model: a Hugging Face directory it started
+    from is named as it is; any other base (an lmforge checkpoint, a fresh init) is written to
+    ``base_dir`` as a Hugging Face directory, which is then required.
+    """
+    from lmforge.models.load import checkpoint_description, load_model
+
+    source = ModelSource.at(run_or_ckpt)
+    described = checkpoint_description(Path(source.where)) if source.kind == "checkpoint" else {}
+    if "lora" not in described:
+        raise UserError(f"--adapter: {run_or_ckpt} holds no LoRA adapters (a full model: export it with --hf)")
+    base = ModelSource.parse(str(described.get("base", "")))
+    if base_dir is None and base.kind != "hf":
+        raise UserError(f"--adapter: the base model ({base}) is not a Hugging Face directory; add --base DIR "
+                        "to export it alongside the adapter")
+    out = _check_out(adapter_dir, "--adapter", "adapter_config.json")
+    loaded = load_model(source, merge_lora=False)
+    base_path = Path(base.where).resolve() if base_dir is None else _check_out(base_dir, "--base", "config.json")
+    if base_dir is not None:
+        plain = load_model(base, tokenizer=loaded.tokenizer_spec, args=loaded.args)
+        _write_atomically(base_path, "--base", lambda d: write_hf_dir(plain.model, plain.tokenizer, d))
+    return _write_atomically(out, "--adapter", lambda d: write_peft_adapter(loaded.model, described["lora"],
+                                                                            str(base_path), d))
+
+
+def write_peft_adapter(model: Transformer, lora: dict, base_name: str, out: Path) -> None:
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    from lmforge.models.hf import hf_module_name
+    from lmforge.models.lora import TARGET_PATHS, adapter_weights
+
+    tensors = {}
+    for name, (a, b) in adapter_weights(model).items():
+        hf = f"base_model.model.{hf_module_name(name)}"
+        tensors[f"{hf}.lora_A.weight"] = a.detach().float().contiguous().cpu()
+        tensors[f"{hf}.lora_B.weight"] = b.detach().float().contiguous().cpu()
+    targets = sorted(hf_module_name(f"layers.0.{TARGET_PATHS[t]}").rpartition(".")[2] for t in lora["target_modules"])
+    config = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"], target_modules=targets,
+                        bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_name)
+    config.save_pretrained(str(out))
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def _check_out(out_dir: str | Path, flag: str, marker: str) -> Path:
+    """``out_dir`` if it is new, empty, or an earlier export of the same kind (has ``marker``)."""
     out = Path(out_dir).expanduser()
     if out.exists() and not out.is_dir():
-        raise UserError(f"--hf {out}: exists and is not a directory; choose an empty or new directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
-        raise UserError(f"--hf {out}: exists and is not a model directory; choose an empty or new directory")
-    model, tokenizer = load_for_inference(run_or_ckpt)
+        raise UserError(f"{flag} {out}: exists and is not a directory; choose an empty or new directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / marker).is_file():
+        raise UserError(f"{flag} {out}: exists and is not an earlier export; choose an empty or new directory")
+    return out
+
+
+def _write_atomically(out: Path, flag: str, write: Callable[[Path], None]) -> Path:
+    """Run ``write`` into a temporary sibling directory, then swap it into place."""
     partial = out.with_name(f".{out.name}.partial")
     try:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        # Every stop token (EOS, generation_config.json's, the template's end of turn), so transformers'
-        # generate stops where lmforge does.
-        stops = stop_token_ids(tokenizer)
-        save_hf_model(model.state_dict(), model.args, partial, bos_token_id=tokenizer.bos_id,
-                      eos_token_id=stops if len(stops) > 1 else stops[0], pad_token_id=tokenizer.pad_id)
-        _write_tokenizer(tokenizer, partial)
+        write(partial)
         old = out.with_name(f".{out.name}.old")
         if out.exists():
             shutil.rmtree(old, ignore_errors=True)
@@ -107,5 +176,8 @@ def export_hf(run_or_ckpt: str | Path, out_dir: str | Path) -> Path:
         shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
         shutil.rmtree(partial, ignore_errors=True)
-        raise UserError(f"--hf {out}: cannot write the export ({e.strerror or e})") from None
+        raise UserError(f"{flag} {out}: cannot write the export ({e.strerror or e})") from None
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     return out

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from lmforge import distributed as dist_utils
 from lmforge.checkpoint.dcp_safe import checkpoint_exception, one_line, quiet_dcp, safe_dcp_load
@@ -51,6 +52,11 @@ from lmforge.checkpoint.layout import (
 from lmforge.checkpoint.runlock import holds_run_lock
 from lmforge.checkpoint.verify import cached_problem, checkpoint_problem, write_manifest
 from lmforge.errors import UserError
+
+_TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True)
+"""Leave frozen parameters out of a state dict (a no-op when every parameter trains; with LoRA the
+checkpoint then holds only the adapters, and the frozen base comes from the base model it names)."""
+
 
 # ---------------------------------------------------------------------------- RNG
 def capture_rng() -> dict[str, Any]:
@@ -176,10 +182,10 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         if optimizer is not None:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_ONLY)
             state = {"model": model_sd, "optim": optim_sd}
         else:
-            state = {"model": get_model_state_dict(model)}
+            state = {"model": get_model_state_dict(model, options=_TRAINABLE_ONLY)}
         with quiet_dcp():
             dcp.save(state, checkpoint_id=str(partial))
         rank = dist_utils.rank()
@@ -223,10 +229,11 @@ class Checkpointer:
         if optimizer is not None:
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_ONLY)
             state = {"model": model_sd, "optim": optim_sd}
             safe_dcp_load(state, path)
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=_load_options(model))
         else:
             load_model_weights(path, model)
         rng_file = path / f"rng_rank{dist_utils.rank()}.json"
@@ -306,14 +313,23 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def load_model_weights(path: str | Path, model: nn.Module) -> None:
-    """Load only the model weights of an lmforge checkpoint (e.g. to start SFT or GRPO from it)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    """Load only the model weights of an lmforge checkpoint (e.g. to start SFT or GRPO from it).
+
+    For a model with frozen parameters (LoRA) only the trainable ones are read: that is all a LoRA
+    checkpoint holds; the frozen base comes from the base model it names.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     ckpt = resolve_checkpoint(path)
-    model_sd = get_model_state_dict(model)
+    model_sd = get_model_state_dict(model, options=_TRAINABLE_ONLY)
     state = {"model": model_sd}
     safe_dcp_load(state, ckpt)
-    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+    set_model_state_dict(model, state["model"], options=_load_options(model))
+
+
+def _load_options(model: nn.Module) -> StateDictOptions:
+    """Strict loading, except that frozen parameters (not in the checkpoint) are left as they are."""
+    return StateDictOptions(strict=all(p.requires_grad for p in model.parameters()))
 
 
 # ---------------------------------------------------------------------------- helpers

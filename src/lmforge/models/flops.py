@@ -29,7 +29,20 @@ def matmul_params(args: ModelArgs) -> int:
     return args.n_layers * (attn + mlp) + d * args.vocab_size
 
 
-def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+def weight_flops_per_token(args: ModelArgs, adapter_params: int | None = None) -> float:
+    """Training FLOPs per token of the weight matmuls: ``6 * N`` (see :func:`flops_per_token`).
+
+    With LoRA (``adapter_params`` trainable adapter parameters on a frozen base) the backward pass
+    computes no gradients for the frozen weights, only for their inputs: ``4 * N`` for the base plus
+    ``6 * adapter_params`` for the adapters' own two small matmuls per adapted layer. Counting
+    ``6 * N`` there would credit LoRA runs with a third more work than they do.
+    """
+    if adapter_params is None:
+        return 6.0 * matmul_params(args)
+    return 4.0 * matmul_params(args) + 6.0 * adapter_params
+
+
+def flops_per_token(args: ModelArgs, seq_len: int, adapter_params: int | None = None) -> float:
     """Training FLOPs per token (forward + backward) at sequence length ``seq_len``.
 
     * Weight matmuls: a token does 2 FLOPs (multiply + add) per matmul parameter in the
@@ -47,7 +60,7 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
       ``T/2`` (the same continuous count as the causal half, and equal to it at ``T = W``).
     """
     attn_d = args.n_heads * args.head_dim
-    return 6.0 * matmul_params(args) + 12.0 * args.n_layers * attended_keys(args, seq_len) * attn_d
+    return weight_flops_per_token(args, adapter_params) + 12.0 * args.n_layers * attended_keys(args, seq_len) * attn_d
 
 
 def attended_keys(args: ModelArgs, seq_len: int) -> float:
@@ -58,7 +71,7 @@ def attended_keys(args: ModelArgs, seq_len: int) -> float:
     return T / 2 - (T - W) ** 2 / (2 * T)
 
 
-def training_flops(args: ModelArgs, document_lengths: Iterable[int]) -> float:
+def training_flops(args: ModelArgs, document_lengths: Iterable[int], adapter_params: int | None = None) -> float:
     """Training FLOPs (forward + backward) of the real tokens of a batch, given as document lengths.
 
     Each document is a run of real tokens that attend causally among themselves only: a packed
@@ -76,7 +89,7 @@ def training_flops(args: ModelArgs, document_lengths: Iterable[int]) -> float:
         if length > 0:
             tokens += length
             pairs += length * attended_keys(args, length)
-    return 6.0 * matmul_params(args) * tokens + 12.0 * args.n_layers * attn_d * pairs
+    return weight_flops_per_token(args, adapter_params) * tokens + 12.0 * args.n_layers * attn_d * pairs
 
 
 # Dense (no structured sparsity) peak FLOP/s from vendor spec sheets: (bf16/fp16, tf32, fp32).

@@ -62,6 +62,16 @@ def _strip_wrappers(name: str) -> str:
     return name.replace("._orig_mod.", ".")
 
 
+def hf_module_name(name: str) -> str:
+    """The Hugging Face name of a projection inside a layer: ``layers.3.attention.wq`` ->
+    ``model.layers.3.self_attn.q_proj`` (wrapper prefixes such as torch.compile's are dropped)."""
+    m = _LF_LAYER.fullmatch(_strip_wrappers(name))
+    suffix = _LAYER_MAP.get(f"{m.group(2)}.weight") if m else None
+    if m is None or suffix is None:
+        raise ValueError(f"no Hugging Face name for lmforge module {name!r}")
+    return f"model.layers.{m.group(1)}.{suffix.removesuffix('.weight')}"
+
+
 def hf_state_dict_from_lmforge(model_state: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
     """Rename an lmforge state dict to Hugging Face ``*ForCausalLM`` names (shared by all families).
 

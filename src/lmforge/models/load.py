@@ -85,12 +85,15 @@ def checkpoint_description(checkpoint: Path) -> dict[str, Any]:
 
 
 def load_model(source: ModelSource, *, tokenizer: str = "byte", args: ModelArgs | None = None,
-               size: str = "debug", overrides: dict[str, Any] | None = None) -> LoadedModel:
+               size: str = "debug", overrides: dict[str, Any] | None = None, merge_lora: bool = True) -> LoadedModel:
     """Build the model ``source`` names, with its tokenizer, in fp32 on the CPU.
 
     ``init`` sources are new models: ``args`` if given, else the named ``size`` with ``overrides``
     and the vocabulary of ``tokenizer``. ``hf`` and ``checkpoint`` sources bring their own shape and
     tokenizer (``tokenizer`` other than ``byte`` overrides a Hugging Face directory's own).
+
+    A LoRA checkpoint holds only its adapters and names its base model: the base is loaded (the same
+    way, recursively), the adapters put on it and, with ``merge_lora``, folded into its weights.
     """
     if source.kind == "init":
         spec = _tokenizer_spec(tokenizer)
@@ -112,12 +115,33 @@ def load_model(source: ModelSource, *, tokenizer: str = "byte", args: ModelArgs 
         described = checkpoint_description(ckpt)
         spec = described.get("tokenizer", "byte")
         tok = load_tokenizer(spec)
-        model = Transformer(ModelArgs.from_dict(described["model_args"]))
-        load_model_weights(ckpt, model)
+        if "lora" in described:
+            model = _load_adapted(ckpt, described, spec, merge_lora)
+        else:
+            model = Transformer(ModelArgs.from_dict(described["model_args"]))
+            load_model_weights(ckpt, model)
     if tok.vocab_size > model.args.vocab_size:
         raise UserError(f"{source}: tokenizer vocabulary ({tok.vocab_size}) does not fit the model's "
                         f"vocab_size ({model.args.vocab_size}): model.tokenizer does not match the model")
     return LoadedModel(model, tok, spec, source)
+
+
+def _load_adapted(ckpt: Path, described: dict[str, Any], tokenizer: str, merge: bool) -> Transformer:
+    """A LoRA checkpoint's model: its base, its adapters loaded onto it, merged if asked."""
+    from lmforge.config import LoraSection
+    from lmforge.models.lora import apply_lora, merge_adapters
+
+    try:
+        base_source = ModelSource.parse(str(described.get("base", "")))
+        lora = LoraSection(**described["lora"])
+    except (UserError, TypeError, ValueError) as e:
+        raise UserError(f"{ckpt}: unreadable LoRA description in its trainer state ({e})") from None
+    if base_source.kind != "init" and not Path(base_source.where).exists():
+        raise UserError(f"{ckpt}: holds LoRA adapters for the base model {base_source}, which no longer exists")
+    base = load_model(base_source, tokenizer=tokenizer, args=ModelArgs.from_dict(described["model_args"])).model
+    apply_lora(base, lora)
+    load_model_weights(ckpt, base)
+    return merge_adapters(base).requires_grad_(True) if merge else base
 
 
 def _tokenizer_spec(spec: str) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator
 
+import torch
 from torch import nn
 
 from lmforge.errors import UserError
@@ -22,8 +23,10 @@ from lmforge.errors import UserError
 if TYPE_CHECKING:  # pragma: no cover
     from lmforge.config import LoraSection
 
-LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
-"""lmforge's linear layers that can carry adapters (attention and MLP projections)."""
+TARGET_PATHS = {"wq": "attention.wq", "wk": "attention.wk", "wv": "attention.wv", "wo": "attention.wo",
+                "w1": "feed_forward.w1", "w2": "feed_forward.w2", "w3": "feed_forward.w3"}
+"""lmforge's linear layers that can carry adapters (attention and MLP projections), by short name."""
+LORA_TARGETS = tuple(TARGET_PATHS)
 
 
 def require_peft() -> Any:
@@ -83,6 +86,18 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             layer.enable_adapters(True)
 
 
+class BaseModelView:
+    """Calls a model with its adapters switched off, without gradients: its frozen base, sharing the
+    weights (the KL/DPO reference under LoRA). Call it like the model."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad(), adapters_disabled(self.model):
+            return self.model(*args, **kwargs)
+
+
 def merge_adapters(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight and put the plain ``nn.Linear`` back (in place)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
@@ -94,6 +109,19 @@ def merge_adapters(model: nn.Module) -> nn.Module:
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, module.get_base_layer())
     return model
+
+
+def adapter_weights(model: nn.Module) -> dict[str, tuple[Any, Any]]:
+    """``{module name: (A [r, in], B [out, r])}`` of every adapted layer, wrapper prefixes removed."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, BaseTunerLayer):
+            (adapter,) = module.active_adapters
+            clean = name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+            out[clean] = (module.lora_A[adapter].weight, module.lora_B[adapter].weight)
+    return out
 
 
 def trainable_parameters(model: nn.Module) -> tuple[int, int]:

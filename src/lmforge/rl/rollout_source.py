@@ -12,7 +12,7 @@ a resumed run draws the same completions and scores KL against the same referenc
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -21,8 +21,8 @@ from lmforge.data.chat import chat_format_for, stop_token_ids
 from lmforge.data.record_formats import prompt_messages
 from lmforge.errors import UserError
 from lmforge.inference import chat_prompt_ids
-from lmforge.models.flops import training_flops
 from lmforge.models.load import ModelSource, load_model
+from lmforge.models.lora import BaseModelView, has_adapters
 from lmforge.models.tokenizer import Tokenizer
 from lmforge.rl.grpo_loss import PolicyBatch
 from lmforge.rl.rewards import WeightedReward
@@ -52,11 +52,14 @@ class RolloutSource:
         self.uses_left = 0
         """Updates still to be trained on the current rollout (saved with it when > 0)."""
 
-    def _load_reference(self, source: ModelSource) -> nn.Module | None:
-        """The frozen KL reference (only with beta > 0): the run's starting weights, loaded afresh."""
+    def _load_reference(self, source: ModelSource) -> Callable[..., Any] | None:
+        """The frozen KL reference (only with beta > 0): the run's starting weights, loaded afresh, or
+        under LoRA the policy itself with its adapters off (its frozen base: no second copy)."""
         if self.g.beta == 0:
             return None
         rt = self.rt
+        if has_adapters(rt.raw_model):
+            return BaseModelView(rt.raw_model)
         ref = load_model(source, args=rt.model_args, tokenizer=rt.model_description["tokenizer"]).model
         ref = ref.to(rt.dist.device)
         return ref.eval().requires_grad_(False)
@@ -80,7 +83,7 @@ class RolloutSource:
         """Training FLOPs of one update pass over rollout ``r``: its rows' real lengths, padding excluded
         (a rollout restored from an older checkpoint without lengths counts its full rows)."""
         lengths = r.sequence_lengths or [n for b in r.batches for n in [b.input_ids.shape[1]] * b.input_ids.shape[0]]
-        return training_flops(self.rt.model_args, lengths)
+        return self.rt.training_flops(lengths)
 
     def sample(self, indices: list[int]) -> Rollout:
         """G completions for each of this rank's prompts from the current (unwrapped) policy, scored."""

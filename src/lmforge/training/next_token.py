@@ -11,7 +11,6 @@ import torch
 from lmforge.data.fingerprint import check_fingerprint, dataset_fingerprint
 from lmforge.data.loader import StepLoader
 from lmforge.data.packing import Batch, SampleDataset
-from lmforge.models.flops import training_flops
 from lmforge.training.loop import StepBatch
 from lmforge.training.runtime import Runtime
 from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS
@@ -26,7 +25,7 @@ class LoaderSource:
         self.fingerprint = dataset_fingerprint(dataset)
         self.on_data_change = rt.cfg.checkpoint.on_data_change
         self.warn = rt.metrics.console
-        self.model_args = rt.model_args
+        self.flops = rt.training_flops
         self.loader = StepLoader(dataset, t.global_batch_size, t.micro_batch_size, rt.dist.rank, rt.dist.world_size,
                                  seed=t.seed, shuffle=rt.cfg.data.shuffle, prefetch=rt.cfg.data.prefetch,
                                  device=rt.dist.device)
@@ -35,7 +34,7 @@ class LoaderSource:
         microbatches = self.loader.next_step()
         lengths = [n for mb in microbatches for n in mb.real_document_lengths()]
         return StepBatch(microbatches, tokens=sum(mb.input_ids.numel() for mb in microbatches),
-                         flops=training_flops(self.model_args, lengths))
+                         flops=self.flops(lengths))
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.loader.state_dict(), "fingerprint": self.fingerprint}

@@ -26,8 +26,9 @@ from lmforge.errors import UserError
 from lmforge.metrics import MetricLogger
 from lmforge.metrics.progress import progress_bar
 from lmforge.metrics.sinks import WandbSink
-from lmforge.models.flops import flops_per_token, peak_flops_per_device
+from lmforge.models.flops import flops_per_token, peak_flops_per_device, training_flops
 from lmforge.models.load import LoadedModel, ModelSource, load_model
+from lmforge.models.lora import apply_lora, trainable_parameters
 from lmforge.models.model import ModelArgs, Transformer
 from lmforge.models.tokenizer import Tokenizer
 from lmforge.training.precision import choose_dtype
@@ -64,6 +65,12 @@ class Runtime:
     """The autocast dtype in use (``training.dtype`` with ``auto`` resolved, see training.precision)."""
     before_save: Callable[[], None] | None = None
     """Called before every checkpoint save (the loop installs its non-finite guard here)."""
+    adapter_params: int | None = None
+    """Trainable LoRA parameters on a frozen base (``[lora]``), None when every weight trains."""
+
+    def training_flops(self, document_lengths: list[int]) -> float:
+        """Training FLOPs of a batch's real documents for this run's model (LoRA counted as such)."""
+        return training_flops(self.model_args, document_lengths, self.adapter_params)
 
     def open_run_dir(self) -> None:
         """Write the run's config, model description and metrics: called once every start-up check
@@ -157,8 +164,14 @@ def build_runtime(cfg: Config, trainer: str, *, step_hooks: tuple[StepHook, ...]
     torch.manual_seed(cfg.training.seed)
     loaded = build_model(cfg)
     model, args = loaded.model, loaded.args
+    description = loaded.description()
+    adapter_params = None
+    if cfg.lora.enabled:  # before any wrapper: DDP/FSDP must see which parameters train
+        apply_lora(model, cfg.lora)
+        adapter_params = trainable_parameters(model)[0]
+        description |= {"lora": cfg.lora.model_dump(), "base": str(loaded.source)}
     _check_fresh_start(cfg, run)
-    _check_resume_compatible(run, args)
+    _check_resume_compatible(run, args, description)
     model.to(info.device)
     raw = model
     if cfg.training.activation_checkpointing:
@@ -173,16 +186,18 @@ def build_runtime(cfg: Config, trainer: str, *, step_hooks: tuple[StepHook, ...]
     peak, peak_src = peak_flops_per_device(  # MFU is measured against the peak of the dtype in use
         info.device, torch.bfloat16 if dtype == "bfloat16" else torch.float32,
         cfg.metrics.peak_tflops * 1e12 if cfg.metrics.peak_tflops else None)
-    fpt = flops_per_token(args, cfg.data.seq_len)
+    fpt = flops_per_token(args, cfg.data.seq_len, adapter_params)
     bar = progress_bar(cfg.metrics.progress, cfg.training.steps, cfg.training.max_tokens, is_main=info.is_main)
     sinks = [WandbSink.start(run.root, cfg.to_dict())] if cfg.metrics.wandb and info.is_main else []
     metrics = MetricLogger(run.root, rank=info.rank, world_size=info.world_size, log_every=cfg.metrics.log_every,
                            flops_per_token=fpt, peak_flops=peak, tensorboard=cfg.metrics.tensorboard,
                            console=bar.write if bar else None, process_start=process_start, sinks=sinks,
                            progress=bar, defer=True, device=info.device)
+    trainable, total = trainable_parameters(raw)
     metrics.log_setup({
         "trainer": trainer, "parameters": raw.num_params(), "non_embedding_parameters":
-        raw.num_params(exclude_embeddings=True), "flops_per_token": fpt, "peak_tflops_per_device": peak / 1e12,
+        raw.num_params(exclude_embeddings=True), "trainable_parameters": trainable,
+        "trainable_share": round(trainable / total, 6), "flops_per_token": fpt, "peak_tflops_per_device": peak / 1e12,
         "peak_source": peak_src, "world_size": info.world_size, "device": str(info.device),
         "parallel": cfg.parallel.mode if info.world_size > 1 else "none", "dtype": dtype, "dtype_reason": dtype_why,
         "threads": torch.get_num_threads(), "run_dir": str(run.root),
@@ -198,8 +213,8 @@ def build_runtime(cfg: Config, trainer: str, *, step_hooks: tuple[StepHook, ...]
             fast = Checkpointer(run.root, snapshot_keep, on_damaged=cfg.checkpoint.on_damaged, report=report, root=root)
     return Runtime(cfg=cfg, dist=info, tokenizer=loaded.tokenizer, model_args=args, raw_model=raw, model=wrapped,
                    optimizer=optimizer, metrics=metrics, checkpoints=CheckpointTiers(durable, fast),
-                   run_dir=run.root, model_source=loaded.source, model_description=loaded.description(),
-                   step_hooks=tuple(step_hooks), dtype=dtype)
+                   run_dir=run.root, model_source=loaded.source, model_description=description,
+                   step_hooks=tuple(step_hooks), dtype=dtype, adapter_params=adapter_params)
 
 
 def _check_fresh_start(cfg: Config, run: RunDir) -> None:
@@ -214,8 +229,8 @@ def _check_fresh_start(cfg: Config, run: RunDir) -> None:
                         f"(newest {found[-1].name}); choose a new run.dir or move {run.checkpoints} away")
 
 
-def _saved_model_args(run: RunDir) -> dict[str, Any]:
-    """The model shape the run's checkpoints were made for: from the newest checkpoint that
+def _saved_description(run: RunDir) -> dict[str, Any]:
+    """The model description the run's checkpoints were made for: from the newest checkpoint that
     describes itself, else from ``model_args.json`` (older runs); {} when neither can be read."""
     for ckpt in reversed(list_checkpoints(run.checkpoints)):
         try:
@@ -223,20 +238,24 @@ def _saved_model_args(run: RunDir) -> dict[str, Any]:
         except (OSError, ValueError, AttributeError):
             continue
         if isinstance(described, dict) and isinstance(described.get("model_args"), dict):
-            return described["model_args"]
+            return described
     try:
-        saved = json.loads(run.model_args.read_text()).get("model_args", {})
+        saved = json.loads(run.model_args.read_text())
     except (OSError, ValueError, AttributeError):
         return {}
-    return saved if isinstance(saved, dict) else {}
+    return saved if isinstance(saved, dict) and isinstance(saved.get("model_args", {}), dict) else {}
 
 
-def _check_resume_compatible(run: RunDir, args: ModelArgs) -> None:
-    """Refuse to resume a run directory whose checkpoints were made for another model shape."""
+def _check_resume_compatible(run: RunDir, args: ModelArgs, description: dict[str, Any]) -> None:
+    """Refuse to resume a run directory whose checkpoints were made for another model shape, or for
+    other LoRA adapters or another base model (a LoRA checkpoint holds only the adapters)."""
     run_dir = run.root
     if not list_checkpoints(run.checkpoints):
         return
-    saved = _saved_model_args(run)
+    described = _saved_description(run)
+    if described:
+        _check_same_adapters(run_dir, described, description)
+    saved = described.get("model_args", {})
     new = args.to_dict()
     diff = sorted((k for k in new if k in saved and saved[k] != new[k]), key=lambda k: k != "vocab_size")
     if diff and diff[0] == "vocab_size":
@@ -246,6 +265,22 @@ def _check_resume_compatible(run: RunDir, args: ModelArgs) -> None:
         k = diff[0]
         raise UserError(f"run.dir={run_dir} holds checkpoints of another model (model {k}: {saved[k]} there, "
                         f"{new[k]} now); use a new run.dir or checkpoint.resume=never")
+
+
+def _check_same_adapters(run_dir: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
+    if ("lora" in saved) != ("lora" in now):
+        had = "LoRA adapters" if "lora" in saved else "full weights"
+        raise UserError(f"run.dir={run_dir} holds checkpoints of {had}; set lora.enabled="
+                        f"{'true' if 'lora' in saved else 'false'} to resume it, or use a new run.dir")
+    if "lora" not in saved:
+        return
+    if saved["lora"] != now["lora"]:
+        k = next(k for k in now["lora"] if saved["lora"].get(k) != now["lora"][k])
+        raise UserError(f"run.dir={run_dir} holds adapters with lora.{k}={saved['lora'].get(k)!r}, "
+                        f"not {now['lora'][k]!r}; use the same [lora] settings or a new run.dir")
+    if saved.get("base") != now.get("base"):
+        raise UserError(f"run.dir={run_dir} holds adapters for the base model {saved.get('base')}, not "
+                        f"{now.get('base')}; start from the same model (model.from_hf / model.from_checkpoint)")
 
 
 def _apply_activation_checkpointing(model: Transformer) -> None:
