@@ -217,3 +217,20 @@ def test_adapter_export_of_a_full_run_or_without_a_base_is_one_line(straight, tm
     proc = run_lmforge("export", straight, "--adapter", tmp_path / "a", "--base", tmp_path / "b")
     assert proc.returncode == 0, tail(proc)
     assert (tmp_path / "a" / "adapter_model.safetensors").is_file() and (tmp_path / "b" / "config.json").is_file()
+
+
+def test_grpo_with_lora_scores_kl_against_the_base_with_adapters_off(tmp_path):
+    """The reference is the policy's own base (no second model): KL is 0 before the first update moves
+    the adapters, and positive after."""
+    from lmforge.metrics.records import read_records
+
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"Say {i}"}) + "\n" for i in range(8)))
+    (tmp_path / "short.py").write_text("def short(prompts, completions, **f):\n"
+                                       "    return [1.0 / (1 + len(c)) for c in completions]\n")
+    args = tiny_run_args("prompts.jsonl", data_seq_len=None, schedule_kind="constant", schedule_warmup_steps=0,
+                         training_steps=3, training_global_batch_size=8, training_micro_batch_size=8,
+                         grpo_num_generations=4, grpo_max_new_tokens=6, grpo_beta=0.1, **LORA_RUN)
+    rc, out, err = finish(start_lmforge("grpo", *args, "--rewards=short:short", "--run.dir=run", cwd=tmp_path), 300)
+    assert rc == 0, err[-3000:]
+    kl = [r["grpo/kl"] for r in read_records(tmp_path / "run") if r["kind"] == "train"]
+    assert abs(kl[0]) < 1e-6 and kl[-1] > 0
