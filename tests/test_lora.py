@@ -78,6 +78,16 @@ def test_unknown_target_module_is_one_line():
         apply_lora(_model(), LoraSection(target_modules=["wq", "output"]))
 
 
+def test_lora_without_peft_installed_is_one_line(monkeypatch):
+    import sys
+
+    from lmforge.errors import UserError
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft -> ImportError
+    with pytest.raises(UserError, match=r"needs the peft package: pip install 'lmforge\[lora\]'"):
+        apply_lora(_model(), LoraSection())
+
+
 def test_flops_count_no_weight_gradients_for_the_frozen_base():
     from lmforge.models.flops import flops_per_token, matmul_params, training_flops
 
