@@ -169,3 +169,21 @@ def test_resume_with_dynamic_sampling_is_exact(dapo_task):
     state = json.loads((dapo_task / "b" / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
     drawn = sum(r["grpo/prompts_drawn"] for r in straight if r["kind"] == "train" and r["step"] <= 2)
     assert state["data"]["prompts_consumed"] == drawn > 8  # more than one round of 4 prompts per step
+
+
+def test_tis_with_a_bfloat16_sampler_logs_the_gap(dapo_task):
+    """Sampling in bfloat16 while training in float32: the rollout's log-probs differ a little from the
+    training forward's, the weights stay near 1 and both are logged."""
+    from lmforge.rl.grpo_loss import GRPOObjective
+    from lmforge.training.train_step import compute_global_loss, gradient_computation
+
+    source = _source(dapo_task, "dapo_rewards:half_flat", grpo_tis_cap=2.0, grpo_rollout_dtype="bfloat16")
+    batch = source.next_step(1)
+    assert all(mb.rollout_logprobs is not None and mb.old_logprobs is None for mb in batch.microbatches)
+    objective = GRPOObjective(eps_low=0.2, eps_high=0.2, beta=0.0, aggregation="dapo", max_new_tokens=6,
+                              temperature=1.0, tis_cap=2.0)
+    stats = gradient_computation(source.rt.model, batch.microbatches, objective.loss_fn,
+                                 objective.normalizer(batch.microbatches))
+    values = {k: float(v) for k, v in objective.log_values(compute_global_loss(stats)).items()}
+    assert 0 < values["grpo/rollout_logprob_gap"] < 0.1
+    assert values["grpo/tis_weight"] == pytest.approx(1.0, abs=0.1)

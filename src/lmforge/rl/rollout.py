@@ -76,8 +76,7 @@ class RolloutSettings:
     advantage_scale: AdvantageScale
     mask_truncated: bool
     need_old_logprobs: bool
-    """True when pi_old must be frozen at sampling time: a batch reused for several updates, or the
-    truncated importance-sampling correction (which compares it with the rollout's log-probs)."""
+    """True when a batch is reused for several updates: pi_old must then be frozen at sampling time."""
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     """Completion tokens whose vocabulary log-softmax is computed at once (bounded memory)."""
     prompts_per_generation: int = 0
@@ -117,6 +116,8 @@ class SampledGroups:
     truncated: list[bool]
     total: list[float]
     per_function: dict[str, list[float]]
+    gen_seconds: float = 0.0
+    """Time spent in ``generate`` (scoring excluded)."""
 
     def __len__(self) -> int:
         return len(self.records)
@@ -167,12 +168,14 @@ def sample_groups(
     G = s.num_generations
     per_call = s.prompts_per_generation or len(prompt_ids)
     completion_ids: list[list[int]] = []
+    t0 = time.perf_counter()
     for lo in range(0, len(prompt_ids), per_call):
         rows = [list(p) for p in prompt_ids[lo:lo + per_call] for _ in range(G)]
         with autocast:
             completion_ids += generate(policy, rows, s.max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,
                                        temperature=s.temperature, top_p=s.top_p, generator=generator_for(lo),
                                        lockstep=lockstep)
+    gen_seconds = time.perf_counter() - t0
     stops = set(stop_ids)
     truncated = [len(c) >= s.max_new_tokens and c[-1] not in stops for c in completion_ids]
     completions = [decode(c) for c in completion_ids]
@@ -181,7 +184,7 @@ def sample_groups(
     fields["completion_length"] = [len(c) for c in completion_ids]
     scores = score_completions(rewards, prompts, completions, fields)
     return SampledGroups(G, list(records), [list(p) for p in prompt_ids], completion_ids, prompts, completions,
-                         truncated, scores.total, scores.per_function)
+                         truncated, scores.total, scores.per_function, gen_seconds)
 
 
 def build_rollout(
@@ -235,7 +238,7 @@ def collect_rollout(
     groups = sample_groups(policy, records, prompt_ids, rewards, s, stop_ids=stop_ids, pad_id=pad_id, decode=decode,
                            generator_for=lambda _: generator, autocast=autocast, prompt_field=prompt_field)
     return build_rollout(policy, groups, s, pad_id=pad_id, reference=reference, autocast=autocast,
-                         gen_seconds=time.perf_counter() - t0, started=t0)
+                         gen_seconds=groups.gen_seconds, started=t0)
 
 
 class AllTruncatedWarning:

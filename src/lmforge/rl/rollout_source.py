@@ -49,7 +49,7 @@ class RolloutSource:
                                      rt.dist.world_size, t.seed)
         self.settings = RolloutSettings(g.num_generations, g.max_new_tokens, g.temperature, g.top_p,
                                         t.micro_batch_size, g.scale_rewards, g.mask_truncated,
-                                        need_old_logprobs=g.num_iterations > 1 or g.tis_cap > 0,
+                                        need_old_logprobs=g.num_iterations > 1,
                                         chunk_tokens=t.loss_chunk_tokens,
                                         prompts_per_generation=g.prompts_per_generation,
                                         need_rollout_logprobs=g.tis_cap > 0)
@@ -105,11 +105,14 @@ class RolloutSource:
         share = self.sampler.per_rollout // self.sampler.world
         kept: list[SampledGroups] = []
         dropped: list[SampledGroups] = []
-        rounds = n_kept = 0
+        rounds = n_kept = generated = 0
+        gen_seconds = 0.0
         with dist_utils.full_parameters(rt.raw_model) as policy:
             while True:
                 rounds += 1
                 groups = self.sample_round(policy, self.sampler.next_positions())
+                gen_seconds += groups.gen_seconds
+                generated += sum(len(c) for c in groups.completion_ids)
                 if not g.dynamic_sampling:
                     kept.append(groups)
                     break
@@ -120,9 +123,9 @@ class RolloutSource:
                 short = dist_utils.all_reduce_max(float(share - n_kept))
                 if short <= 0 or rounds >= g.max_sampling_rounds:
                     break
-        gen_seconds = time.perf_counter() - t0
         batch = SampledGroups.concat(kept, g.num_generations)
-        extra: dict[str, float] = {}
+        # every generated token counts, those of dropped groups too
+        extra: dict[str, float] = {"rollout/tokens_per_sec": generated / gen_seconds if gen_seconds > 0 else 0.0}
         if g.dynamic_sampling:
             reserve = SampledGroups.concat(dropped, g.num_generations)
             fill = max(share - len(batch), 0)  # the cap was reached: top up with groups plain GRPO would use
@@ -130,7 +133,7 @@ class RolloutSource:
                                          g.num_generations)
             counts = dist_utils.all_reduce_sum(torch.tensor([float(rounds * share), float(len(reserve) - fill)],
                                                             dtype=torch.float64, device=rt.dist.device)).tolist()
-            extra = {"grpo/prompts_drawn": counts[0], "grpo/dropped_groups": counts[1], "grpo/sampling_rounds": rounds}
+            extra |= {"grpo/prompts_drawn": counts[0], "grpo/dropped_groups": counts[1], "grpo/sampling_rounds": rounds}
         return build_rollout(rt.raw_model, batch, self.settings, pad_id=rt.tokenizer.pad_id, reference=self.reference,
                              autocast=rt.autocast(), rollout_autocast=self.rollout_autocast(), gen_seconds=gen_seconds,
                              started=t0, extra_metrics=extra)
