@@ -70,7 +70,7 @@ def test_tis_weights_and_loss_by_hand():
                       temperature=1.0)(Logits(), batch)  # tis_cap 0: the rollout log-probs are ignored
     plain = sum(-min(r * 1.5, min(max(r, 1 - eps), 1 + eps) * 1.5)
                 for r in (math.exp(-math.log(V) - float(o)) for o in old[0]))
-    assert float(off) == pytest.approx(plain, rel=1e-5)
+    assert float(off.detach()) == pytest.approx(plain, rel=1e-5)
 
 
 # ---------------------------------------------------------------- dynamic sampling
