@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import finish, start_lmforge, tiny_run_args
+from _helpers import tiny_run_args
 from lmforge.errors import UserError
-from lmforge.metrics.records import read_records
 from lmforge.rl.grpo_loss import GRPOLoss, PolicyBatch, tis_weights
 from lmforge.rl.rewards import load_rewards, score_completions
 
@@ -136,39 +135,6 @@ def test_dynamic_sampling_drops_zero_spread_groups_and_respects_the_cap(dapo_tas
     assert m["grpo/zero_std_groups"] == 1.0 and len(capped.rollout.rewards) == 16
     plain = _source(dapo_task, "dapo_rewards:flat")
     assert "grpo/prompts_drawn" not in plain.next_step(1).metrics and plain.sampler.consumed == 4
-
-
-def _grpo(cwd: Path, runs: dict[str, dict]) -> list[list[dict]]:
-    procs = [start_lmforge("grpo", *tiny_run_args("prompts.jsonl", data_seq_len=None, **overrides),
-                           "--rewards=dapo_rewards:half_flat,overlong_penalty", "--rewards_weights=1,0.5",
-                           f"--run.dir={run_dir}", cwd=cwd)
-             for run_dir, overrides in runs.items()]
-    out = []
-    for run_dir, proc in zip(runs, procs):
-        rc, stdout, stderr = finish(proc, timeout=240)
-        assert rc == 0, stdout[-2000:] + stderr[-3000:]
-        out.append(read_records(cwd / run_dir))
-    return out
-
-
-def test_resume_with_dynamic_sampling_is_exact(dapo_task):
-    """2 steps + resume to 4 equals 4 straight steps with dynamic sampling: the sampler's position counts
-    every round drawn, and sampling is seeded by position."""
-    common = dict(COMMON, grpo_dynamic_sampling=True, grpo_max_sampling_rounds=6, checkpoint_interval=2,
-                  grpo_overlong_buffer=2)
-    straight, _ = _grpo(dapo_task, {"a": dict(common, training_steps=4, checkpoint_enabled=False),
-                                    "b": dict(common, training_steps=2)})
-    [resumed] = _grpo(dapo_task, {"b": dict(common, training_steps=4)})
-    keys = ("loss", "reward/mean", "grad_norm", "grpo/prompts_drawn", "grpo/dropped_groups")
-    pick = lambda recs: {r["step"]: [r[k] for k in keys] for r in recs if r["kind"] == "train"}  # noqa: E731
-    a, b = pick(straight), pick(resumed)
-    assert [r["kind"] for r in resumed].count("resume") == 1
-    assert a[3] == pytest.approx(b[3], rel=1e-5) and a[4] == pytest.approx(b[4], rel=1e-5)
-    penalties = [r["reward/overlong_penalty"] for r in straight if r["kind"] == "train"]
-    assert all(-1 <= p <= 0 for p in penalties) and min(penalties) < 0  # completion lengths reach the reward
-    state = json.loads((dapo_task / "b" / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
-    drawn = sum(r["grpo/prompts_drawn"] for r in straight if r["kind"] == "train" and r["step"] <= 2)
-    assert state["data"]["prompts_consumed"] == drawn > 8  # more than one round of 4 prompts per step
 
 
 def test_tis_with_a_bfloat16_sampler_logs_the_gap(dapo_task):

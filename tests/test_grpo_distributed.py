@@ -49,7 +49,8 @@ def test_grpo_ddp_and_fsdp_match_one_process(tmp_path):
         assert proc.returncode == 0, f"{name}: {out[-2000:]}{err[-3000:]}"
     keys = ("loss", "reward/mean", "reward/std", "grpo/kl", "grpo/clip_high", "grad_norm", "completion/mean_length")
     got = {name: read_records(tmp_path / name) for name in runs}
-    train = {name: {r["step"]: [r[k] for k in keys] for r in recs if r["kind"] == "train"} for name, recs in got.items()}
+    train = {name: {r["step"]: [r[k] for k in keys] for r in recs if r["kind"] == "train"}
+             for name, recs in got.items()}
     evals = {name: {r["step"]: r["exact_match"] for r in recs if r["kind"] == "eval"} for name, recs in got.items()}
     assert sorted(train["one"]) == [1, 2, 3, 4] and sorted(evals["one"]) == [0, 2, 4]
     assert train["one"][4][3] > 0  # the KL is live: a wrong reference under FSDP would show

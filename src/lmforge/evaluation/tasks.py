@@ -26,7 +26,8 @@ from lmforge.training.runtime import Runtime
 
 
 def task_accuracy(model: Transformer, tokenizer: Tokenizer, examples: Sequence[TaskExample], *,
-                  max_new_tokens: int = 32, batch_size: int = 32, rank: int = 0, world_size: int = 1) -> dict[str, float]:
+                  max_new_tokens: int = 32, batch_size: int = 32, rank: int = 0,
+                  world_size: int = 1) -> dict[str, float]:
     """Greedy exact-match accuracy overall (``"all"``) and per task, from one generation pass.
 
     With ``world_size > 1`` every rank calls this with the same examples and decodes only its

@@ -196,7 +196,8 @@ class RolloutSource:
         self.rollout = None
 
 
-def prompt_token_ids(tokenizer: Tokenizer, prompt: str | list[dict[str, str]], chat: ChatFormat | None = None) -> list[int]:
+def prompt_token_ids(tokenizer: Tokenizer, prompt: str | list[dict[str, str]],
+                     chat: ChatFormat | None = None) -> list[int]:
     """A prompt (a user message string, or a list of chat messages) in the chat format, ending in the
     generation prompt. ``chat``: the tokenizer's chat format, when the caller has it built already."""
     try:
