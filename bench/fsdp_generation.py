@@ -32,15 +32,14 @@ from lmforge.models.model import Transformer  # noqa: E402
 def per_token(model: Transformer, prompts: list[list[int]], n: int) -> list[list[int]]:
     from torch.distributed.fsdp import register_fsdp_forward_method
 
-    if not getattr(model, "_lmforge_generation_ready", False):  # as full_parameters does, once
-        register_fsdp_forward_method(model, "hidden_states")
-        model._lmforge_generation_ready = True  # type: ignore[attr-defined]
+    register_fsdp_forward_method(model, "hidden_states")  # as full_parameters does
     inference_mode = torch.inference_mode
     torch.inference_mode = torch.no_grad  # type: ignore[assignment]  # FSDP's gathered buffers are reused in training
     try:
         return generate(model, prompts, n, pad_id=0, temperature=0.0)
     finally:
         torch.inference_mode = inference_mode  # type: ignore[assignment]
+        del model.hidden_states
 
 
 def once(model: Transformer, prompts: list[list[int]], n: int) -> list[list[int]]:

@@ -180,8 +180,9 @@ def full_parameters(model: nn.Module) -> Iterator[nn.Module]:
     each of them (and free them after) costs one all-gather per block per token. Instead every FSDP
     module is unsharded once here (outside inference mode: FSDP reuses the gathered buffers in
     training, and inference tensors could not be written there), blocks keep their parameters across
-    forwards until the end, when all are resharded. ``hidden_states`` is registered as a forward
-    method, so generation, which calls it rather than ``forward``, still enters through the root.
+    forwards until the end, when all are resharded. Inside, ``hidden_states`` counts as a forward of
+    the root (generation calls it rather than ``forward``; FSDP's first forward must enter through the
+    root); the registration is undone on exit, since ``forward`` itself calls ``hidden_states``.
     Generation inside needs no collective; ranks that must agree on when to stop still do
     (``generate(..., lockstep=True)``).
     """
@@ -190,9 +191,7 @@ def full_parameters(model: nn.Module) -> Iterator[nn.Module]:
     if not isinstance(model, FSDPModule):
         yield model
         return
-    if not getattr(model, "_lmforge_generation_ready", False):
-        register_fsdp_forward_method(model, "hidden_states")
-        model._lmforge_generation_ready = True  # type: ignore[attr-defined]
+    register_fsdp_forward_method(model, "hidden_states")  # an attribute of the instance, deleted below
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     blocks = [m for m in units if m is not model]
     with torch.no_grad():
@@ -203,6 +202,7 @@ def full_parameters(model: nn.Module) -> Iterator[nn.Module]:
     try:
         yield model
     finally:
+        del model.hidden_states
         for m in blocks:
             m.set_reshard_after_forward(True, recurse=False)
         for m in units:
