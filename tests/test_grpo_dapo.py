@@ -11,6 +11,7 @@ import torch
 
 from _helpers import tiny_run_args
 from lmforge.errors import UserError
+from lmforge.metrics.records import read_records
 from lmforge.rl.grpo_loss import GRPOLoss, PolicyBatch, tis_weights
 from lmforge.rl.rewards import load_rewards, score_completions
 
@@ -133,8 +134,12 @@ def test_dynamic_sampling_drops_zero_spread_groups_and_respects_the_cap(dapo_tas
     assert m["grpo/sampling_rounds"] == 3 and m["grpo/prompts_drawn"] == 12 and capped.sampler.consumed == 12
     assert m["grpo/dropped_groups"] == 8  # 12 zero-spread groups drawn, 4 of them fill the batch
     assert m["grpo/zero_std_groups"] == 1.0 and len(capped.rollout.rewards) == 16
-    plain = _source(dapo_task, "dapo_rewards:flat")
+    plain = _source(dapo_task, "dapo_rewards:flat", grpo_top_p=0.9)
     assert "grpo/prompts_drawn" not in plain.next_step(1).metrics and plain.sampler.consumed == 4
+    plain.rt.open_run_dir()
+    [warning] = [r for r in read_records(plain.rt.run_dir) if r["kind"] == "top_p"]  # said once, at start
+    assert "whole distribution" in warning["message"]
+    plain.rt.metrics.close()
 
 
 def test_tis_with_a_bfloat16_sampler_logs_the_gap(dapo_task):
