@@ -233,6 +233,10 @@ TINY_REWARD = '''
 def lowercase(prompts, completions, **fields):
     """Fraction of the completion's characters that are lowercase ASCII letters."""
     return [sum("a" <= ch <= "z" for ch in c) / max(len(c), 1) for c in completions]
+
+def half_flat(prompts, completions, id, **fields):
+    """Even prompts: 1.0 whatever the completion (a group without signal); odd: lowercase()."""
+    return [1.0 if i % 2 == 0 else x for i, x in zip(id, lowercase(prompts, completions))]
 '''
 
 
@@ -245,10 +249,10 @@ def tiny_task(tmp_path):
     return tmp_path
 
 
-def _grpo_args(run_dir: str, **overrides) -> list[str]:
+def _grpo_args(run_dir: str, rewards: str = "tiny_rewards:lowercase", **overrides) -> list[str]:
     return ["grpo", *tiny_run_args("prompts.jsonl", data_seq_len=None,  # lengths: the prompts' and max_new_tokens
                                    schedule_kind="constant", schedule_warmup_steps=0, **overrides),
-            "--rewards=tiny_rewards:lowercase", f"--run.dir={run_dir}"]
+            f"--rewards={rewards}", f"--run.dir={run_dir}"]
 
 
 def _grpo(cwd: Path, runs: dict[str, dict]) -> list[list[dict]]:
@@ -281,22 +285,30 @@ def test_mean_reward_rises_on_a_tiny_setting(tiny_task):
     assert [t["step"] for t in texts] == [1, 10] and "| reward |" in texts[0]["text"]
 
 
-def test_resume_continues_exactly_with_reference_and_rollout_rng(tiny_task):
-    """2 steps + resume to 4 equals 4 straight steps: weights, optimizer, prompts, rollout RNG, reference."""
+def test_resume_continues_exactly_with_reference_and_dynamic_sampling(tiny_task):
+    """2 steps + resume to 4 equals 4 straight steps: weights, optimizer, prompts, sampling seeds, reference,
+    with dynamic sampling drawing extra rounds (the saved position counts them) and the overlong penalty."""
     common = dict(training_global_batch_size=16, training_micro_batch_size=8, grpo_num_generations=4,
-                  grpo_max_new_tokens=6, grpo_num_iterations=2, grpo_beta=0.1, optimizer_lr=1e-2, checkpoint_interval=2)
+                  grpo_max_new_tokens=6, grpo_num_iterations=2, grpo_beta=0.1, optimizer_lr=1e-2, checkpoint_interval=2,
+                  grpo_dynamic_sampling=True, grpo_max_sampling_rounds=6, grpo_overlong_buffer=2,
+                  rewards="tiny_rewards:half_flat,overlong_penalty", grpo_rewards_weights="1,0.5")
     straight, _ = _grpo(tiny_task, {"a": dict(common, training_steps=4, checkpoint_enabled=False),
                                     "b": dict(common, training_steps=2)})
     [resumed] = _grpo(tiny_task, {"b": dict(common, training_steps=4)})
-    keys = ("loss", "reward/mean", "grpo/kl", "grpo/clip_low", "grpo/clip_high", "grad_norm")
+    keys = ("loss", "reward/mean", "grpo/kl", "grpo/clip_low", "grpo/clip_high", "grad_norm", "grpo/prompts_drawn")
     pick = lambda recs: {r["step"]: [r[k] for k in keys] for r in recs if r["kind"] == "train"}  # noqa: E731
     a, b = pick(straight), pick(resumed)
     assert [r["kind"] for r in resumed].count("resume") == 1
     assert a[3] == pytest.approx(b[3], rel=1e-5) and a[4] == pytest.approx(b[4], rel=1e-5)
     assert a[4][2] > 0  # the KL to the reference is live, so a wrong reference would show
+    train = [r for r in straight if r["kind"] == "train"]
+    assert all(r["grpo/zero_std_groups"] == 0 for r in train) and sum(r["grpo/dropped_groups"] for r in train) > 0
+    assert all(-1 <= r["reward/overlong_penalty"] <= 0 for r in train)  # completion lengths reach the reward
+    assert min(r["reward/overlong_penalty"] for r in train) < 0
     state = json.loads((tiny_task / "b" / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
-    assert state["data"]["reference"] == "init:0" and len(state["data"]["rollout_rng"]) == 1
-    assert state["data"]["prompts_consumed"] == 8  # 2 rollouts x 4 prompts
+    assert state["data"]["reference"] == "init:0" and "rollout_rng" not in state["data"]  # seeded by position
+    drawn = sum(r["grpo/prompts_drawn"] for r in train if r["step"] in (1, 3))  # 2 rollouts, 2 updates each
+    assert state["data"]["prompts_consumed"] == drawn > 8  # more than one round of 4 prompts per rollout
 
 
 def test_prompt_records_for_a_task_subset_and_a_jsonl_file(tmp_path):

@@ -170,3 +170,40 @@ def wrap_model(model: nn.Module, mode: str, info: DistInfo, *, bf16: bool = Fals
 
 def unwrap(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "module") and not hasattr(model, "layers") else model
+
+
+@contextmanager
+def full_parameters(model: nn.Module) -> Iterator[nn.Module]:
+    """The model with its whole parameters present on every rank, for generation (a no-op unless FSDP2).
+
+    Decoding runs one short forward per token: letting FSDP2 all-gather every block's parameters for
+    each of them (and free them after) costs one all-gather per block per token. Instead every FSDP
+    module is unsharded once here (outside inference mode: FSDP reuses the gathered buffers in
+    training, and inference tensors could not be written there), blocks keep their parameters across
+    forwards until the end, when all are resharded. Inside, ``hidden_states`` counts as a forward of
+    the root (generation calls it rather than ``forward``; FSDP's first forward must enter through the
+    root); the registration is undone on exit, since ``forward`` itself calls ``hidden_states``.
+    Generation inside needs no collective; ranks that must agree on when to stop still do
+    (``generate(..., lockstep=True)``).
+    """
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    if not isinstance(model, FSDPModule):
+        yield model
+        return
+    register_fsdp_forward_method(model, "hidden_states")  # an attribute of the instance, deleted below
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    blocks = [m for m in units if m is not model]
+    with torch.no_grad():
+        for m in units:
+            m.unshard()
+    for m in blocks:
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield model
+    finally:
+        del model.hidden_states
+        for m in blocks:
+            m.set_reshard_after_forward(True, recurse=False)
+        for m in units:
+            m.reshard()

@@ -2,34 +2,65 @@
 
 One evaluator for SFT and GRPO (``[tasks]`` config section): it runs with every eval, at the start
 too when ``eval.at_start`` is on; :func:`record_task_summary` states the run's "before -> after".
+On several ranks (DDP or FSDP2) each rank decodes its share of the examples and the hits are summed,
+so every rank reports the scores of all of them.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
+import torch
+
+from lmforge import distributed as dist_utils
 from lmforge.config import TasksSection
+from lmforge.data.chat import chat_format_for, stop_token_ids
 from lmforge.data.tasks import TaskExample, is_correct, task_examples, task_share
-from lmforge.inference import sample_texts
+from lmforge.errors import UserError
 from lmforge.metrics.records import read_records
+from lmforge.models.generate import generate
 from lmforge.models.model import Transformer
 from lmforge.models.tokenizer import Tokenizer
 from lmforge.training.runtime import Runtime
 
 
 def task_accuracy(model: Transformer, tokenizer: Tokenizer, examples: Sequence[TaskExample], *,
-                  max_new_tokens: int = 32, batch_size: int = 32) -> dict[str, float]:
-    """Greedy exact-match accuracy overall (``"all"``) and per task, from one generation pass."""
+                  max_new_tokens: int = 32, batch_size: int = 32, rank: int = 0,
+                  world_size: int = 1) -> dict[str, float]:
+    """Greedy exact-match accuracy overall (``"all"``) and per task, from one generation pass.
+
+    With ``world_size > 1`` every rank calls this with the same examples and decodes only its
+    contiguous share, padded to the same size (so all ranks run the same batches, decoding in
+    lockstep); the hits are summed over ranks and every rank returns the scores of all examples.
+    """
     if not examples:
         return {"all": 0.0}
-    completions = sample_texts(model, tokenizer, [e.prompt for e in examples], max_new_tokens=max_new_tokens,
-                               temperature=0.0, chat=True, batch_size=batch_size)
-    hits: dict[str, list[bool]] = {"all": []}
-    for c, e in zip(completions, examples):
-        ok = is_correct(c, e.answer)
-        hits["all"].append(ok)
-        hits.setdefault(e.task, []).append(ok)
-    return {k: sum(v) / len(v) for k, v in hits.items()}
+    chat = chat_format_for(tokenizer)
+    try:
+        ids = [chat.prompt_ids([{"role": "user", "content": e.prompt}]) for e in examples]
+    except ValueError as e:  # a template's raise_exception
+        raise UserError(str(e)) from None
+    n = min(max_new_tokens, model.args.max_seq_len - max(len(i) for i in ids))  # the same on every rank
+    per_rank = math.ceil(len(examples) / world_size)
+    mine = list(range(rank * per_rank, min((rank + 1) * per_rank, len(examples))))
+    padded = mine + [mine[-1] if mine else 0] * (per_rank - len(mine))  # repeats, not counted
+    stops, device = stop_token_ids(tokenizer), model.tok_embeddings.weight.device
+    tasks = ["all", *sorted({e.task for e in examples})]
+    counts = torch.zeros(2, len(tasks), dtype=torch.float64)
+    for lo in range(0, per_rank, batch_size):
+        batch = padded[lo:lo + batch_size]
+        rows = generate(model, [ids[i] for i in batch], n, stop_ids=stops, pad_id=tokenizer.pad_id,
+                        temperature=0.0, lockstep=True)
+        for k, (i, row) in enumerate(zip(batch, rows)):
+            if lo + k >= len(mine):
+                continue
+            ok = float(is_correct(tokenizer.decode(row, skip_special=True), examples[i].answer))
+            for t in (0, tasks.index(examples[i].task)):
+                counts[0, t] += ok
+                counts[1, t] += 1
+    counts = dist_utils.all_reduce_sum(counts.to(device)).cpu()
+    return {task: float(counts[0, t] / counts[1, t]) for t, task in enumerate(tasks)}
 
 
 def held_out_examples(tasks: TasksSection) -> list[TaskExample]:
@@ -51,11 +82,11 @@ class TaskEval:
         return bool(self.examples)
 
     def __call__(self, rt: Runtime, step: int = 0) -> dict[str, float]:
-        if not self.examples or (rt.cfg.parallel.mode == "fsdp" and rt.dist.world_size > 1):
-            return {}  # generation needs the whole model; FSDP shards it
-        # Every rank scores the same examples (identical results), so no collective is needed.
-        acc = task_accuracy(rt.raw_model, rt.tokenizer, self.examples, max_new_tokens=self.max_new_tokens,
-                            batch_size=self.batch_size)
+        if not self.examples:
+            return {}
+        with dist_utils.full_parameters(rt.raw_model) as model:  # FSDP2: gathered once for the whole pass
+            acc = task_accuracy(model, rt.tokenizer, self.examples, max_new_tokens=self.max_new_tokens,
+                                batch_size=self.batch_size, rank=rt.dist.rank, world_size=rt.dist.world_size)
         return {"exact_match": acc.pop("all")} | {f"exact_match_{task}": v for task, v in acc.items()}
 
 

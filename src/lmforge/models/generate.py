@@ -42,7 +42,7 @@ def _sample(logits: Tensor, temperature: float, top_p: float, generator: torch.G
 
 def _decode(
     model: Transformer, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int], pad_id: int,
-    temperature: float, top_p: float, generator: torch.Generator | None,
+    temperature: float, top_p: float, generator: torch.Generator | None, lockstep: bool = False,
 ) -> Tensor:
     """Prefill + decode loop; returns new tokens [B, steps] (rows padded after their stop token)."""
     B = len(prompts)
@@ -74,7 +74,7 @@ def _decode(
         out[:, step] = tok
         if step + 1 == max_new_tokens:
             break
-        if stop_ids and (step + 1) % sync_every == 0 and bool(finished.all()):
+        if stop_ids and (step + 1) % sync_every == 0 and _all_finished(finished, lockstep):
             steps = step + 1
             break
         h = model.hidden_states(tok.unsqueeze(1), position_ids=next_pos, kv_cache=cache)
@@ -83,11 +83,20 @@ def _decode(
     return out[:, :steps]
 
 
+def _all_finished(finished: Tensor, lockstep: bool) -> bool:
+    """Whether every row is done; with ``lockstep`` on several ranks, every row of every rank."""
+    if not (lockstep and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return bool(finished.all())
+    pending = (~finished).any().float().reshape(1)
+    torch.distributed.all_reduce(pending, op=torch.distributed.ReduceOp.MAX)
+    return not bool(pending.item())
+
+
 @torch.no_grad()
 def generate(
     model: Transformer, prompts: list[list[int]], max_new_tokens: int, *,
     stop_ids: int | Sequence[int] | None = None, pad_id: int, temperature: float = 1.0, top_p: float = 1.0,
-    generator: torch.Generator | None = None, eos_id: int | None = None,
+    generator: torch.Generator | None = None, eos_id: int | None = None, lockstep: bool = False,
 ) -> list[list[int]]:
     """Continue each prompt by up to ``max_new_tokens`` tokens; return only the new tokens.
 
@@ -96,7 +105,10 @@ def generate(
     in its output; :func:`lmforge.data.chat.stop_token_ids` gives a tokenizer's full set, since a
     chat model's turn often ends with a token other than EOS). ``eos_id`` is one more stop id.
     Sampling is reproducible given a seeded ``generator`` on the model's device. The model is run
-    in eval mode and its training flag restored afterwards.
+    in eval mode and its training flag restored afterwards. ``lockstep`` (with a process group of
+    several ranks) decodes until every rank's rows are done, so all ranks run the same number of
+    forwards (needed when a forward holds a collective); every rank must then call with the same
+    ``max_new_tokens`` and stop ids.
     """
     if not prompts:
         return []
@@ -120,7 +132,7 @@ def generate(
         # inference_mode skips autograd's version-counter bookkeeping: measurably cheaper
         # per step for small models, and nothing made here needs gradients.
         with torch.inference_mode():
-            out = _decode(model, prompts, max_new_tokens, stops, pad_id, temperature, top_p, generator)
+            out = _decode(model, prompts, max_new_tokens, stops, pad_id, temperature, top_p, generator, lockstep)
     finally:
         model.train(was_training)
 

@@ -47,11 +47,14 @@ class PolicyBatch:
     """[B, T] log pi_old of each target; None means "the current policy" (one update per rollout)."""
     ref_logprobs: Tensor | None = None
     """[B, T] log pi_ref of each target; only present when the KL penalty is on."""
+    rollout_logprobs: Tensor | None = None
+    """[B, T] log-probs of the sampled tokens as the sampler computed them (its own precision or
+    engine); only present with the truncated importance-sampling correction (``grpo.tis_cap``)."""
 
     def to(self, device: torch.device | str) -> "PolicyBatch":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return PolicyBatch(move(self.input_ids), move(self.targets), move(self.mask), move(self.advantages),
-                           move(self.old_logprobs), move(self.ref_logprobs))
+                           move(self.old_logprobs), move(self.ref_logprobs), move(self.rollout_logprobs))
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale: AdvantageScale) -> tuple[Tensor, Tensor]:
@@ -125,6 +128,16 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: Aggregation) -> Tensor:
     return summed.sum()
 
 
+def tis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, cap: float) -> Tensor:
+    """Truncated importance-sampling weights min(pi_old / pi_rollout, cap) per token (no gradient).
+
+    The completions were drawn from the sampler's distribution pi_rollout, while the ratio of the
+    loss is taken against pi_old as the training forward computes it; where the two differ (another
+    precision or inference engine) the weight corrects the sampling, and the cap bounds its variance.
+    """
+    return torch.exp(old_logprobs - rollout_logprobs).clamp(max=cap).detach()
+
+
 def policy_logprobs(model: nn.Module, batch: PolicyBatch, temperature: float, *, chunk_tokens: int,
                     entropy: bool = False) -> tuple[Tensor, Tensor | None]:
     """log p(target) [B, T] under softmax(logits / temperature), and the entropy [B, T] (no grad) if asked.
@@ -156,13 +169,17 @@ class GRPOLoss:
     The clip keeps a token from moving the policy further once its ratio has left the trust region
     in the direction the advantage pushes it. Separate low/high epsilons (DAPO's "clip-higher")
     let rarely sampled tokens grow faster than they may shrink.
+
+    With ``tis_cap`` and rollout log-probs in the batch, each token's term is multiplied by
+    :func:`tis_weights` (the KL term is not: it is an expectation under the policy, not the sampler).
     """
 
     def __init__(self, *, eps_low: float, eps_high: float, beta: float, aggregation: Aggregation,
-                 max_new_tokens: int, temperature: float, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+                 max_new_tokens: int, temperature: float, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 tis_cap: float = 0.0) -> None:
         self.eps_low, self.eps_high, self.beta = eps_low, eps_high, beta
         self.aggregation, self.max_new_tokens, self.temperature = aggregation, max_new_tokens, temperature
-        self.chunk_tokens = chunk_tokens
+        self.chunk_tokens, self.tis_cap = chunk_tokens, tis_cap
 
     def __call__(self, model: nn.Module, batch: PolicyBatch) -> tuple[Tensor, dict[str, Tensor]]:
         logp, entropy = policy_logprobs(model, batch, self.temperature, chunk_tokens=self.chunk_tokens, entropy=True)
@@ -173,6 +190,10 @@ class GRPOLoss:
         adv = batch.advantages.unsqueeze(1)
         clipped_ratio = ratio.clamp(1 - self.eps_low, 1 + self.eps_high)
         surrogate = -torch.minimum(ratio * adv, clipped_ratio * adv)
+        tis = None
+        if self.tis_cap and batch.rollout_logprobs is not None:
+            tis = tis_weights(old, batch.rollout_logprobs, self.tis_cap)
+            surrogate = surrogate * tis
         policy_sum = aggregate(surrogate, mask, self.aggregation)
         objective = policy_sum
         kl = torch.zeros_like(logp)
@@ -190,6 +211,9 @@ class GRPOLoss:
                 "clip_high_count": (((ratio > 1 + self.eps_high) & (adv > 0)).float() * mask).sum(),
                 "entropy_sum": (entropy * mask).sum(),
             }
+            if tis is not None:
+                stats["rollout_gap_sum"] = ((old - batch.rollout_logprobs).abs() * mask).sum()
+                stats["tis_weight_sum"] = (tis * mask).sum()
         return objective, stats
 
 
@@ -209,7 +233,8 @@ def update_metrics(totals: dict[str, Tensor]) -> dict[str, Tensor]:
         "grpo/clip_low": totals["clip_low_count"] / tokens,
         "grpo/clip_high": totals["clip_high_count"] / tokens,
         "grpo/entropy": totals["entropy_sum"] / tokens,
-    }
+    } | ({"grpo/rollout_logprob_gap": totals["rollout_gap_sum"] / tokens,
+          "grpo/tis_weight": totals["tis_weight_sum"] / tokens} if "rollout_gap_sum" in totals else {})
 
 
 class GRPOObjective:
@@ -223,9 +248,11 @@ class GRPOObjective:
     watch_spikes = False  # the GRPO loss hovers around 0 with either sign: a ratio test means nothing
 
     def __init__(self, *, eps_low: float, eps_high: float, beta: float, aggregation: Aggregation,
-                 max_new_tokens: int, temperature: float, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+                 max_new_tokens: int, temperature: float, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 tis_cap: float = 0.0) -> None:
         self.loss_fn = GRPOLoss(eps_low=eps_low, eps_high=eps_high, beta=beta, aggregation=aggregation,
-                                max_new_tokens=max_new_tokens, temperature=temperature, chunk_tokens=chunk_tokens)
+                                max_new_tokens=max_new_tokens, temperature=temperature, chunk_tokens=chunk_tokens,
+                                tis_cap=tis_cap)
         self.aggregation, self.max_new_tokens = aggregation, max_new_tokens
 
     def normalizer(self, microbatches: list[PolicyBatch]) -> Tensor:

@@ -3,7 +3,8 @@
 A reward function has the signature ``f(prompts, completions, **fields) -> list[float | None]``:
 ``prompts`` and ``completions`` are lists of strings of equal length (each prompt repeated once per
 completion of its group), and ``fields`` holds the dataset's other columns, aligned the same way
-(for the embedded tasks: ``task`` and ``answer``). A function returns one value per completion, or
+(for the embedded tasks: ``task`` and ``answer``) and ``completion_length``, each completion's length
+in tokens (its stop token included). A function returns one value per completion, or
 ``None`` where it does not apply (e.g. a math checker asked about a word task); such entries count
 as 0 in the weighted total and are left out of that function's logged mean.
 
@@ -13,6 +14,7 @@ Functions are named in the config either from the built-in registry (:data:`BUIL
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import math
@@ -58,10 +60,24 @@ def math_answer(prompts: list[str], completions: list[str], **fields: Any) -> li
     return [None if a is None else float(answers_match(c, str(a))) for c, a in zip(completions, answers)]
 
 
+def overlong_penalty(prompts: list[str], completions: list[str], *, completion_length: list[int],
+                     max_new_tokens: int, overlong_buffer: int, **fields: Any) -> list[float | None]:
+    """DAPO's soft overlong penalty: 0 up to ``max_new_tokens - overlong_buffer`` tokens, then falling
+    linearly to -1 at ``max_new_tokens``: (max_new_tokens - overlong_buffer - length) / overlong_buffer.
+
+    A hard cut at the limit punishes a long but sound answer as much as rambling; the ramp says
+    "shorter is better" only near the limit. ``max_new_tokens`` and ``overlong_buffer`` are bound from
+    the ``[grpo]`` section by :func:`load_rewards`.
+    """
+    free = max_new_tokens - overlong_buffer
+    return [0.0 if n <= free else max(free - n, -overlong_buffer) / overlong_buffer for n in completion_length]
+
+
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "exact_answer": exact_answer,
     "format": answer_format,
     "math_answer": math_answer,
+    "overlong_penalty": overlong_penalty,
 }
 """Rewards available by bare name."""
 
@@ -102,8 +118,10 @@ class WeightedReward:
     weight: float
 
 
-def load_rewards(names: Sequence[str], weights: Sequence[float] = ()) -> list[WeightedReward]:
-    """Resolve every name; ``weights`` is empty (all 1.0) or one weight per name."""
+def load_rewards(names: Sequence[str], weights: Sequence[float] = (), *, max_new_tokens: int = 0,
+                 overlong_buffer: int = 0) -> list[WeightedReward]:
+    """Resolve every name; ``weights`` is empty (all 1.0) or one weight per name. ``overlong_penalty``
+    gets ``max_new_tokens`` and ``overlong_buffer`` (the ``[grpo]`` keys) bound here."""
     if not names:
         raise UserError("grpo.rewards is empty: name at least one reward function")
     if weights and len(weights) != len(names):
@@ -112,7 +130,12 @@ def load_rewards(names: Sequence[str], weights: Sequence[float] = ()) -> list[We
     if len(set(names)) != len(names):
         raise UserError(f"grpo.rewards names a function twice: {', '.join(names)}")
     ws = list(weights) if weights else [1.0] * len(names)
-    return [WeightedReward(n, resolve_reward(n), float(w)) for n, w in zip(names, ws)]
+    if "overlong_penalty" in names and not 0 < overlong_buffer <= max_new_tokens:
+        raise UserError(f"reward `overlong_penalty` needs 0 < grpo.overlong_buffer <= grpo.max_new_tokens "
+                        f"(got {overlong_buffer} and {max_new_tokens})")
+    bound = {"overlong_penalty": functools.partial(overlong_penalty, max_new_tokens=max_new_tokens,
+                                                   overlong_buffer=overlong_buffer)}
+    return [WeightedReward(n, bound.get(n) or resolve_reward(n), float(w)) for n, w in zip(names, ws)]
 
 
 MAX_REWARD = 1e6
@@ -145,7 +168,7 @@ def _one_line(e: BaseException) -> str:
 def probe_rewards(rewards: Sequence[WeightedReward], record: dict[str, Any], prompt_field: str = "prompt") -> None:
     """Call every reward once on a real prompt record with an empty completion, before the run writes
     anything: a reward that cannot be imported, called or return numbers fails the start, not step 1."""
-    fields = {k: [v] for k, v in record.items() if k != prompt_field}
+    fields = {k: [v] for k, v in record.items() if k != prompt_field} | {"completion_length": [0]}
     try:
         score_completions(rewards, [record.get(prompt_field)], [""], fields)
     except UserError as e:

@@ -1,8 +1,9 @@
 """Rollouts: G sampled completions per prompt from the current policy, scored and laid out for the loss.
 
 One rollout batch holds ``prompts x num_generations`` completions; rows of a group are adjacent, so
-group statistics are plain reshapes. Sampling uses the KV-cache generator with a dedicated
-``torch.Generator`` (its state is checkpointed, so a resumed run draws the same completions).
+group statistics are plain reshapes. Sampling uses the KV-cache generator; each ``generate`` call
+draws from a ``torch.Generator`` seeded by the position of its first prompt in the prompt order, so a
+resumed run, or one on another number of ranks, draws the same completions for the same prompts.
 
 A completion ends at the stop token (kept: the policy must learn to emit it) or is *truncated* at
 ``max_new_tokens``. Truncated completions stay in the loss unless ``mask_truncated`` drops them
@@ -28,10 +29,11 @@ from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS
 
 
 class PromptSampler:
-    """Which prompts each rollout uses: a seeded permutation per epoch, identical at any world size.
+    """Which prompts each sampling round uses: a seeded permutation per epoch, identical at any world size.
 
-    Rollout k takes global prompts ``[k*P, (k+1)*P)`` of the endless shuffled order; rank r of W takes
-    a contiguous slice of P / W of them. Its checkpoint state is the count of prompts consumed.
+    Round k takes global positions ``[k*P, (k+1)*P)`` of the endless shuffled order; rank r of W takes
+    a contiguous slice of P / W of them. Its checkpoint state is the count of prompts consumed (with
+    dynamic sampling a rollout may take several rounds; the count includes them all).
     """
 
     def __init__(self, size: int, prompts_per_rollout: int, rank: int, world_size: int, seed: int) -> None:
@@ -40,17 +42,22 @@ class PromptSampler:
         self.consumed = 0
         self._perm: tuple[int, np.ndarray] | None = None
 
-    def _index(self, i: int) -> int:
-        epoch, pos = divmod(i, self.size)
+    def index(self, position: int) -> int:
+        """The prompt at ``position`` of the endless shuffled order."""
+        epoch, pos = divmod(position, self.size)
         if self._perm is None or self._perm[0] != epoch:
             self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.size))
         return int(self._perm[1][pos])
 
-    def next_indices(self) -> list[int]:
+    def next_positions(self) -> list[int]:
+        """This rank's positions of the next round (and the round counted as consumed)."""
         share = self.per_rollout // self.world
         start = self.consumed + self.rank * share
         self.consumed += self.per_rollout
-        return [self._index(i) for i in range(start, start + share)]
+        return list(range(start, start + share))
+
+    def next_indices(self) -> list[int]:
+        return [self.index(p) for p in self.next_positions()]
 
     def state_dict(self) -> dict[str, int]:
         return {"prompts_consumed": self.consumed}
@@ -72,6 +79,10 @@ class RolloutSettings:
     """True when a batch is reused for several updates: pi_old must then be frozen at sampling time."""
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     """Completion tokens whose vocabulary log-softmax is computed at once (bounded memory)."""
+    prompts_per_generation: int = 0
+    """Prompts per ``generate`` call (0: all of a round's prompts on this rank at once)."""
+    need_rollout_logprobs: bool = False
+    """Record the log-probs of the sampled tokens in the rollout's precision (for ``grpo.tis_cap``)."""
 
 
 @dataclass
@@ -89,53 +100,145 @@ class Rollout:
     known on the host: what the FLOPs of an update pass are counted from."""
 
 
-def collect_rollout(
+
+@dataclass
+class SampledGroups:
+    """Completions of one or more sampling rounds, scored: ``num_generations`` adjacent rows per prompt."""
+
+    group_size: int
+    records: list[dict[str, Any]]
+    """One per group (the prompt record)."""
+    prompt_ids: list[list[int]]
+    """One per group."""
+    completion_ids: list[list[int]]
+    prompts: list[Any]
+    completions: list[str]
+    truncated: list[bool]
+    total: list[float]
+    per_function: dict[str, list[float]]
+    gen_seconds: float = 0.0
+    """Time spent in ``generate`` (scoring excluded)."""
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def has_spread(self) -> list[bool]:
+        """Per group: whether its rewards differ (a group whose rewards are all equal has zero
+        advantages and, without a KL term, no gradient)."""
+        G = self.group_size
+        return [max(self.total[i * G:(i + 1) * G]) != min(self.total[i * G:(i + 1) * G]) for i in range(len(self))]
+
+    def take(self, groups: Sequence[int]) -> "SampledGroups":
+        G = self.group_size
+        rows = [i * G + j for i in groups for j in range(G)]
+        pick = lambda xs: [xs[r] for r in rows]  # noqa: E731
+        return SampledGroups(G, [self.records[i] for i in groups], [self.prompt_ids[i] for i in groups],
+                             pick(self.completion_ids), pick(self.prompts), pick(self.completions),
+                             pick(self.truncated), pick(self.total), {k: pick(v) for k, v in self.per_function.items()})
+
+    @staticmethod
+    def concat(parts: Sequence["SampledGroups"], group_size: int) -> "SampledGroups":
+        out = SampledGroups(group_size, [], [], [], [], [], [], [], {})
+        for p in parts:
+            out.records += p.records
+            out.prompt_ids += p.prompt_ids
+            out.completion_ids += p.completion_ids
+            out.prompts += p.prompts
+            out.completions += p.completions
+            out.truncated += p.truncated
+            out.total += p.total
+            for k, v in p.per_function.items():
+                out.per_function.setdefault(k, []).extend(v)
+        return out
+
+
+def sample_groups(
     policy: nn.Module, records: Sequence[dict[str, Any]], prompt_ids: Sequence[list[int]],
     rewards: Sequence[WeightedReward], s: RolloutSettings, *, stop_ids: Sequence[int], pad_id: int,
-    decode: Callable[[list[int]], str], generator: torch.Generator, reference: nn.Module | None,
-    autocast: Any, prompt_field: str = "prompt",
-) -> Rollout:
-    """Sample, score and lay out one rollout batch for this rank's prompts ``records``.
+    decode: Callable[[list[int]], str], generator_for: Callable[[int], torch.Generator], autocast: Any,
+    prompt_field: str = "prompt", lockstep: bool = False,
+) -> SampledGroups:
+    """G completions for each of ``records``, scored by ``rewards``.
 
-    A completion ends at the first of ``stop_ids`` (all the tokens that end a reply, see
-    :func:`lmforge.data.chat.stop_token_ids`); one that ends at none of them is truncated.
+    Prompts go to ``generate`` ``prompts_per_generation`` at a time; the k-th call samples with
+    ``generator_for(k * prompts_per_generation)`` (the trainer seeds it from the global position of
+    the call's first prompt, so the same prompts draw the same completions at any world size).
+    ``lockstep`` makes every rank decode until all ranks are done (see ``generate``).
     """
     G = s.num_generations
-    rows = [list(p) for p in prompt_ids for _ in range(G)]
+    per_call = s.prompts_per_generation or len(prompt_ids)
+    completion_ids: list[list[int]] = []
     t0 = time.perf_counter()
-    with autocast:
-        completion_ids = generate(policy, rows, s.max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,
-                                  temperature=s.temperature, top_p=s.top_p, generator=generator)
+    for lo in range(0, len(prompt_ids), per_call):
+        rows = [list(p) for p in prompt_ids[lo:lo + per_call] for _ in range(G)]
+        with autocast:
+            completion_ids += generate(policy, rows, s.max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,
+                                       temperature=s.temperature, top_p=s.top_p, generator=generator_for(lo),
+                                       lockstep=lockstep)
     gen_seconds = time.perf_counter() - t0
     stops = set(stop_ids)
     truncated = [len(c) >= s.max_new_tokens and c[-1] not in stops for c in completion_ids]
     completions = [decode(c) for c in completion_ids]
     prompts = [rec[prompt_field] for rec in records for _ in range(G)]
     fields = {k: [rec.get(k) for rec in records for _ in range(G)] for k in records[0] if k != prompt_field}
+    fields["completion_length"] = [len(c) for c in completion_ids]
     scores = score_completions(rewards, prompts, completions, fields)
-    device = next(policy.parameters()).device
-    reward_t = torch.tensor(scores.total, dtype=torch.float32, device=device)
-    advantages, zero_std = group_advantages(reward_t, G, s.advantage_scale)
+    return SampledGroups(G, list(records), [list(p) for p in prompt_ids], completion_ids, prompts, completions,
+                         truncated, scores.total, scores.per_function, gen_seconds)
 
+
+def build_rollout(
+    policy: nn.Module, groups: SampledGroups, s: RolloutSettings, *, pad_id: int, reference: nn.Module | None,
+    autocast: Any, rollout_autocast: Any = None, gen_seconds: float = 0.0, started: float | None = None,
+    extra_metrics: dict[str, float] | None = None,
+) -> Rollout:
+    """Lay out sampled groups for the loss: advantages, microbatches, pi_old / reference / rollout log-probs."""
+    G = s.num_generations
+    t0 = time.perf_counter() if started is None else started
+    rows = [p for p in groups.prompt_ids for _ in range(G)]
+    device = next(policy.parameters()).device
+    reward_t = torch.tensor(groups.total, dtype=torch.float32, device=device)
+    advantages, zero_std = group_advantages(reward_t, G, s.advantage_scale)
     batches = []
     for start in range(0, len(rows), s.micro_batch_size):
         end = start + s.micro_batch_size
-        keep = [not (s.mask_truncated and t) for t in truncated[start:end]]
-        mb = layout(rows[start:end], completion_ids[start:end], keep, pad_id, advantages[start:end], device)
+        keep = [not (s.mask_truncated and t) for t in groups.truncated[start:end]]
+        mb = layout(rows[start:end], groups.completion_ids[start:end], keep, pad_id, advantages[start:end], device)
         if s.need_old_logprobs:
             with autocast:
                 mb.old_logprobs = token_logprobs(policy, mb, s.temperature, s.chunk_tokens)
+        if s.need_rollout_logprobs:
+            with rollout_autocast if rollout_autocast is not None else autocast:
+                mb.rollout_logprobs = token_logprobs(policy, mb, s.temperature, s.chunk_tokens)
         if reference is not None:
             with autocast:
                 mb.ref_logprobs = token_logprobs(reference, mb, s.temperature, s.chunk_tokens)
         batches.append(mb)
 
-    lengths = [len(c) for c in completion_ids]
-    metrics = rollout_metrics(scores.total, scores.per_function, lengths, truncated, int(zero_std), len(records),
-                              gen_seconds, time.perf_counter() - t0, device)
-    return Rollout(batches, prompts, completions, scores.total, scores.per_function, metrics,
-                   tokens=sum(b.input_ids.numel() for b in batches),
-                   sequence_lengths=[len(p) + len(c) - 1 for p, c in zip(rows, completion_ids)])
+    lengths = [len(c) for c in groups.completion_ids]
+    metrics = rollout_metrics(groups.total, groups.per_function, lengths, groups.truncated, int(zero_std),
+                              len(groups), gen_seconds, time.perf_counter() - t0, device)
+    return Rollout(batches, groups.prompts, groups.completions, groups.total, groups.per_function,
+                   metrics | (extra_metrics or {}), tokens=sum(b.input_ids.numel() for b in batches),
+                   sequence_lengths=[len(p) + len(c) - 1 for p, c in zip(rows, groups.completion_ids)])
+
+
+def collect_rollout(
+    policy: nn.Module, records: Sequence[dict[str, Any]], prompt_ids: Sequence[list[int]],
+    rewards: Sequence[WeightedReward], s: RolloutSettings, *, stop_ids: Sequence[int], pad_id: int,
+    decode: Callable[[list[int]], str], generator: torch.Generator, reference: nn.Module | None,
+    autocast: Any, prompt_field: str = "prompt",
+) -> Rollout:
+    """Sample, score and lay out one rollout batch for ``records`` on one process, with one generator.
+
+    A completion ends at the first of ``stop_ids`` (all the tokens that end a reply, see
+    :func:`lmforge.data.chat.stop_token_ids`); one that ends at none of them is truncated.
+    """
+    t0 = time.perf_counter()
+    groups = sample_groups(policy, records, prompt_ids, rewards, s, stop_ids=stop_ids, pad_id=pad_id, decode=decode,
+                           generator_for=lambda _: generator, autocast=autocast, prompt_field=prompt_field)
+    return build_rollout(policy, groups, s, pad_id=pad_id, reference=reference, autocast=autocast,
+                         gen_seconds=groups.gen_seconds, started=t0)
 
 
 class AllTruncatedWarning:

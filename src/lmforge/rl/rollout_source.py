@@ -5,28 +5,38 @@ the first step of every ``num_iterations`` samples a new rollout from the curren
 in between train on the same rollout again. The shared loop never knows the difference, and rollout
 time is its own goodput category (``rollout``), excluded from the step's seconds.
 
-Checkpointed state: prompts consumed, every rank's rollout RNG, and the reference model's source, so
-a resumed run draws the same completions and scores KL against the same reference.
+On several ranks each rank samples its share of the prompts from the whole policy: under FSDP2 the
+parameters are gathered once per sampling round (:func:`lmforge.distributed.full_parameters`), and
+ranks decode in lockstep. With ``grpo.dynamic_sampling`` (DAPO) groups whose rewards are all equal
+are dropped and more prompts drawn, round after round, until every rank's share of the batch is full
+or ``grpo.max_sampling_rounds`` is reached (the rest is then filled with dropped groups).
+
+Checkpointed state: prompts consumed and the reference model's source. Sampling is seeded by the
+prompt position, so a resumed run draws the same completions and scores KL against the same reference.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from lmforge.data.chat import chat_format_for, stop_token_ids
+from lmforge import distributed as dist_utils
+from lmforge.data.chat import ChatFormat, chat_format_for, stop_token_ids
 from lmforge.data.record_formats import prompt_messages
 from lmforge.errors import UserError
-from lmforge.inference import chat_prompt_ids
 from lmforge.models.load import ModelSource, load_model
 from lmforge.models.lora import BaseModelView, has_adapters
 from lmforge.models.tokenizer import Tokenizer
 from lmforge.rl.grpo_loss import PolicyBatch
 from lmforge.rl.rewards import WeightedReward
-from lmforge.rl.rollout import AllTruncatedWarning, PromptSampler, Rollout, RolloutSettings, collect_rollout
+from lmforge.rl.rollout import (
+    AllTruncatedWarning, PromptSampler, Rollout, RolloutSettings, SampledGroups, build_rollout, sample_groups,
+)
 from lmforge.training.loop import StepBatch
 from lmforge.training.runtime import Runtime
 
@@ -37,12 +47,13 @@ class RolloutSource:
         self.rt, self.g, self.rewards, self.prompts = rt, g, rewards, prompts
         self.sampler = PromptSampler(len(prompts), t.global_batch_size // g.num_generations, rt.dist.rank,
                                      rt.dist.world_size, t.seed)
-        self.generator = torch.Generator(device=rt.dist.device)
-        self.generator.manual_seed(t.seed * 1_000_003 + 7919 * rt.dist.rank + 1)
         self.settings = RolloutSettings(g.num_generations, g.max_new_tokens, g.temperature, g.top_p,
                                         t.micro_batch_size, g.scale_rewards, g.mask_truncated,
                                         need_old_logprobs=g.num_iterations > 1,
-                                        chunk_tokens=t.loss_chunk_tokens)
+                                        chunk_tokens=t.loss_chunk_tokens,
+                                        prompts_per_generation=g.prompts_per_generation,
+                                        need_rollout_logprobs=g.tis_cap > 0)
+        self.chat = chat_format_for(rt.tokenizer)  # built once: a Jinja template compiles slowly
         self.stop_ids = stop_token_ids(rt.tokenizer)
         names = [rt.tokenizer.decode([i], skip_special=False) for i in self.stop_ids]
         self.truncation_warning = AllTruncatedWarning(names, g.max_new_tokens, g.mask_truncated)
@@ -51,6 +62,9 @@ class RolloutSource:
         self.rollout: Rollout | None = None
         self.uses_left = 0
         """Updates still to be trained on the current rollout (saved with it when > 0)."""
+        if g.top_p < 1:
+            rt.metrics.record_event("top_p", 0, f"warning: grpo.top_p={g.top_p} samples from the nucleus, but the "
+                                    "ratio, the KL and the entropy use the whole distribution at grpo.temperature")
 
     def _load_reference(self, source: ModelSource) -> Callable[..., Any] | None:
         """The frozen KL reference (only with beta > 0): the run's starting weights, loaded afresh, or
@@ -67,7 +81,7 @@ class RolloutSource:
     def next_step(self, step: int) -> StepBatch:
         if self.rollout is None or self.uses_left == 0:
             with self.rt.metrics.timed("rollout"):
-                self.rollout = self.sample(self.sampler.next_indices())
+                self.rollout = self.sample()
             self.uses_left = self.g.num_iterations
             warning = self.truncation_warning.check(self.rollout.metrics)
             if warning:
@@ -85,26 +99,74 @@ class RolloutSource:
         lengths = r.sequence_lengths or [n for b in r.batches for n in [b.input_ids.shape[1]] * b.input_ids.shape[0]]
         return self.rt.training_flops(lengths)
 
-    def sample(self, indices: list[int]) -> Rollout:
-        """G completions for each of this rank's prompts from the current (unwrapped) policy, scored."""
-        rt, field = self.rt, self.g.prompt_field
-        records = [self.prompts[i] for i in indices]
-        prompt_ids = [prompt_token_ids(rt.tokenizer, r[field]) for r in records]
-        return collect_rollout(rt.raw_model, records, prompt_ids, self.rewards, self.settings,
-                               stop_ids=self.stop_ids, pad_id=rt.tokenizer.pad_id, decode=rt.tokenizer.decode,
-                               generator=self.generator, reference=self.reference, autocast=rt.autocast(),
-                               prompt_field=field)
+    def sample(self) -> Rollout:
+        """This rank's share of the next rollout: one sampling round, or with dynamic sampling as many
+        as it takes (at most ``max_sampling_rounds``) to fill every rank's share with groups whose
+        rewards differ. The decision to draw again is taken on all ranks together."""
+        g, rt = self.g, self.rt
+        t0 = time.perf_counter()
+        share = self.sampler.per_rollout // self.sampler.world
+        kept: list[SampledGroups] = []
+        dropped: list[SampledGroups] = []
+        rounds = n_kept = generated = 0
+        gen_seconds = 0.0
+        with dist_utils.full_parameters(rt.raw_model) as policy:
+            while True:
+                rounds += 1
+                groups = self.sample_round(policy, self.sampler.next_positions())
+                gen_seconds += groups.gen_seconds
+                generated += sum(len(c) for c in groups.completion_ids)
+                if not g.dynamic_sampling:
+                    kept.append(groups)
+                    break
+                spread = groups.has_spread()
+                kept.append(groups.take([i for i, s in enumerate(spread) if s]))
+                dropped.append(groups.take([i for i, s in enumerate(spread) if not s]))
+                n_kept += len(kept[-1])
+                short = dist_utils.all_reduce_max(float(share - n_kept))
+                if short <= 0 or rounds >= g.max_sampling_rounds:
+                    break
+        batch = SampledGroups.concat(kept, g.num_generations)
+        # every generated token counts, those of dropped groups too
+        extra: dict[str, float] = {"rollout/tokens_per_sec": generated / gen_seconds if gen_seconds > 0 else 0.0}
+        if g.dynamic_sampling:
+            reserve = SampledGroups.concat(dropped, g.num_generations)
+            fill = max(share - len(batch), 0)  # the cap was reached: top up with groups plain GRPO would use
+            batch = SampledGroups.concat([batch.take(range(min(len(batch), share))), reserve.take(range(fill))],
+                                         g.num_generations)
+            counts = dist_utils.all_reduce_sum(torch.tensor([float(rounds * share), float(len(reserve) - fill)],
+                                                            dtype=torch.float64, device=rt.dist.device)).tolist()
+            extra |= {"grpo/prompts_drawn": counts[0], "grpo/dropped_groups": counts[1], "grpo/sampling_rounds": rounds}
+        return build_rollout(rt.raw_model, batch, self.settings, pad_id=rt.tokenizer.pad_id, reference=self.reference,
+                             autocast=rt.autocast(), rollout_autocast=self.rollout_autocast(), gen_seconds=gen_seconds,
+                             started=t0, extra_metrics=extra)
+
+    def rollout_autocast(self) -> Any:
+        """The precision sampling runs in: ``grpo.rollout_dtype``, or the training one (``auto``)."""
+        if self.g.rollout_dtype == "bfloat16":
+            return torch.autocast(self.rt.dist.device.type, dtype=torch.bfloat16)
+        return nullcontext() if self.g.rollout_dtype == "float32" else self.rt.autocast()
+
+    def sample_round(self, policy: nn.Module, positions: list[int]) -> SampledGroups:
+        """G completions for each prompt at ``positions`` of the prompt order, scored."""
+        rt, field, seed = self.rt, self.g.prompt_field, self.rt.cfg.training.seed
+        records = [self.prompts[self.sampler.index(p)] for p in positions]
+        prompt_ids = [prompt_token_ids(rt.tokenizer, r[field], self.chat) for r in records]
+
+        def generator_for(offset: int) -> torch.Generator:
+            """Seeded by the global position of the call's first prompt: the same at any world size."""
+            gen = torch.Generator(device=rt.dist.device)
+            return gen.manual_seed(seed * 1_000_003 + 7919 * positions[offset] + 1)
+
+        return sample_groups(policy, records, prompt_ids, self.rewards, self.settings, stop_ids=self.stop_ids,
+                             pad_id=rt.tokenizer.pad_id, decode=rt.tokenizer.decode, generator_for=generator_for,
+                             autocast=self.rollout_autocast(), prompt_field=field, lockstep=True)
 
     def state_dict(self) -> dict[str, Any]:
-        """Collective (gathers every rank's RNG state): called by the checkpoint save on every rank."""
-        return {**self.sampler.state_dict(), "rollout_rng": gather_rng_states(self.generator),
-                "reference": str(self.reference_source)}
+        return {**self.sampler.state_dict(), "reference": str(self.reference_source)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state)
-        states = state.get("rollout_rng")
-        if states:
-            self.generator.set_state(torch.tensor(states[min(self.rt.dist.rank, len(states) - 1)], dtype=torch.uint8))
         saved = ModelSource.parse(state.get("reference", str(self.reference_source)))
         if saved != self.reference_source:  # resumed with another start configured: keep the recorded one
             self.reference_source = saved
@@ -137,25 +199,15 @@ class RolloutSource:
         self.rollout = None
 
 
-def prompt_token_ids(tokenizer: Tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:
+def prompt_token_ids(tokenizer: Tokenizer, prompt: str | list[dict[str, str]],
+                     chat: ChatFormat | None = None) -> list[int]:
     """A prompt (a user message string, or a list of chat messages) in the chat format, ending in the
-    generation prompt."""
-    if isinstance(prompt, str):
-        return chat_prompt_ids(tokenizer, prompt)
+    generation prompt. ``chat``: the tokenizer's chat format, when the caller has it built already."""
     try:
-        return chat_format_for(tokenizer).prompt_ids(prompt_messages(prompt))
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt_messages(prompt)
+        return (chat or chat_format_for(tokenizer)).prompt_ids(messages)
     except ValueError as e:  # a template's raise_exception
         raise UserError(str(e)) from None
-
-
-def gather_rng_states(gen: torch.Generator) -> list[list[int]]:
-    """Every rank's rollout-generator state (collective), for the checkpoint's JSON trainer state."""
-    state = gen.get_state().tolist()
-    if not torch.distributed.is_initialized():
-        return [state]
-    out: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, state)
-    return out
 
 
 def completions_table(rollout: Rollout, group_size: int) -> str:

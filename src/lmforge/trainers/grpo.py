@@ -56,6 +56,23 @@ class GRPOSection(Section):
     """One weight per reward (empty: all 1.0)."""
     log_completions_every: int = Field(50, ge=0)
     """Write one group of sampled completions with their rewards every this many steps (0: never)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal and draw more prompts until
+    the batch is full of groups that carry a signal."""
+    max_sampling_rounds: int = Field(3, ge=1)
+    """With dynamic sampling, the most sampling rounds per rollout; a batch still short after them
+    is filled with dropped groups."""
+    overlong_buffer: int = Field(0, ge=0)
+    """Tokens before max_new_tokens over which the ``overlong_penalty`` reward falls from 0 to -1."""
+    tis_cap: float = Field(0.0, ge=0)
+    """Truncated importance sampling: weight each token by min(pi_old / pi_rollout, tis_cap), pi_rollout
+    being the sampler's own log-probs (in ``rollout_dtype``); 0 is off."""
+    rollout_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Precision of sampling (and of the rollout's log-probs for ``tis_cap``); auto: training.dtype."""
+    prompts_per_generation: int = Field(0, ge=0)
+    """Prompts per generate call (0: a rank's whole share of a sampling round). Each call samples from
+    a stream seeded by its first prompt's position, so calls of the same size draw the same completions
+    at any world size."""
 
     @field_validator("rewards", mode="before")
     @classmethod
@@ -147,7 +164,8 @@ def run(cfg: GRPOConfig) -> Runtime:
     """Check everything the user can get wrong (batch shape, rewards, prompt data), then train."""
     g = cfg.grpo
     check_batch_shape(cfg, 1)
-    rewards = load_rewards(g.rewards, g.rewards_weights)
+    rewards = load_rewards(g.rewards, g.rewards_weights, max_new_tokens=g.max_new_tokens,
+                           overlong_buffer=g.overlong_buffer)
     data = prompt_records(cfg, "train"), prompt_records(cfg, "test")
     probe_rewards(rewards, data[0][0], g.prompt_field)
     rt = build_runtime(cfg, "grpo")
@@ -156,7 +174,8 @@ def run(cfg: GRPOConfig) -> Runtime:
         train_set, eval_set = data
         objective = GRPOObjective(eps_low=g.epsilon_low, eps_high=g.epsilon_high, beta=g.beta,
                                   aggregation=g.loss_aggregation, max_new_tokens=g.max_new_tokens,
-                                  temperature=g.temperature, chunk_tokens=cfg.training.loss_chunk_tokens)
+                                  temperature=g.temperature, chunk_tokens=cfg.training.loss_chunk_tokens,
+                                  tis_cap=g.tis_cap)
         evaluate = TaskEval([TaskExample(r.get("task", "file"), r[g.prompt_field], str(r["answer"]))
                              for r in eval_set if r.get("answer") is not None and isinstance(r[g.prompt_field], str)],
                             cfg.tasks.eval_max_new_tokens)
