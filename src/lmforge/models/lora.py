@@ -12,6 +12,7 @@ reference model of GRPO's KL and of DPO, with no second copy of the weights.
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -38,10 +39,10 @@ def require_peft() -> Any:
 
 
 def _tuner_layers(model: nn.Module) -> list[Any]:
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:
+    if "peft" not in sys.modules:  # nothing can carry adapters, and importing peft costs seconds
         return []
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
     return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
 
 
