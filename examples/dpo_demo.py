@@ -61,12 +61,12 @@ def lmforge(name: str, *args: str) -> float:
     return time.perf_counter() - start
 
 
-def build_pairs(model_dir: Path, out: Path) -> dict[str, int]:
+def build_pairs(model_dir: Path, out: Path, temperature: float = 1.0) -> dict[str, int]:
     """Write ``train.jsonl`` and ``validation.jsonl`` of conversational pairs; returns the counts."""
     model, tokenizer = load_for_inference(model_dir)
     examples = task_examples("train", PROMPTS)
     prompts = [e.prompt for e in examples]
-    samples = [sample_texts(model, tokenizer, prompts, max_new_tokens=16, temperature=1.0, seed=k, chat=True,
+    samples = [sample_texts(model, tokenizer, prompts, max_new_tokens=16, temperature=temperature, seed=k, chat=True,
                             batch_size=128) for k in range(K)]
     pairs = []
     for i, e in enumerate(examples):

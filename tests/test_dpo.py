@@ -168,6 +168,51 @@ def test_microbatch_split_gives_the_same_gradient_and_metrics_as_a_hand_computat
     assert float(values["rewards/accuracies"]) == pytest.approx(float((chosen > rejected).double().mean()))
     assert float(values["logps/rejected"]) == pytest.approx(float(p[1::2].mean()), rel=1e-5)
     assert float(values["pairs"]) == n and float(values["total_weights"]) == int((batch.labels != IGNORE_INDEX).sum())
+    # the gradient against autograd through full logits, each sequence alone, the formula written out
+    policy.zero_grad()
+    dataset_rows = [collate_row(batch, i) for i in range(rows)]
+    seqs = [split_documents(row) for row in dataset_rows]
+    logps = [full_logit_logprob(policy, ids, labels) for row in seqs for ids, labels in row]
+    with torch.no_grad():
+        refs = [full_logit_logprob(ref_model, ids, labels) for row in seqs for ids, labels in row]
+    z = [(logps[2 * j] - refs[2 * j]) - (logps[2 * j + 1] - refs[2 * j + 1]) for j in range(n)]
+    loss = sum(-0.9 * torch.nn.functional.logsigmoid(beta * zj) - 0.1 * torch.nn.functional.logsigmoid(-beta * zj)
+               for zj in z) / n
+    loss.backward()
+    for name, p in policy.named_parameters():
+        assert torch.allclose(whole[name], p.grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_nll_weight_adds_the_chosen_per_token_nll():
+    policy, ref_model = tiny_model(1), tiny_model(2).requires_grad_(False)
+    plain, batch = objective_and_batch(Reference(ref_model))
+    with_nll = DPOObjective(Reference(ref_model), beta=0.3, loss_type="sigmoid", label_smoothing=0.1, nll_weight=0.5)
+    with torch.no_grad():
+        base, _ = plain.loss_fn(policy, batch)
+        total, _ = with_nll.loss_fn(policy, batch)
+        logps = sequence_logprobs(policy, batch)
+    chosen_tokens = []
+    for i in range(batch.input_ids.shape[0]):
+        for k, (_, labels) in enumerate(split_documents(collate_row(batch, i))):
+            if k % 2 == 0:
+                chosen_tokens.append(int((labels != IGNORE_INDEX).sum()))
+    want = float(base) + 0.5 * sum(-float(logps[2 * j]) / n for j, n in enumerate(chosen_tokens))
+    assert float(total) == pytest.approx(want, rel=1e-5)
+
+
+def split_documents(sample):
+    """A packed row's real documents as (input_ids, labels) pairs."""
+    out, at = [], 0
+    for n in sample.document_lengths:
+        out.append((sample.input_ids[at:at + n], sample.labels[at:at + n]))
+        at += n
+    return out
+
+
+def full_logit_logprob(model, ids, labels):
+    logp = torch.log_softmax(model(ids[None]).float()[0], -1)
+    keep = labels != IGNORE_INDEX
+    return logp[keep].gather(-1, labels[keep, None]).sum()
 
 
 def collate_row(batch, i):

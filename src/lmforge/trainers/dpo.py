@@ -12,6 +12,11 @@ the response's tokens), ``rc``/``rr`` the reference's, ``z = (pc - rc) - (pr - r
   ``ls = label_smoothing`` > 0 is conservative DPO (a share ``ls`` of the labels is assumed flipped);
 * ``ipo``: ``(z - 1 / (2 * beta))^2``, which stops pushing once the margin reaches ``1 / (2 beta)``.
 
+``nll_weight`` > 0 adds that weight times the chosen response's negative log-likelihood per token
+(RPO). Pure DPO only asks the chosen response to gain on the rejected one *relative to the
+reference*; on pairs that differ in a token or two both can lose probability, the chosen one too
+(the DPO demo measures exactly that), and the NLL term anchors the chosen response.
+
 The reference is the run's starting model, frozen: a second copy loaded from the same source, or,
 when the model carries LoRA adapters, the same model with its adapters switched off (no copy). Its
 log-probs are computed inside the step, in the loss function, without grad: their time is step
@@ -54,6 +59,8 @@ class DPOSection(Section):
     loss_type: LossType = "sigmoid"
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
     """cDPO: the assumed share of flipped preference labels (sigmoid loss only)."""
+    nll_weight: float = Field(0.0, ge=0)
+    """Weight of the chosen response's per-token negative log-likelihood added to each pair's loss (RPO)."""
     packing: bool = True
     """Pack several pairs per row (isolated by document masks); false: one pair per row."""
     chat_template: str | None = None
@@ -85,15 +92,20 @@ def dpo_losses(z: Tensor, *, beta: float, loss_type: LossType, label_smoothing: 
     raise ValueError(f"unknown DPO loss type {loss_type!r}")
 
 
-def sequence_logprobs(model: nn.Module, batch: Batch, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+def sequence_logprobs(model: nn.Module, batch: Batch, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                      with_lengths: bool = False) -> Any:
     """Summed log-probs of every sequence's response tokens, ``[2 * pairs]`` (chosen, rejected
     alternating): per-token log-probs at target positions only (chunked output layer), then a
-    segment sum by sequence. Differentiable when called with grad enabled."""
+    segment sum by sequence. Differentiable when called with grad enabled. ``with_lengths``: also
+    each sequence's number of response tokens."""
     mask = batch.labels != IGNORE_INDEX
     head = TargetLogprobHead(batch.labels, mask, chunk_tokens=chunk_tokens)
     out = model(batch.input_ids, position_ids=batch.position_ids, document_ids=batch.document_ids, head=head)
     index = sequence_index(batch, out.positions)
-    return out.logprobs.new_zeros(2 * pairs_in(batch)).index_add(0, index, out.logprobs)
+    sums = out.logprobs.new_zeros(2 * pairs_in(batch)).index_add(0, index, out.logprobs)
+    if not with_lengths:
+        return sums
+    return sums, torch.zeros_like(sums).index_add_(0, index, torch.ones_like(out.logprobs))
 
 
 class Reference:
@@ -122,16 +134,19 @@ class DPOLoss:
     """``(model, rows of pairs) -> (summed DPO loss, summed statistics)`` for ``gradient_computation``."""
 
     def __init__(self, reference: Reference, *, beta: float, loss_type: LossType, label_smoothing: float = 0.0,
-                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+                 nll_weight: float = 0.0, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
         self.reference, self.beta, self.loss_type = reference, beta, loss_type
-        self.label_smoothing, self.chunk_tokens = label_smoothing, chunk_tokens
+        self.label_smoothing, self.nll_weight, self.chunk_tokens = label_smoothing, nll_weight, chunk_tokens
 
     def __call__(self, model: nn.Module, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
         ref = self.reference.sequence_logprobs(model, batch, self.chunk_tokens)
-        logps = sequence_logprobs(model, batch, self.chunk_tokens)
+        logps, lengths = sequence_logprobs(model, batch, self.chunk_tokens, with_lengths=True)
         pc, pr, rc, rr = logps[0::2], logps[1::2], ref[0::2], ref[1::2]
         losses = dpo_losses((pc - rc) - (pr - rr), beta=self.beta, loss_type=self.loss_type,
                             label_smoothing=self.label_smoothing)
+        nll = -pc / lengths[0::2]  # per token of each chosen response
+        if self.nll_weight:
+            losses = losses + self.nll_weight * nll
         objective = losses.sum()
         with torch.no_grad():
             chosen, rejected = self.beta * (pc - rc), self.beta * (pr - rr)
@@ -142,6 +157,7 @@ class DPOLoss:
                 "chosen_reward_sum": chosen.sum(), "rejected_reward_sum": rejected.sum(),
                 "ordered_count": (chosen > rejected).sum(),
                 "chosen_logp_sum": pc.detach().sum(), "rejected_logp_sum": pr.detach().sum(),
+                "chosen_nll_sum": nll.detach().sum(),
             }
         return objective, stats
 
@@ -154,9 +170,9 @@ class DPOObjective:
     watch_spikes = False  # the loss heads for 0, where a ratio to its running mean flags ordinary noise
 
     def __init__(self, reference: Reference, *, beta: float, loss_type: LossType, label_smoothing: float = 0.0,
-                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+                 nll_weight: float = 0.0, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
         self.loss_fn = DPOLoss(reference, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing,
-                               chunk_tokens=chunk_tokens)
+                               nll_weight=nll_weight, chunk_tokens=chunk_tokens)
 
     def normalizer(self, microbatches: list[Batch]) -> Tensor:
         local = torch.tensor(float(sum(pairs_in(mb) for mb in microbatches)), device=microbatches[0].input_ids.device)
@@ -169,7 +185,8 @@ class DPOObjective:
         return {"loss": totals["loss"], "total_weights": totals["target_tokens"], "pairs": totals["total_weights"],
                 "rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/margins": chosen - rejected,
                 "rewards/accuracies": totals["ordered_count"] / pairs,
-                "logps/chosen": totals["chosen_logp_sum"] / pairs, "logps/rejected": totals["rejected_logp_sum"] / pairs}
+                "logps/chosen": totals["chosen_logp_sum"] / pairs, "logps/rejected": totals["rejected_logp_sum"] / pairs,
+                "nll/chosen": totals["chosen_nll_sum"] / pairs}
 
 
 # ---------------------------------------------------------------------------------------- data
@@ -242,7 +259,8 @@ def run(cfg: DPOConfig) -> Runtime:
         dpo = cfg.dpo
         reference = load_reference(rt, rt.model_source)
         objective = DPOObjective(reference, beta=dpo.beta, loss_type=dpo.loss_type,
-                                 label_smoothing=dpo.label_smoothing, chunk_tokens=cfg.training.loss_chunk_tokens)
+                                 label_smoothing=dpo.label_smoothing, nll_weight=dpo.nll_weight,
+                                 chunk_tokens=cfg.training.loss_chunk_tokens)
         source = PreferenceSource(rt, train_set, reference)
         tasks = TaskEval(held_out_examples(cfg.tasks) if dpo.task_eval else [], cfg.tasks.eval_max_new_tokens)
         state = train(rt, source, objective, with_downstream(make_eval(cfg, val_set, objective, tasks), cfg))
