@@ -5,10 +5,11 @@
 1. The pretrained demo model ``runs/demo/pretrain`` (trained first with configs/debug.toml if missing).
 2. A *short* SFT of it on the embedded tasks (configs/sft_debug.toml, ``SFT_STEPS`` steps): the full SFT
    demo reaches 0.998 held-out exact match, which leaves preference training nothing to fix.
-3. Preference pairs from the embedded *training* tasks: for each prompt, ``K`` completions sampled
-   from the SFT model at temperature 1; chosen = the correct answer, rejected = the first wrong
-   sample (prompts with no wrong sample are skipped). The last tenth of the pairs is the validation set.
-4. ``lmforge dpo --config configs/dpo_debug.toml`` from the SFT model on those pairs.
+3. Preference pairs from the embedded *training* tasks: chosen = the correct answer, rejected = the
+   SFT model's greedy answer if wrong, else the first wrong one of ``K`` samples at temperature 1
+   (prompts with no wrong answer are skipped). The last tenth of the pairs is the validation set.
+4. ``lmforge dpo --config configs/dpo_debug.toml`` from the SFT model on those pairs (DPO plus the
+   chosen responses' NLL), and the same with ``--dpo.nll_weight=0`` (pure DPO) for comparison.
 
 It prints held-out greedy exact match (600 test problems, never used for pairs) before and after DPO,
 and rewards/accuracies over training, read back from the runs' metrics.jsonl. Everything is written
@@ -61,13 +62,16 @@ def lmforge(name: str, *args: str) -> float:
     return time.perf_counter() - start
 
 
-def build_pairs(model_dir: Path, out: Path, temperature: float = 1.0) -> dict[str, int]:
-    """Write ``train.jsonl`` and ``validation.jsonl`` of conversational pairs; returns the counts."""
+def build_pairs(model_dir: Path, out: Path) -> dict[str, int]:
+    """Write ``train.jsonl`` and ``validation.jsonl`` of conversational pairs; returns the counts.
+
+    The model's greedy answer comes first among the candidates for "rejected", then ``K`` samples at
+    temperature 1: the greedy mistakes are the ones held-out (greedy) exact match counts."""
     model, tokenizer = load_for_inference(model_dir)
     examples = task_examples("train", PROMPTS)
     prompts = [e.prompt for e in examples]
-    samples = [sample_texts(model, tokenizer, prompts, max_new_tokens=16, temperature=temperature, seed=k, chat=True,
-                            batch_size=128) for k in range(K)]
+    samples = [sample_texts(model, tokenizer, prompts, max_new_tokens=16, temperature=0.0 if k == 0 else 1.0,
+                            seed=k, chat=True, batch_size=128) for k in range(K + 1)]
     pairs = []
     for i, e in enumerate(examples):
         wrong = next((s[i] for s in samples if not is_correct(s[i], e.answer)), None)
@@ -79,36 +83,49 @@ def build_pairs(model_dir: Path, out: Path, temperature: float = 1.0) -> dict[st
     out.mkdir(parents=True, exist_ok=True)
     for name, part in (("train", pairs[:-n_val]), ("validation", pairs[-n_val:])):
         (out / f"{name}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in part))
-    correct = sum(is_correct(s[i], e.answer) for s in samples for i, e in enumerate(examples))
+    correct = [sum(is_correct(s[i], e.answer) for i, e in enumerate(examples)) for s in samples]
     return {"prompts": len(examples), "pairs": len(pairs), "validation": n_val,
-            "sampled_correct_pct": round(100 * correct / (K * len(examples)))}
+            "greedy_correct_pct": round(100 * correct[0] / len(examples)),
+            "sampled_correct_pct": round(100 * sum(correct[1:]) / (K * len(examples)))}
 
 
 def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def summary(run: str) -> dict[str, float]:
+    """Before/after values of one DPO run, read back from its metrics.jsonl."""
+    evals = [r for r in read_records(OUT / run, "eval") if "exact_match" in r]
+    acc = [r["rewards/accuracies"] for r in read_records(OUT / run, "train")]
+    k = max(len(acc) // 5, 1)
+    out = {"steps": read_records(OUT / run, "train")[-1]["step"], "acc_first": mean(acc[:k]), "acc_last": mean(acc[-k:])}
+    for key in ("exact_match", "exact_match_add", "exact_match_reverse", "exact_match_sort", "loss",
+                "rewards/accuracies", "rewards/margins", "logps/chosen"):
+        out[f"{key}:before"], out[f"{key}:after"] = evals[0][key], evals[-1][key]
+    return out
+
+
 def report(counts: dict[str, int], wall: dict[str, float]) -> str:
-    evals = [r for r in read_records(OUT / "dpo", "eval") if "exact_match" in r]
-    before, after = evals[0], evals[-1]
-    train = read_records(OUT / "dpo", "train")
-    n = len(train)
-    rows = ["| measure | before DPO | after DPO |", "|---|---|---|",
-            f"| held-out exact match (greedy, 600 problems), all | {before['exact_match']:.3f} | {after['exact_match']:.3f} |"]
+    runs = {"DPO + NLL (configs/dpo_debug.toml)": summary("dpo"), "pure DPO (dpo.nll_weight=0)": summary("dpo_pure")}
+    rows = ["| measure | " + " | ".join(runs) + " |", "|---|" + "---|" * len(runs)]
+
+    def row(label: str, key: str) -> None:
+        rows.append(f"| {label} | " + " | ".join(f"{v[key + ':before']:.3f} → {v[key + ':after']:.3f}"
+                                                  for v in runs.values()) + " |")
+
+    row("held-out exact match (greedy, 600 problems), all", "exact_match")
     for task in ("add", "reverse", "sort"):
-        key = f"exact_match_{task}"
-        rows.append(f"| … {task} | {before[key]:.3f} | {after[key]:.3f} |")
-    acc = [r["rewards/accuracies"] for r in train]
-    rows.append(f"| rewards/accuracies (train, mean of the first / last {max(n // 5, 1)} logged steps) | "
-                f"{mean(acc[:max(n // 5, 1)]):.3f} | {mean(acc[-max(n // 5, 1):]):.3f} |")
-    rows.append(f"| validation: loss (mean DPO loss) | {before['loss']:.3f} | {after['loss']:.3f} |")
-    rows.append(f"| validation: rewards/accuracies | {before['rewards/accuracies']:.3f} | "
-                f"{after['rewards/accuracies']:.3f} |")
-    rows.append(f"| validation: rewards/margins | {before['rewards/margins']:.3f} | {after['rewards/margins']:.3f} |")
-    steps = train[-1]["step"]
-    head = (f"pairs: {counts['pairs']} of {counts['prompts']} training prompts had a wrong sample among {K} "
-            f"({counts['sampled_correct_pct']}% of samples correct); {counts['validation']} kept for validation. "
-            f"DPO: {steps} steps. Wall: " + ", ".join(f"{k} {v:.0f} s" for k, v in wall.items()))
+        row(f"… {task}", f"exact_match_{task}")
+    rows.append("| rewards/accuracies, train (first → last fifth of logged steps) | "
+                + " | ".join(f"{v['acc_first']:.3f} → {v['acc_last']:.3f}" for v in runs.values()) + " |")
+    row("validation rewards/accuracies", "rewards/accuracies")
+    row("validation rewards/margins", "rewards/margins")
+    row("validation logps/chosen", "logps/chosen")
+    head = (f"pairs: {counts['pairs']} of {counts['prompts']} training prompts had a wrong answer (greedy, then "
+            f"{K} samples at temperature 1; greedy {counts['greedy_correct_pct']}% correct, samples "
+            f"{counts['sampled_correct_pct']}%); {counts['validation']} kept for validation. "
+            f"{next(iter(runs.values()))['steps']} DPO steps each. Wall: "
+            + ", ".join(f"{k} {v:.0f} s" for k, v in wall.items()))
     return head + "\n\n" + "\n".join(rows)
 
 
@@ -125,6 +142,8 @@ def main() -> int:
     wall["pairs"] = time.perf_counter() - t0
     print(f"\n=== pairs: {counts}", flush=True)
     wall["dpo"] = lmforge("dpo", "dpo", "--config", "configs/dpo_debug.toml")
+    wall["dpo_pure"] = lmforge("dpo_pure", "dpo", "--config", "configs/dpo_debug.toml", "--dpo.nll_weight=0",
+                               f"--run.dir={OUT / 'dpo_pure'}")
     import torch
 
     print(f"\n### lmforge DPO demo, {datetime.date.today().isoformat()}: {platform.machine()}, "

@@ -11,11 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import finish, run_lmforge, start_lmforge, tail, tiny_run_args, torchrun
 
-from _helpers import run_lmforge, start_lmforge, finish, tail, tiny_run_args, torchrun
 from lmforge.data.chat import ByteChatFormat, chat_format_for
 from lmforge.data.packing import IGNORE_INDEX, collate
-from lmforge.data.preference_data import build_preference_dataset, pairs_in, read_preference_records
+from lmforge.data.preference_data import (
+    build_preference_dataset,
+    pairs_in,
+    read_preference_records,
+)
 from lmforge.data.sources import Record
 from lmforge.errors import UserError
 from lmforge.metrics.records import read_records

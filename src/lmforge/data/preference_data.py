@@ -23,7 +23,7 @@ padding, unlike padding every sequence to the longest. ``packing=False`` puts on
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -65,7 +65,6 @@ class PreferenceSummary:
     no_loss_tokens: int = 0
     loss_tokens: int = 0
     fill: float = 0.0
-    notes: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         text = (f"dpo data {self.source}: {self.records} records -> {self.pairs} pairs, {self.loss_tokens} "
