@@ -11,15 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import finish, run_lmforge, start_lmforge, tail, tiny_run_args, torchrun
 
+from _helpers import finish, run_lmforge, start_lmforge, tail, tiny_run_args, torchrun
 from lmforge.data.chat import ByteChatFormat, chat_format_for
-from lmforge.data.packing import IGNORE_INDEX, collate
-from lmforge.data.preference_data import (
-    build_preference_dataset,
-    pairs_in,
-    read_preference_records,
-)
+from lmforge.data.packing import IGNORE_INDEX, Sample, collate
+from lmforge.data.preference_data import build_preference_dataset, pairs_in, read_preference_records
 from lmforge.data.sources import Record
 from lmforge.errors import UserError
 from lmforge.metrics.records import read_records
@@ -37,7 +33,7 @@ def trl_style_loss(pc, pr, rc, rr, beta, loss_type, ls=0.0):
     z = (pc - rc) - (pr - rr)
     if loss_type == "ipo":
         return (z - 1 / (2 * beta)) ** 2
-    log_sigmoid = lambda x: -math.log1p(math.exp(-x))  # noqa: E731
+    log_sigmoid = lambda x: -math.log1p(math.exp(-x))  # noqa: E731 (plain floats, not torch)
     return -log_sigmoid(beta * z) * (1 - ls) - log_sigmoid(-beta * z) * ls
 
 
@@ -48,7 +44,7 @@ def test_loss_and_gradient_match_hand_and_trl_formulas(loss_type, ls):
     pc.requires_grad_(True)
     beta = 0.5
     losses = dpo_losses((pc - rc) - (pr - rr), beta=beta, loss_type=loss_type, label_smoothing=ls)
-    want = [trl_style_loss(*(float(t[i]) for t in (pc, pr, rc, rr)), beta, loss_type, ls) for i in range(6)]
+    want = [trl_style_loss(*(float(t[i].detach()) for t in (pc, pr, rc, rr)), beta, loss_type, ls) for i in range(6)]
     assert losses.tolist() == pytest.approx(want, rel=1e-12)
     losses.sum().backward()
     z = ((pc - rc) - (pr - rr)).detach()
@@ -153,7 +149,7 @@ def test_microbatch_split_gives_the_same_gradient_and_metrics_as_a_hand_computat
     objective, batch = objective_and_batch(Reference(ref_model))
     whole, values = grads_and_values(policy, objective, [batch])
     rows = batch.input_ids.shape[0]
-    parts = [collate([collate_row(batch, i) for i in idx]) for idx in ([0], [1, 2, 3], list(range(4, rows)))]
+    parts = [collate([row_sample(batch, i) for i in idx]) for idx in ([0], [1, 2, 3], list(range(4, rows)))]
     split, split_values = grads_and_values(policy, objective, parts)
     for name in whole:
         assert torch.allclose(whole[name], split[name], rtol=1e-5, atol=1e-7), name
@@ -174,7 +170,7 @@ def test_microbatch_split_gives_the_same_gradient_and_metrics_as_a_hand_computat
     assert float(values["pairs"]) == n and float(values["total_weights"]) == int((batch.labels != IGNORE_INDEX).sum())
     # the gradient against autograd through full logits, each sequence alone, the formula written out
     policy.zero_grad()
-    dataset_rows = [collate_row(batch, i) for i in range(rows)]
+    dataset_rows = [row_sample(batch, i) for i in range(rows)]
     seqs = [split_documents(row) for row in dataset_rows]
     logps = [full_logit_logprob(policy, ids, labels) for row in seqs for ids, labels in row]
     with torch.no_grad():
@@ -197,7 +193,7 @@ def test_nll_weight_adds_the_chosen_per_token_nll():
         logps = sequence_logprobs(policy, batch)
     chosen_tokens = []
     for i in range(batch.input_ids.shape[0]):
-        for k, (_, labels) in enumerate(split_documents(collate_row(batch, i))):
+        for k, (_, labels) in enumerate(split_documents(row_sample(batch, i))):
             if k % 2 == 0:
                 chosen_tokens.append(int((labels != IGNORE_INDEX).sum()))
     want = float(base) + 0.5 * sum(-float(logps[2 * j]) / n for j, n in enumerate(chosen_tokens))
@@ -219,9 +215,8 @@ def full_logit_logprob(model, ids, labels):
     return logp[keep].gather(-1, labels[keep, None]).sum()
 
 
-def collate_row(batch, i):
-    from lmforge.data.packing import Sample
-
+def row_sample(batch, i) -> Sample:
+    """Row ``i`` of a batch as a sample again (to re-split a batch into microbatches)."""
     return Sample(batch.input_ids[i], batch.labels[i], batch.position_ids[i], batch.document_ids[i],
                   batch.document_lengths[i])
 
@@ -253,8 +248,8 @@ def test_lora_reference_is_the_base_model_without_a_copy():
 @pytest.mark.parametrize("line, message", [
     ('{"prompt": "p", "chosen": "a"}', "missing key 'rejected'"),
     ('{"prompt": "p", "chosen": "a", "rejected": [{"role": "assistant", "content": "b"}]}', "all strings or all"),
-    ('{"prompt": [{"role": "user", "content": "p"}], "chosen": [{"role": "user", "content": "a"}], '
-     '"rejected": [{"role": "assistant", "content": "b"}]}', "'chosen' has no assistant message"),
+    (('{"prompt": [{"role": "user", "content": "p"}], "chosen": [{"role": "user", "content": "a"}], '
+      '"rejected": [{"role": "assistant", "content": "b"}]}'), "'chosen' has no assistant message"),
     ('{"prompt": "p", "chosen": "a", "rejected": ', "invalid JSON"),
 ])
 def test_bad_records_name_file_and_line(tmp_path, line, message):

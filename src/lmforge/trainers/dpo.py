@@ -36,13 +36,8 @@ from lmforge import distributed as dist_utils
 from lmforge.config import Config, RunSection, Section, StartEvalSection, TasksSection
 from lmforge.data.loader import eval_batches
 from lmforge.data.packing import IGNORE_INDEX, Batch
-from lmforge.data.preference_data import (
-    PreferenceDataset,
-    build_preference_dataset,
-    pairs_in,
-    read_preference_records,
-    sequence_index,
-)
+from lmforge.data.preference_data import (PreferenceDataset, build_preference_dataset, pairs_in,
+                                          read_preference_records, sequence_index)
 from lmforge.errors import UserError
 from lmforge.evaluation.downstream import with_downstream
 from lmforge.evaluation.loss import evaluate_loss
