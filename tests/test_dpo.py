@@ -189,7 +189,7 @@ def test_nll_weight_adds_the_chosen_per_token_nll():
     with_nll = DPOObjective(Reference(ref_model), beta=0.3, loss_type="sigmoid", label_smoothing=0.1, nll_weight=0.5)
     with torch.no_grad():
         base, _ = plain.loss_fn(policy, batch)
-        total, _ = with_nll.loss_fn(policy, batch)
+        total, stats = with_nll.loss_fn(policy, batch)
         logps = sequence_logprobs(policy, batch)
     chosen_tokens = []
     for i in range(batch.input_ids.shape[0]):
@@ -198,6 +198,7 @@ def test_nll_weight_adds_the_chosen_per_token_nll():
                 chosen_tokens.append(int((labels != IGNORE_INDEX).sum()))
     want = float(base) + 0.5 * sum(-float(logps[2 * j]) / n for j, n in enumerate(chosen_tokens))
     assert float(total) == pytest.approx(want, rel=1e-5)
+    assert float(stats["dpo_loss_sum"]) == pytest.approx(float(base), rel=1e-6)  # logged as loss/dpo
 
 
 def split_documents(sample):

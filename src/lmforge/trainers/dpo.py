@@ -145,9 +145,7 @@ class DPOLoss:
         losses = dpo_losses((pc - rc) - (pr - rr), beta=self.beta, loss_type=self.loss_type,
                             label_smoothing=self.label_smoothing)
         nll = -pc / lengths[0::2]  # per token of each chosen response
-        if self.nll_weight:
-            losses = losses + self.nll_weight * nll
-        objective = losses.sum()
+        objective = losses.sum() + self.nll_weight * nll.sum() if self.nll_weight else losses.sum()
         with torch.no_grad():
             chosen, rejected = self.beta * (pc - rc), self.beta * (pr - rr)
             stats = {
@@ -157,7 +155,7 @@ class DPOLoss:
                 "chosen_reward_sum": chosen.sum(), "rejected_reward_sum": rejected.sum(),
                 "ordered_count": (chosen > rejected).sum(),
                 "chosen_logp_sum": pc.detach().sum(), "rejected_logp_sum": pr.detach().sum(),
-                "chosen_nll_sum": nll.detach().sum(),
+                "chosen_nll_sum": nll.detach().sum(), "dpo_loss_sum": losses.detach().sum(),
             }
         return objective, stats
 
@@ -179,14 +177,15 @@ class DPOObjective:
         return dist_utils.all_reduce_sum(local)
 
     def log_values(self, totals: dict[str, Tensor]) -> dict[str, Tensor]:
-        """``totals`` from ``compute_global_loss``: ``loss`` is already the loss sum over the pairs."""
+        """``totals`` from ``compute_global_loss``: ``loss`` is already the objective summed over the
+        pairs, divided by their number (the DPO loss, plus ``nll_weight`` x ``nll/chosen`` if set)."""
         pairs = totals["total_weights"].clamp(min=1)
         chosen, rejected = totals["chosen_reward_sum"] / pairs, totals["rejected_reward_sum"] / pairs
         return {"loss": totals["loss"], "total_weights": totals["target_tokens"], "pairs": totals["total_weights"],
                 "rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/margins": chosen - rejected,
                 "rewards/accuracies": totals["ordered_count"] / pairs,
                 "logps/chosen": totals["chosen_logp_sum"] / pairs, "logps/rejected": totals["rejected_logp_sum"] / pairs,
-                "nll/chosen": totals["chosen_nll_sum"] / pairs}
+                "nll/chosen": totals["chosen_nll_sum"] / pairs, "loss/dpo": totals["dpo_loss_sum"] / pairs}
 
 
 # ---------------------------------------------------------------------------------------- data
