@@ -43,6 +43,7 @@ from lmforge.evaluation.downstream import with_downstream
 from lmforge.evaluation.loss import evaluate_loss
 from lmforge.evaluation.tasks import TaskEval, held_out_examples, record_task_summary
 from lmforge.models.load import ModelSource, load_model
+from lmforge.models.flops import training_flops
 from lmforge.models.lora import adapters_disabled, has_adapters
 from lmforge.trainers.sft import chat_format
 from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobHead
@@ -199,7 +200,10 @@ class PreferenceSource(LoaderSource):
 
     def next_step(self, step: int) -> StepBatch:
         batch = super().next_step(step)
-        batch.flops *= 4 / 3  # forward + backward (3 forwards' worth), plus the reference's forward
+        # plus the reference's forward pass: a third of full training FLOPs (2 of 6 per parameter and
+        # token, 4 of 12 for attention), whatever the policy's backward costs (LoRA's is cheaper)
+        lengths = [n for mb in batch.microbatches for n in mb.real_document_lengths()]
+        batch.flops += training_flops(self.rt.model_args, lengths) / 3
         return batch
 
     def state_dict(self) -> dict[str, Any]:
