@@ -62,6 +62,6 @@ def test_shipped_configs_validate(name):
     from lmforge.cli import _trainer
 
     text = read_toml(CONFIGS / name)
-    kind = "sft" if "sft" in text else "grpo" if "grpo" in text else "elastic" if "elastic" in text else "pretrain"
+    kind = next((k for k in ("sft", "grpo", "dpo", "elastic") if k in text), "pretrain")
     cls, _ = _trainer(kind)
     load_config(cls, CONFIGS / name)

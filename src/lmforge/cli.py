@@ -12,7 +12,7 @@ from typing import Callable
 
 from lmforge.errors import UserError
 
-TRAINERS = ("pretrain", "sft", "grpo", "elastic")
+TRAINERS = ("pretrain", "sft", "grpo", "dpo", "elastic")
 
 
 def _trainer(name: str) -> tuple[type, Callable]:
@@ -26,6 +26,9 @@ def _trainer(name: str) -> tuple[type, Callable]:
     if name == "grpo":
         from lmforge.trainers.grpo import GRPOConfig, run
         return GRPOConfig, run
+    if name == "dpo":
+        from lmforge.trainers.dpo import DPOConfig, run
+        return DPOConfig, run
     from lmforge.trainers.elastic import ElasticConfig, run
     return ElasticConfig, run
 
@@ -130,7 +133,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = ("usage: lmforge {pretrain,sft,grpo,elastic} --config FILE [--section.key=value ...]\n"
+    usage = ("usage: lmforge {pretrain,sft,grpo,dpo,elastic} --config FILE [--section.key=value ...]\n"
              "       lmforge generate CHECKPOINT --prompt TEXT | export --hf OUT [--adapter OUT] RUN_DIR | report RUN_DIR...\n"
              "       lmforge eval RUN_OR_MODEL_DIR --tasks T1,T2 [--limit N] [--apply-chat-template]")
     if not argv or argv[0] in ("-h", "--help"):

@@ -69,12 +69,13 @@ def build_datasets(cfg: SFTConfig, rt: Runtime, chat: ChatFormat | None) -> tupl
     return sets[0], sets[1]  # type: ignore[return-value]
 
 
-def chat_format(rt: Runtime, cfg: SFTConfig) -> ChatFormat | None:
-    """The chat format, or None when the tokenizer has none (only conversational records need one)."""
+def chat_format(rt: Runtime, template_file: str | None) -> ChatFormat | None:
+    """The chat format (``template_file`` or the tokenizer's own), or None when the tokenizer has none
+    (only conversational records need one). Shared by SFT and DPO."""
     try:
-        chat: ChatFormat | None = chat_format_for(rt.tokenizer, cfg.sft.chat_template)
+        chat: ChatFormat | None = chat_format_for(rt.tokenizer, template_file)
     except UserError:
-        if cfg.sft.chat_template:
+        if template_file:
             raise
         return None
     # The template's special tokens must exist in the model. Checked on the tokenizer's control tokens,
@@ -109,7 +110,7 @@ def run(cfg: SFTConfig) -> Runtime:
     rt = build_runtime(cfg, "sft")
     source = None
     try:
-        train_set, val_set = build_datasets(cfg, rt, chat_format(rt, cfg))
+        train_set, val_set = build_datasets(cfg, rt, chat_format(rt, cfg.sft.chat_template))
         source = LoaderSource(rt, train_set)
         tasks = TaskEval(held_out_examples(cfg.tasks) if cfg.data.train == "embedded" else [],
                          cfg.tasks.eval_max_new_tokens)
