@@ -44,7 +44,7 @@ from lmforge.evaluation.loss import evaluate_loss
 from lmforge.evaluation.tasks import TaskEval, held_out_examples, record_task_summary
 from lmforge.models.load import ModelSource, load_model
 from lmforge.models.flops import training_flops
-from lmforge.models.lora import adapters_disabled, has_adapters
+from lmforge.models.lora import BaseModelView, has_adapters
 from lmforge.trainers.sft import chat_format
 from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobHead
 from lmforge.training.loop import EvalFn, StepBatch, train
@@ -117,10 +117,7 @@ class Reference:
 
     @torch.no_grad()
     def sequence_logprobs(self, policy: nn.Module, batch: Batch, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
-        if self.frozen is not None:
-            return sequence_logprobs(self.frozen, batch, chunk_tokens)
-        with adapters_disabled(policy):
-            return sequence_logprobs(policy, batch, chunk_tokens)
+        return sequence_logprobs(self.frozen if self.frozen is not None else BaseModelView(policy), batch, chunk_tokens)
 
 
 def load_reference(rt: Runtime, source: ModelSource) -> Reference:
