@@ -184,3 +184,26 @@ def test_rollout_truncation_uses_every_stop_id_and_warns_once():
     line = warn.check(cut.metrics)
     assert line and "\n" not in line and "<|im_end|>, <|endoftext|>" in line and "max_new_tokens=5" in line
     assert warn.check(cut.metrics) is None
+
+
+def test_lockstep_ranks_run_the_same_number_of_forwards(tmp_path):
+    """Real torchrun, 2 gloo ranks whose rows finish at different steps: with lockstep both ranks
+    run as many decode steps as the slower one, and every output equals lockstep=False."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from _helpers import cli_env
+
+    script = Path(__file__).with_name("_generate_lockstep.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+           str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=cli_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    for r in (r0, r1):
+        assert r["greedy_True"] == r["greedy_False"] and r["sampled_True"] == r["sampled_False"]
+    assert all(len(row) <= 2 for row in r0["greedy_False"])  # rank 0 stops within two tokens
+    assert r0["steps_False"] <= 1 < r1["steps_False"]        # and so runs fewer decode steps alone
+    assert r0["steps_True"] == r1["steps_True"] >= r1["steps_False"]
