@@ -17,6 +17,7 @@ forward hooks need the modules' own forward, which ``generate`` then uses instea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -59,9 +60,9 @@ class DecodeWeights:
     sliding_window: int | None
 
     @classmethod
-    def from_model(cls, model: Transformer) -> DecodeWeights:
+    def from_model(cls, model: Transformer, fuse: bool = True) -> DecodeWeights:
         a = model.args
-        fused = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+        fused = fuse and sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                     if n.rsplit(".", 2)[-2] in ("wq", "wk", "wv", "w1", "w3")) <= FUSE_LIMIT_BYTES
         join = (lambda *ts: torch.cat(ts)) if fused else (lambda *ts: ts)
         layers = []
@@ -107,22 +108,15 @@ def _linear(x: Tensor, w: Tensor | tuple[Tensor, ...], b: Tensor | tuple[Tensor,
     return torch.cat([F.linear(x, wi, bi) for wi, bi in zip(w, bs)], dim=-1)
 
 
-def decode_step(w: DecodeWeights, tok: Tensor, cos: Tensor, sin: Tensor, cache: KVCache) -> Tensor:
-    """Logits [B, vocab] for tokens ``tok`` [B] written at the cache's next slot.
+KVWrite = Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]]
+"""(layer, k [B, Hkv, hd], v [B, Hkv, hd]) -> the keys and values [B, Hkv, S, hd] to attend over."""
 
-    ``cos``/``sin`` [B, 1, head_dim] are the rows' RoPE tables at their current positions (signed
-    sin, as ``RotaryEmbedding`` returns them). Advances the cache by one slot.
-    """
+
+def _forward(w: DecodeWeights, tok: Tensor, cos: Tensor, sin: Tensor, write: KVWrite, mask: Tensor | None) -> Tensor:
+    """The transformer over one token per row: logits [B, vocab]."""
     B = tok.shape[0]
     H, Hkv, hd = w.n_heads, w.n_kv_heads, w.head_dim
     nq, nk = H * hd, Hkv * hd
-    slot = cache.pos
-    end = slot + 1
-    if end > cache.max_len:
-        cache.attn_mask(1)  # raises the cache-full error
-    lo = max(0, end - w.sliding_window) if w.sliding_window is not None else 0
-    bias = None if cache.bias is None else cache.bias[:, None, None, lo:end]
-    gqa = H != Hkv
     h = F.embedding(tok, w.embedding)
     for i, lw in enumerate(w.layers):
         qkv = _linear(rms_norm(h, lw.attention_norm, w.eps), lw.qkv, lw.qkv_bias)
@@ -132,13 +126,56 @@ def decode_step(w: DecodeWeights, tok: Tensor, cos: Tensor, sin: Tensor, cache: 
         else:  # q and k are adjacent columns: rotate both at once
             qk = apply_rope(qkv[:, :nq + nk].view(B, H + Hkv, hd), cos, sin)
             q, k = qk[:, :H], qk[:, H:]
-        kc, vc = cache.k[i], cache.v[i]
-        kc[:, :, slot] = k
-        vc[:, :, slot] = qkv[:, nq + nk:].view(B, Hkv, hd)
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), kc[:, :, lo:end], vc[:, :, lo:end], attn_mask=bias,
-                                             enable_gqa=gqa)
+        keys, values = write(i, k, qkv[:, nq + nk:].view(B, Hkv, hd))
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=H != Hkv)
         h = h + F.linear(out.reshape(B, nq), lw.wo)
         gu = _linear(rms_norm(h, lw.ffn_norm, w.eps), lw.w13, None)
         h = h + F.linear(F.silu(gu[:, :w.ffn_dim]) * gu[:, w.ffn_dim:], lw.w2)
-    cache.advance(1)
     return F.linear(rms_norm(h, w.norm, w.eps), w.output)
+
+
+def decode_step(w: DecodeWeights, tok: Tensor, cos: Tensor, sin: Tensor, cache: KVCache) -> Tensor:
+    """Logits [B, vocab] for tokens ``tok`` [B] written at the cache's next slot.
+
+    ``cos``/``sin`` [B, 1, head_dim] are the rows' RoPE tables at their current positions (signed
+    sin, as ``RotaryEmbedding`` returns them). Attends over the filled slots only (their number
+    grows by one per step) and advances the cache by one slot.
+    """
+    slot = cache.pos
+    end = slot + 1
+    if end > cache.max_len:
+        cache.attn_mask(1)  # raises the cache-full error
+    lo = max(0, end - w.sliding_window) if w.sliding_window is not None else 0
+
+    def write(i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        kc, vc = cache.k[i], cache.v[i]
+        kc[:, :, slot] = k
+        vc[:, :, slot] = v
+        return kc[:, :, lo:end], vc[:, :, lo:end]
+
+    logits = _forward(w, tok, cos, sin, write, None if cache.bias is None else cache.bias[:, None, None, lo:end])
+    cache.advance(1)
+    return logits
+
+
+def decode_step_static(w: DecodeWeights, tok: Tensor, cos: Tensor, sin: Tensor, slot: Tensor,
+                       k_cache: list[Tensor], v_cache: list[Tensor], bias: Tensor) -> Tensor:
+    """:func:`decode_step` with every shape fixed, for CUDA graphs: the slot is a device tensor.
+
+    Attends over the whole cache (``max_len`` slots) with an additive mask: ``bias`` [B, max_len]
+    (0 or -inf for padding) plus -inf for the slots after ``slot`` (and before the sliding window).
+    The caller advances ``slot``.
+    """
+    cols = torch.arange(bias.shape[1], device=bias.device)
+    keep = cols <= slot
+    if w.sliding_window is not None:
+        keep = keep & (cols > slot - w.sliding_window)
+    mask = bias.masked_fill(~keep, float("-inf"))[:, None, None, :]
+    at = slot.view(1)
+
+    def write(i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        k_cache[i].index_copy_(2, at, k.unsqueeze(2))
+        v_cache[i].index_copy_(2, at, v.unsqueeze(2))
+        return k_cache[i], v_cache[i]
+
+    return _forward(w, tok, cos, sin, write, mask)

@@ -31,17 +31,21 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lmforge.errors import UserError
-from lmforge.models.decode_step import DecodeWeights, decode_step, supports
+from lmforge.models.decode_step import DecodeWeights, decode_step, decode_step_static, supports
 from lmforge.models.kv_cache import KVCache
 from lmforge.models.model import Transformer
 
 _SYNC_EVERY = 16
 """Decode steps between two host reads of the finished flags on an accelerator, or with lockstep."""
 
+_COMPILE_LEN_STEP = 128
+"""With ``compile=True`` the cache length is rounded up to a multiple of this (one graph per shape)."""
+
 _STEP_ROWS = {"cpu": 16}
-"""Rows below which a decode step gets no cheaper (its cost is then the weights' pass), per device
-type; used by :func:`length_buckets`. CPU: a ``small`` model step at batch 8 took 0.4x the time of
-batch 64, not 0.125x. Accelerators (default 256) run a step in about the same time for any small batch."""
+"""The fixed cost of one decode step, in rows of batch, per device type (used by
+:func:`length_buckets`): a step of ``B`` rows costs about ``B + _STEP_ROWS`` rows. CPU: the fused
+step's matmuls for the ``small`` model took ~4 ms at batch 8 and ~11 ms at batch 64 (a + b B with
+a ~ 14 rows). Accelerators (default 256) run a small batch's step in about the same time for any B."""
 
 
 def length_buckets(lengths: Sequence[int], max_new_tokens: int, step_rows: int = 16,
@@ -49,11 +53,11 @@ def length_buckets(lengths: Sequence[int], max_new_tokens: int, step_rows: int =
     """Row indices grouped into batches of similar prompt length, longest first.
 
     One batch pads every prompt to its longest, so a single long prompt makes every row's
-    prefill long; but each extra batch runs its own decode loop, whose step costs about as much
-    as ``step_rows`` rows even when it has fewer. The split minimises, exactly (dynamic
+    prefill long; but each extra batch runs its own decode loop, and a step has a fixed cost of
+    about ``step_rows`` rows on top of its rows. The split minimises, exactly (dynamic
     programming over the distinct lengths), the sum over batches of prefill tokens (padding
     included; ``unique`` [i] = 1 marks the rows that are prefilled, default all) plus
-    ``max_new_tokens * max(rows, step_rows)``.
+    ``max_new_tokens * (rows + step_rows)``.
     """
     unique = [1] * len(lengths) if unique is None else unique
     distinct = sorted(set(lengths), reverse=True)
@@ -70,7 +74,7 @@ def length_buckets(lengths: Sequence[int], max_new_tokens: int, step_rows: int =
         r = p = 0
         for i in range(j - 1, -1, -1):
             r, p = r + rows[i], p + prefilled[i]
-            cost = best[i] + p * distinct[i] + max_new_tokens * max(r, step_rows)
+            cost = best[i] + p * distinct[i] + max_new_tokens * (r + step_rows)
             if cost < best[j]:
                 best[j], cut[j] = cost, i
     groups, j = [], len(distinct)
@@ -120,7 +124,7 @@ def _last_logits(model: Transformer, tokens: Tensor, position_ids: Tensor, cache
 
 def _decode(
     model: Transformer, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int], pad_id: int,
-    temperature: float, top_p: float, generator: torch.Generator | None, lockstep: bool,
+    temperature: float, top_p: float, generator: torch.Generator | None, lockstep: bool, compile: bool,
 ) -> Tensor:
     """Prefill + decode loop; returns new tokens [B, steps] (rows padded after their stop token)."""
     device = model.tok_embeddings.weight.device
@@ -135,14 +139,17 @@ def _decode(
     valid = torch.arange(P, device=device).unsqueeze(0) >= (P - lengths).unsqueeze(1)
     position_ids = (valid.long().cumsum(dim=1) - 1).clamp_(min=0)
     padded = any(len(p) != P for p in unique)
-    cache = KVCache.for_model(model, U, P + max_new_tokens, valid if padded else None)
+    total = P + max_new_tokens
+    if compile:  # fewer distinct cache shapes, fewer recompiles
+        total = min(-(-total // _COMPILE_LEN_STEP) * _COMPILE_LEN_STEP, model.args.max_seq_len)
+    cache = KVCache.for_model(model, U, total, valid if padded else None)
     logits = _last_logits(model, tokens, position_ids, cache)
     if U < B:
         index = torch.tensor(inverse, dtype=torch.long, device=device)
         cache.select_rows(index)
         logits, lengths = logits.index_select(0, index), lengths.index_select(0, index)
 
-    step_fn = _step_function(model, lengths, max_new_tokens, cache)
+    step_fn = _step_function(model, lengths, max_new_tokens, cache, compile)
     out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     sync_every = 1 if device.type == "cpu" and not lockstep else _SYNC_EVERY
@@ -163,17 +170,46 @@ def _decode(
     return out[:, :steps]
 
 
-def _step_function(model: Transformer, lengths: Tensor, max_new_tokens: int,
-                   cache: KVCache) -> Callable[[int, Tensor], Tensor]:
+def _step_function(model: Transformer, lengths: Tensor, max_new_tokens: int, cache: KVCache,
+                   compile: bool) -> Callable[[int, Tensor], Tensor]:
     """``(step, tokens [B]) -> logits [B, V]`` for the token sampled at decode step ``step``."""
-    if supports(model):
-        weights = DecodeWeights.from_model(model)
-        # Every step's RoPE rows, gathered once: row r's token of step s sits at position lengths[r] + s.
-        pos = lengths.unsqueeze(1) + torch.arange(max(max_new_tokens - 1, 1), device=lengths.device)
-        cos = model.rope.cos[pos].to(weights.embedding.dtype)
-        sin = model.rope.sin[pos].to(weights.embedding.dtype)
+    if not supports(model):
+        return lambda step, tok: _last_logits(model, tok.unsqueeze(1), (lengths + step).unsqueeze(1), cache)
+    # Compiled: unfused weights, so the step reads the parameters themselves, whose addresses
+    # stay fixed across calls (a CUDA graph then never copies weights in).
+    weights = DecodeWeights.from_model(model, fuse=not compile)
+    # Every step's RoPE rows, gathered once: row r's token of step s sits at position lengths[r] + s.
+    pos = lengths.unsqueeze(1) + torch.arange(max(max_new_tokens - 1, 1), device=lengths.device)
+    cos = model.rope.cos[pos].to(weights.embedding.dtype)
+    sin = model.rope.sin[pos].to(weights.embedding.dtype)
+    if not compile:
         return lambda step, tok: decode_step(weights, tok, cos[:, step, None], sin[:, step, None], cache)
-    return lambda step, tok: _last_logits(model, tok.unsqueeze(1), (lengths + step).unsqueeze(1), cache)
+    step_fn = _compiled_step(lengths.device.type)
+    slot = torch.tensor(cache.pos, device=lengths.device)
+    bias = cache.bias if cache.bias is not None else torch.zeros(
+        len(lengths), cache.max_len, dtype=weights.embedding.dtype, device=lengths.device)
+    for t in (*cache.k, *cache.v):
+        # written in place by the step: a CUDA graph needs them at fixed addresses; no guard, so a
+        # new cache (the next call) re-records the graph instead of recompiling.
+        torch._dynamo.mark_static_address(t, guard=False)
+
+    def run(step: int, tok: Tensor) -> Tensor:
+        logits = step_fn(weights, tok, cos[:, step, None], sin[:, step, None], slot, cache.k, cache.v, bias)
+        slot.add_(1)
+        return logits
+
+    return run
+
+
+_COMPILED: dict[str, Callable[..., Tensor]] = {}
+
+
+def _compiled_step(device_type: str) -> Callable[..., Tensor]:
+    """``decode_step_static`` under ``torch.compile``: CUDA graphs (``reduce-overhead``) on CUDA."""
+    if device_type not in _COMPILED:
+        mode = "reduce-overhead" if device_type == "cuda" else None
+        _COMPILED[device_type] = torch.compile(decode_step_static, mode=mode, dynamic=False)
+    return _COMPILED[device_type]
 
 
 @torch.no_grad()
@@ -181,6 +217,7 @@ def generate(
     model: Transformer, prompts: list[list[int]], max_new_tokens: int, *,
     stop_ids: int | Sequence[int] | None = None, pad_id: int, temperature: float = 1.0, top_p: float = 1.0,
     generator: torch.Generator | None = None, eos_id: int | None = None, lockstep: bool = False,
+    compile: bool = False,
 ) -> list[list[int]]:
     """Continue each prompt by up to ``max_new_tokens`` tokens; return only the new tokens.
 
@@ -196,6 +233,12 @@ def generate(
     rows of *all* ranks have finished; finished rows emit ``pad_id``, which is cut off as usual),
     as a forward with collectives (FSDP) needs. The results equal ``lockstep=False``. Every rank
     must call it with the same ``max_new_tokens`` and at least one prompt.
+
+    ``compile=True`` runs the decode step under ``torch.compile`` with fixed shapes; on CUDA as a
+    CUDA graph (``mode="reduce-overhead"``), which removes the per-kernel launch cost that
+    dominates small-batch decoding on a GPU. Off by default: the first call of each batch shape
+    compiles for tens of seconds, and on the measured 2-vCPU CPU the compiled step was slower
+    than the eager one (docs/performance.md). Models the fused step does not support ignore it.
     """
     if not prompts:
         return []
@@ -231,7 +274,7 @@ def generate(
         with torch.inference_mode():
             for rows in buckets:
                 out = _decode(model, [prompts[i] for i in rows], max_new_tokens, stops, pad_id, temperature, top_p,
-                              generator, lockstep)
+                              generator, lockstep, compile)
                 for i, r in zip(rows, out.tolist()):
                     result[i] = r
     finally:
