@@ -8,12 +8,12 @@ Three systems decode greedily from the same weights (the lmforge model converted
 number of new tokens, interleaved in one process: ``lmforge`` (the fused decode step),
 ``lmforge-modules`` (the same ``generate`` made to run the model's own forward every step, as it
 does for models with adapters or FSDP; a no-op forward hook is enough to select that path) and
-``transformers``. lmforge runs with ``eos_id=None`` and transformers with ``min_new_tokens ==
-max_new_tokens``, so none can stop early; the script checks the token counts and reports how many
-generated tokens equal transformers'. The 2-D weights are scaled by ``--weight-scale`` (default 4)
-after the 0.02 init: a fresh model's logits are nearly flat, so float noise between two correct
-implementations decides near-ties and changes the rest of a row; peaked logits make the greedy
-paths a real equality check. Tokens/s counts new tokens only (batch x new tokens / seconds,
+``transformers``. Neither has a stop token (lmforge ``eos_id=None``; the transformers model's
+``eos_token_id`` is cleared), so none stops early; the script checks the token counts and reports
+how many generated tokens equal transformers'. (``min_new_tokens`` must not be used for this: it
+works by forbidding the EOS id, which LlamaConfig sets to 2 by default, and so changes the greedy
+path whenever token 2 would win.) ``--weight-scale`` multiplies the 2-D weights after the 0.02
+init (default 1, the plain init). Tokens/s counts new tokens only (batch x new tokens / seconds,
 prefill included).
 """
 
@@ -50,6 +50,7 @@ def build_pair(size: str, vocab: int, device: torch.device, weight_scale: float)
             if p.dim() == 2:
                 p.mul_(weight_scale)
     theirs = LlamaForCausalLM(hf_config(args))
+    theirs.config.eos_token_id = theirs.generation_config.eos_token_id = None  # no stop token, nothing banned
     missing, unexpected = theirs.load_state_dict(hf_state_dict_from_lmforge(ours.state_dict(), args), strict=False)
     if unexpected or [k for k in missing if k != "lm_head.weight"]:
         raise RuntimeError(f"weight conversion mismatch: missing {missing}, unexpected {unexpected}")
@@ -85,7 +86,7 @@ def run_hf(model, prompts: list[list[int]], new: int, device: torch.device) -> t
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                             min_new_tokens=new, do_sample=False, pad_token_id=0)
+                             do_sample=False, pad_token_id=0)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--weight-scale", type=float, default=4.0)
+    p.add_argument("--weight-scale", type=float, default=1.0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-append", action="store_true")
     a = p.parse_args(argv)
