@@ -8,7 +8,11 @@ same math as ``Transformer.forward`` with a ``KVCache`` and one token, but
 - fuses ``wq|wk|wv`` and ``w1|w3`` into one matmul each (measured on a 2-vCPU CPU: the
   weight matmuls of a decode step of the ``small`` model at batch 8 took 4.2 ms fused against
   7.1 ms separate), and rotates q and k with one RoPE call since they sit side by side;
-- takes the step's RoPE rows precomputed for all steps, and writes the cache slot directly.
+- takes the step's RoPE rows precomputed for all steps, and writes the cache slot directly;
+- on CPU, for 4 rows or more, keeps the weights transposed ([in, out], contiguous) and multiplies
+  ``x @ W``: MKL runs that 1.17x (64 rows) to 1.22x (8 rows) faster than ``linear(x, W)``, with
+  bit-identical results from 4 rows up (measured; below 4 rows it takes a matrix-vector path
+  that sums in another order, so small batches keep ``linear`` and match the model exactly).
 
 Only plain models qualify (:func:`supports`): adapters (LoRA), sharded parameters (FSDP, TP) or
 forward hooks need the modules' own forward, which ``generate`` then uses instead.
@@ -58,13 +62,19 @@ class DecodeWeights:
     ffn_dim: int
     eps: float
     sliding_window: int | None
+    transposed: bool = False
+    """Matrices stored as [in, out] (``x @ W``) instead of [out, in] (``linear(x, W)``)."""
 
     @classmethod
-    def from_model(cls, model: Transformer, fuse: bool = True) -> DecodeWeights:
+    def from_model(cls, model: Transformer, fuse: bool = True, transpose: bool = False) -> DecodeWeights:
+        """``transpose`` (only with fusing, whose copies it then lays out) also copies ``wo``, ``w2``
+        and the output matrix."""
         a = model.args
         fused = fuse and sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                     if n.rsplit(".", 2)[-2] in ("wq", "wk", "wv", "w1", "w3")) <= FUSE_LIMIT_BYTES
-        join = (lambda *ts: torch.cat(ts)) if fused else (lambda *ts: ts)
+        transpose = transpose and fused
+        t = (lambda w: w.t().contiguous()) if transpose else (lambda w: w)
+        join = (lambda *ts: t(torch.cat(ts))) if fused else (lambda *ts: ts)
         layers = []
         for blk in model.layers:
             at, ff = blk.attention, blk.feed_forward
@@ -72,10 +82,10 @@ class DecodeWeights:
             layers.append(LayerWeights(
                 blk.attention_norm.weight, join(at.wq.weight, at.wk.weight, at.wv.weight), bias,
                 None if at.q_norm is None else at.q_norm.weight, None if at.k_norm is None else at.k_norm.weight,
-                at.wo.weight, blk.ffn_norm.weight, join(ff.w1.weight, ff.w3.weight), ff.w2.weight,
+                t(at.wo.weight), blk.ffn_norm.weight, join(ff.w1.weight, ff.w3.weight), t(ff.w2.weight),
             ))
-        return cls(model.tok_embeddings.weight, layers, model.norm.weight, model.output.weight, a.n_heads,
-                   a.kv_heads, a.head_dim, a.ffn_dim, a.norm_eps, a.sliding_window)
+        return cls(model.tok_embeddings.weight, layers, model.norm.weight, t(model.output.weight), a.n_heads,
+                   a.kv_heads, a.head_dim, a.ffn_dim, a.norm_eps, a.sliding_window, transpose)
 
 
 def supports(model: nn.Module) -> bool:
@@ -101,11 +111,14 @@ def supports(model: nn.Module) -> bool:
     return all(type(p) in (Tensor, nn.Parameter) for p in model.parameters())
 
 
-def _linear(x: Tensor, w: Tensor | tuple[Tensor, ...], b: Tensor | tuple[Tensor, ...] | None) -> Tensor:
-    if isinstance(w, Tensor):
-        return F.linear(x, w, b)  # type: ignore[arg-type]
-    bs = b if b is not None else (None,) * len(w)
-    return torch.cat([F.linear(x, wi, bi) for wi, bi in zip(w, bs)], dim=-1)
+def _linear(x: Tensor, w: Tensor | tuple[Tensor, ...], b: Tensor | tuple[Tensor, ...] | None = None,
+            transposed: bool = False) -> Tensor:
+    if not isinstance(w, Tensor):  # unfused: one matmul per part
+        bs = b if b is not None else (None,) * len(w)
+        return torch.cat([F.linear(x, wi, bi) for wi, bi in zip(w, bs)], dim=-1)
+    if transposed:
+        return torch.mm(x, w) if b is None else torch.addmm(b, x, w)  # type: ignore[arg-type]
+    return F.linear(x, w, b)  # type: ignore[arg-type]
 
 
 KVWrite = Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]]
@@ -119,7 +132,7 @@ def _forward(w: DecodeWeights, tok: Tensor, cos: Tensor, sin: Tensor, write: KVW
     nq, nk = H * hd, Hkv * hd
     h = F.embedding(tok, w.embedding)
     for i, lw in enumerate(w.layers):
-        qkv = _linear(rms_norm(h, lw.attention_norm, w.eps), lw.qkv, lw.qkv_bias)
+        qkv = _linear(rms_norm(h, lw.attention_norm, w.eps), lw.qkv, lw.qkv_bias, w.transposed)
         if lw.q_norm is not None and lw.k_norm is not None:
             q = apply_rope(rms_norm(qkv[:, :nq].view(B, H, hd), lw.q_norm, w.eps), cos, sin)
             k = apply_rope(rms_norm(qkv[:, nq:nq + nk].view(B, Hkv, hd), lw.k_norm, w.eps), cos, sin)
@@ -128,10 +141,10 @@ def _forward(w: DecodeWeights, tok: Tensor, cos: Tensor, sin: Tensor, write: KVW
             q, k = qk[:, :H], qk[:, H:]
         keys, values = write(i, k, qkv[:, nq + nk:].view(B, Hkv, hd))
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=H != Hkv)
-        h = h + F.linear(out.reshape(B, nq), lw.wo)
-        gu = _linear(rms_norm(h, lw.ffn_norm, w.eps), lw.w13, None)
-        h = h + F.linear(F.silu(gu[:, :w.ffn_dim]) * gu[:, w.ffn_dim:], lw.w2)
-    return F.linear(rms_norm(h, w.norm, w.eps), w.output)
+        h = h + _linear(out.reshape(B, nq), lw.wo, transposed=w.transposed)
+        gu = _linear(rms_norm(h, lw.ffn_norm, w.eps), lw.w13, transposed=w.transposed)
+        h = h + _linear(F.silu(gu[:, :w.ffn_dim]) * gu[:, w.ffn_dim:], lw.w2, transposed=w.transposed)
+    return _linear(rms_norm(h, w.norm, w.eps), w.output, transposed=w.transposed)
 
 
 def decode_step(w: DecodeWeights, tok: Tensor, cos: Tensor, sin: Tensor, cache: KVCache) -> Tensor:

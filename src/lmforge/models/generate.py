@@ -38,6 +38,9 @@ from lmforge.models.model import Transformer
 _SYNC_EVERY = 16
 """Decode steps between two host reads of the finished flags on an accelerator, or with lockstep."""
 
+_TRANSPOSED_MIN_ROWS = 4
+"""CPU batches from this many rows use transposed weights (see ``lmforge.models.decode_step``)."""
+
 _COMPILE_LEN_STEP = 128
 """With ``compile=True`` the cache length is rounded up to a multiple of this (one graph per shape)."""
 
@@ -177,7 +180,9 @@ def _step_function(model: Transformer, lengths: Tensor, max_new_tokens: int, cac
         return lambda step, tok: _last_logits(model, tok.unsqueeze(1), (lengths + step).unsqueeze(1), cache)
     # Compiled: unfused weights, so the step reads the parameters themselves, whose addresses
     # stay fixed across calls (a CUDA graph then never copies weights in).
-    weights = DecodeWeights.from_model(model, fuse=not compile)
+    on_cpu = lengths.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
+    weights = DecodeWeights.from_model(model, fuse=not compile,
+                                       transpose=on_cpu and len(lengths) >= _TRANSPOSED_MIN_ROWS)
     # Every step's RoPE rows, gathered once: row r's token of step s sits at position lengths[r] + s.
     pos = lengths.unsqueeze(1) + torch.arange(max(max_new_tokens - 1, 1), device=lengths.device)
     cos = model.rope.cos[pos].to(weights.embedding.dtype)
