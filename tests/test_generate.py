@@ -278,3 +278,28 @@ def test_split_batches_and_repeated_prompts_give_the_same_tokens(model):
     kw = dict(stop_ids=None, pad_id=PAD, temperature=1.0)
     a = generate(model, few * 3, 6, generator=torch.Generator().manual_seed(3), **kw)
     assert a == generate(model, few * 3, 6, generator=torch.Generator().manual_seed(3), **kw)
+
+
+def test_fused_step_only_for_plain_models(model):
+    """Hooks and adapters act through module calls, which the fused step skips: such models run
+    their own forward per step (and give the same tokens as their forward would)."""
+    from lmforge.models.decode_step import supports
+
+    assert supports(model)
+    handle = model.layers[0].feed_forward.register_forward_hook(lambda *_: None)
+    assert not supports(model)
+    handle.remove()
+    peft = pytest.importorskip("peft")
+    adapted = Transformer(model.args)
+    adapted.load_state_dict(model.state_dict())
+    cfg = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["wq", "w2"], init_lora_weights=False)
+    adapted = peft.inject_adapter_in_model(cfg, adapted)
+    assert not supports(adapted)
+    prompts = prompts_for(9, 3, [4, 6])
+    out = generate(adapted, prompts, 6, stop_ids=None, pad_id=PAD, temperature=0.0)
+    with torch.no_grad():
+        for p, row in zip(prompts, out):  # greedy by full recompute with the adapters active
+            seq = list(p)
+            for _ in range(6):
+                seq.append(int(adapted(torch.tensor([seq]))[0, -1].argmax()))
+            assert seq[len(p):] == row
