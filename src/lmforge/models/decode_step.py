@@ -5,14 +5,15 @@ overhead: module calls, small kernels, and matmuls too thin to run near peak. Th
 same math as ``Transformer.forward`` with a ``KVCache`` and one token, but
 
 - calls no modules: the weights are read once per ``generate`` into :class:`DecodeWeights`;
-- fuses ``wq|wk|wv`` and ``w1|w3`` into one matmul each (measured on a 2-vCPU CPU: the
-  weight matmuls of a decode step of the ``small`` model at batch 8 took 4.2 ms fused against
-  7.1 ms separate), and rotates q and k with one RoPE call since they sit side by side;
+- fuses ``wq|wk|wv`` and ``w1|w3`` into one matmul each (fewer calls; on the 2-vCPU CPU the
+  matmul time itself was unchanged), and rotates q and k with one RoPE call since they sit side
+  by side;
 - takes the step's RoPE rows precomputed for all steps, and writes the cache slot directly;
 - on CPU, for 4 rows or more, keeps the weights transposed ([in, out], contiguous) and multiplies
-  ``x @ W``: MKL runs that 1.17x (64 rows) to 1.22x (8 rows) faster than ``linear(x, W)``, with
-  bit-identical results from 4 rows up (measured; below 4 rows it takes a matrix-vector path
-  that sums in another order, so small batches keep ``linear`` and match the model exactly).
+  ``x @ W``: with MKL the ``small`` model's step matmuls took 3.1 ms against 3.9 ms for
+  ``linear(x, W)`` at 8 rows and 9.0 against 10.3 ms at 64 (medians of 15 interleaved
+  repeats), bit-identical from 4 rows up (below 4 rows MKL takes a matrix-vector path that sums
+  in another order, so small batches keep ``linear`` and match the model exactly).
 
 Only plain models qualify (:func:`supports`): adapters (LoRA), sharded parameters (FSDP, TP) or
 forward hooks need the modules' own forward, which ``generate`` then uses instead.
