@@ -44,14 +44,14 @@ _TRANSPOSED_MIN_ROWS = 4
 _COMPILE_LEN_STEP = 128
 """With ``compile=True`` the cache length is rounded up to a multiple of this (one graph per shape)."""
 
-_STEP_ROWS = {"cpu": 16}
+_STEP_ROWS = {"cpu": 20}
 """The fixed cost of one decode step, in rows of batch, per device type (used by
-:func:`length_buckets`): a step of ``B`` rows costs about ``B + _STEP_ROWS`` rows. CPU: the fused
-step's matmuls for the ``small`` model took ~4 ms at batch 8 and ~11 ms at batch 64 (a + b B with
-a ~ 14 rows). Accelerators (default 256) run a small batch's step in about the same time for any B."""
+:func:`length_buckets`): a step of ``B`` rows costs about ``B + _STEP_ROWS`` rows. CPU: the
+``small`` model's step matmuls took 3.1 ms at batch 8 and 9.0 ms at batch 64, i.e. a + b B with
+a ~ 21 rows. Accelerators (default 256) run a small batch's step in about the same time for any B."""
 
 
-def length_buckets(lengths: Sequence[int], max_new_tokens: int, step_rows: int = 16,
+def length_buckets(lengths: Sequence[int], max_new_tokens: int, step_rows: int = 20,
                    unique: Sequence[int] | None = None) -> list[list[int]]:
     """Row indices grouped into batches of similar prompt length, longest first.
 
