@@ -1,4 +1,5 @@
-"""generate(): equality with transformers' greedy search, KV cache consistency, EOS, sampling."""
+"""generate(): equality with transformers' greedy search, KV cache consistency, EOS, sampling,
+the fused decode step, length buckets, repeated prompts, and lockstep over two ranks."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from lmforge.errors import UserError
-from lmforge.models.generate import generate
+from lmforge.models.generate import generate, length_buckets
 from lmforge.models.kv_cache import KVCache
 from lmforge.models.hf import hf_state_dict_from_lmforge
 from lmforge.models.model import ModelArgs, Transformer
@@ -236,8 +237,6 @@ def test_length_buckets_minimise_the_cost_model():
     """Exhaustive reference: every split of the length-sorted rows into contiguous groups."""
     import itertools
 
-    from lmforge.models.generate import length_buckets
-
     g = torch.Generator().manual_seed(0)
     for trial in range(30):
         n = int(torch.randint(1, 9, (1,), generator=g))
@@ -258,8 +257,7 @@ def test_length_buckets_minimise_the_cost_model():
 
 def test_split_batches_and_repeated_prompts_give_the_same_tokens(model):
     prompts = prompts_for(6, 2, [60]) + prompts_for(7, 20, [2, 3])  # split into two batches
-    assert len(__import__("lmforge.models.generate", fromlist=["x"]).length_buckets(
-        [len(p) for p in prompts], 4)) == 2
+    assert len(length_buckets([len(p) for p in prompts], 4)) == 2
     ours = generate(model, prompts, 4, stop_ids=None, pad_id=PAD, temperature=0.0)
     assert ours == hf_greedy(model, prompts, 4, eos=None)
 
