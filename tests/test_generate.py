@@ -1,4 +1,5 @@
-"""generate(): equality with transformers' greedy search, KV cache consistency, EOS, sampling."""
+"""generate(): equality with transformers' greedy search, KV cache consistency, EOS, sampling,
+the fused decode step, length buckets, repeated prompts, and lockstep over two ranks."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from lmforge.errors import UserError
-from lmforge.models.generate import generate
+from lmforge.models.generate import generate, length_buckets
 from lmforge.models.kv_cache import KVCache
 from lmforge.models.hf import hf_state_dict_from_lmforge
 from lmforge.models.model import ModelArgs, Transformer
@@ -184,3 +185,119 @@ def test_rollout_truncation_uses_every_stop_id_and_warns_once():
     line = warn.check(cut.metrics)
     assert line and "\n" not in line and "<|im_end|>, <|endoftext|>" in line and "max_new_tokens=5" in line
     assert warn.check(cut.metrics) is None
+
+
+def test_lockstep_ranks_run_the_same_number_of_forwards(tmp_path):
+    """Real torchrun, 2 gloo ranks whose rows finish at different steps: with lockstep both ranks
+    run as many decode steps as the slower one, and every output equals lockstep=False."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from _helpers import cli_env
+
+    script = Path(__file__).with_name("_generate_lockstep.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+           str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=cli_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    for r in (r0, r1):
+        assert r["greedy_True"] == r["greedy_False"] and r["sampled_True"] == r["sampled_False"]
+    assert all(len(row) <= 2 for row in r0["greedy_False"])  # rank 0 stops within two tokens
+    assert r0["steps_False"] <= 1 < r1["steps_False"]        # and so runs fewer decode steps alone
+    assert r0["steps_True"] == r1["steps_True"] >= r1["steps_False"]
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_fixed_shape_step_equals_the_default_step(model, monkeypatch, window):
+    """compile=True's step (static cache length, device-tensor slot, full-length masked attention),
+    run here uncompiled: same tokens as the default step, with padding and a sliding window."""
+    import lmforge.models.generate as gen
+    from lmforge.models.decode_step import decode_step_static
+
+    m = model
+    if window is not None:
+        m = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=101, max_seq_len=128,
+                                  sliding_window=window))
+        m.load_state_dict(model.state_dict())
+    monkeypatch.setattr(gen, "_compiled_step", lambda device_type: decode_step_static)
+    prompts = prompts_for(5, 5, [3, 9, 1, 14, 6])
+    want = generate(m, prompts, 12, stop_ids=None, pad_id=PAD, temperature=0.0)
+    assert generate(m, prompts, 12, stop_ids=None, pad_id=PAD, temperature=0.0, compile=True) == want
+    assert generate(m, prompts[:2], 12, stop_ids=None, pad_id=PAD, temperature=0.0, compile=True) == want[:2]
+
+
+def _bucket_cost(groups, lengths, new, step_rows):
+    return sum(len(g) * max(lengths[i] for i in g) + new * (len(g) + step_rows) for g in groups)
+
+
+def test_length_buckets_minimise_the_cost_model():
+    """Exhaustive reference: every split of the length-sorted rows into contiguous groups."""
+    import itertools
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        n = int(torch.randint(1, 9, (1,), generator=g))
+        lengths = torch.randint(1, 200, (n,), generator=g).tolist()
+        new = int(torch.randint(1, 64, (1,), generator=g))
+        got = length_buckets(lengths, new, step_rows=4)
+        assert sorted(i for b in got for i in b) == list(range(n))
+        order = sorted(range(n), key=lambda i: -lengths[i])
+        best = min(
+            _bucket_cost([order[a:b] for a, b in zip((0, *cuts), (*cuts, n))], lengths, new, 4)
+            for k in range(n) for cuts in itertools.combinations(range(1, n), k)
+        )
+        assert _bucket_cost(got, lengths, new, 4) == best
+    # Similar lengths stay one batch; a few long prompts among many short ones get their own.
+    assert length_buckets([30, 31, 29, 32] * 8, 64) == [list(range(32))]
+    assert length_buckets([500, 500] + [5] * 30, 8) == [[0, 1], list(range(2, 32))]
+
+
+def test_split_batches_and_repeated_prompts_give_the_same_tokens(model):
+    prompts = prompts_for(6, 2, [60]) + prompts_for(7, 20, [2, 3])  # split into two batches
+    assert len(length_buckets([len(p) for p in prompts], 4)) == 2
+    ours = generate(model, prompts, 4, stop_ids=None, pad_id=PAD, temperature=0.0)
+    assert ours == hf_greedy(model, prompts, 4, eos=None)
+
+    # Repeated prompts are prefilled once (4 distinct rows reach the model's forward) and give
+    # the same tokens as each prompt alone; sampling stays reproducible.
+    few = prompts_for(8, 4, [3, 7])
+    batch_sizes = []
+    handle = model.register_forward_pre_hook(lambda _m, args, kwargs: batch_sizes.append(args[0].shape[0]),
+                                             with_kwargs=True)
+    try:
+        rep = generate(model, [p for p in few for _ in range(3)], 6, stop_ids=None, pad_id=PAD, temperature=0.0)
+    finally:
+        handle.remove()
+    assert batch_sizes[0] == 4 and set(batch_sizes[1:]) == {12}
+    assert rep == [r for r in generate(model, few, 6, stop_ids=None, pad_id=PAD, temperature=0.0) for _ in range(3)]
+    kw = dict(stop_ids=None, pad_id=PAD, temperature=1.0)
+    a = generate(model, few * 3, 6, generator=torch.Generator().manual_seed(3), **kw)
+    assert a == generate(model, few * 3, 6, generator=torch.Generator().manual_seed(3), **kw)
+
+
+def test_fused_step_only_for_plain_models(model):
+    """Hooks and adapters act through module calls, which the fused step skips: such models run
+    their own forward per step (and give the same tokens as their forward would)."""
+    from lmforge.models.decode_step import supports
+
+    assert supports(model)
+    handle = model.layers[0].feed_forward.register_forward_hook(lambda *_: None)
+    assert not supports(model)
+    handle.remove()
+    peft = pytest.importorskip("peft")
+    adapted = Transformer(model.args)
+    adapted.load_state_dict(model.state_dict())
+    cfg = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["wq", "w2"], init_lora_weights=False)
+    adapted = peft.inject_adapter_in_model(cfg, adapted)
+    assert not supports(adapted)
+    prompts = prompts_for(9, 3, [4, 6])
+    out = generate(adapted, prompts, 6, stop_ids=None, pad_id=PAD, temperature=0.0)
+    with torch.no_grad():
+        for p, row in zip(prompts, out):  # greedy by full recompute with the adapters active
+            seq = list(p)
+            for _ in range(6):
+                seq.append(int(adapted(torch.tensor([seq]))[0, -1].argmax()))
+            assert seq[len(p):] == row

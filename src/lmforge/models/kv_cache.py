@@ -101,3 +101,11 @@ class KVCache:
 
     def advance(self, T: int) -> None:
         self.pos += T
+
+    def select_rows(self, index: Tensor) -> None:
+        """Keep rows ``index`` [B'] (repeats allowed): e.g. one prefilled prompt shared by several rows."""
+        self.k = [k.index_select(0, index) for k in self.k]
+        self.v = [v.index_select(0, index) for v in self.v]
+        if self.valid is not None and self.bias is not None:
+            self.valid = self.valid.index_select(0, index)
+            self.bias = self.bias.index_select(0, index)

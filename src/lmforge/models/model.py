@@ -34,7 +34,7 @@ from lmforge.models.attention import (
 
 __all__ = [
     "MODEL_SIZES", "ModelArgs", "model_args_for", "Transformer", "TransformerBlock", "Attention", "FeedForward",
-    "RMSNorm", "RotaryEmbedding", "apply_rope", "document_mask", "sliding_window_mask",
+    "RMSNorm", "RotaryEmbedding", "apply_rope", "rms_norm", "document_mask", "sliding_window_mask",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,14 +51,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalise in fp32 and cast back before the weight, as Llama does; this keeps
-        # bf16 numerics identical to reference implementations.
-        dtype = x.dtype
-        if dtype == torch.float32:  # same math, one fused kernel
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dimension (``RMSNorm.forward``; also used by the decode step)."""
+    # Normalise in fp32 and cast back before the weight, as Llama does; this keeps
+    # bf16 numerics identical to reference implementations.
+    dtype = x.dtype
+    if dtype == torch.float32:  # same math, one fused kernel
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
 
 
 def _rope_inv_freq(args: ModelArgs, device: torch.device | str | None) -> Tensor:
