@@ -93,7 +93,7 @@ class StepLoader:
         self.prefetch = max(0, int(prefetch))
         self.device = torch.device(device)
         self._seed = int(seed)
-        self._order = _GlobalOrder(len(dataset), self._seed, shuffle)
+        self._order = _GlobalOrder(len(dataset), self._seed, self.shuffle)
         self.samples_consumed = 0
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue | None = None

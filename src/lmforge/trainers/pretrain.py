@@ -69,16 +69,16 @@ def check_input(key: str, spec: str, split: str, text_field: str, root: Path, we
     a time) unless a current preparation of it is cached; only the index and shard checks of a prepared
     directory."""
     inp = DataInput(key, spec, split, text_field, weight)
-    if spec == "embedded":
-        inp.documents = embedded_corpus(split)
-    elif is_prepared_dir(spec):
-        try:
+    try:
+        if spec == "embedded":
+            inp.documents = embedded_corpus(split)
+        elif is_prepared_dir(spec):
             inp.prepared = PreparedTokens(spec)
-        except UserError as e:
-            raise UserError(f"{key}={spec}: {e}") from None
-    elif not _cached(root, spec, text_field):
-        if not any(chunk_documents(c, text_field) for c in plan_chunks(spec, text_field)):
-            raise UserError(f"no documents in {Path(spec).expanduser()}")
+        elif not _cached(root, spec, text_field):
+            if not any(chunk_documents(c, text_field) for c in plan_chunks(spec, text_field)):
+                raise UserError(f"no documents in {Path(spec).expanduser()}")
+    except UserError as e:
+        raise UserError(f"{key}={spec}: {e}") from None
     return inp
 
 
