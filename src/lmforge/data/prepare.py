@@ -218,6 +218,8 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, tokenizer: Tokenizer,
 def _install(tmp: Path, out: Path, inputs: Sequence[str | Path], text_field: str, fp: str) -> None:
     """Move the finished ``tmp`` to ``out``; an older preparation is replaced only once this one is whole."""
     old = None
+    if is_up_to_date(out, inputs, text_field, fp):
+        return  # another process (a rank of the same run) installed the same preparation meanwhile
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         os.rename(out, old)
