@@ -10,13 +10,15 @@ shard files of raw little-endian integers (``uint16`` when every id fits, else `
 
 Opening a directory checks every shard's size and sampled hash: constant cost per shard, and it
 catches a truncated, replaced or re-prepared shard. ``lmforge prepare --verify DIR`` hashes every
-byte. Shards are memory-mapped, so a run's memory does not grow with the corpus.
+byte. Samples are read with ``pread`` of just their window, so a run's memory does not grow with the
+corpus (a memory map would count every page that readahead pulls in as the process's own).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -130,13 +132,13 @@ class ShardWriter:
 
 
 class PreparedTokens:
-    """The token stream of a prepared directory, read through memory maps, shards checked on open."""
+    """The token stream of a prepared directory, read window by window, shards checked on open."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path).expanduser()
         self.index = read_index(self.path)
         self.dtype = np.dtype(self.index["dtype"])
-        self._maps: list[np.memmap | None] = []
+        self._fds: list[int | None] = []
         counts = []
         for shard in self.index["shards"]:
             f = self.path / shard["file"]
@@ -145,7 +147,7 @@ class PreparedTokens:
                 what = "missing" if size is None else ("has the wrong size" if size != shard["bytes"] else "changed")
                 raise UserError(f"{f}: shard {what} since it was prepared; run lmforge prepare again")
             counts.append(int(shard["tokens"]))
-            self._maps.append(None)
+            self._fds.append(None)
         self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self.num_tokens = int(self.starts[-1])
 
@@ -153,25 +155,31 @@ class PreparedTokens:
     def tokenizer(self) -> str:
         return self.index["tokenizer"]
 
-    def _map(self, k: int) -> np.ndarray:
-        m = self._maps[k]
-        if m is None:
-            m = np.memmap(self.path / self.index["shards"][k]["file"], dtype=self.dtype, mode="r")
-            self._maps[k] = m
-        return m
+    def _fd(self, k: int) -> int:
+        fd = self._fds[k]
+        if fd is None:
+            fd = os.open(self.path / self.index["shards"][k]["file"], os.O_RDONLY)
+            self._fds[k] = fd
+        return fd
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Stream tokens ``[start, stop)`` as int64, across shard boundaries."""
         out = np.empty(stop - start, dtype=np.int64)
         k = int(np.searchsorted(self.starts, start, side="right")) - 1
-        pos = start
+        pos, size = start, self.dtype.itemsize
         while pos < stop:
             lo = pos - int(self.starts[k])
             n = min(stop, int(self.starts[k + 1])) - pos
-            out[pos - start : pos - start + n] = self._map(k)[lo : lo + n]
+            data = os.pread(self._fd(k), n * size, lo * size)
+            out[pos - start : pos - start + n] = np.frombuffer(data, dtype=self.dtype)
             pos += n
             k += 1
         return out
+
+    def __del__(self) -> None:
+        for fd in getattr(self, "_fds", []):
+            if fd is not None:
+                os.close(fd)
 
     def document_ends(self) -> np.ndarray:
         return np.load(self.path / DOCUMENTS_FILE, mmap_mode="r")
