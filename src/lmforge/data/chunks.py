@@ -20,8 +20,9 @@ from lmforge.errors import UserError
 
 __all__ = ["Chunk", "plan_chunks", "chunk_documents", "input_files"]
 
-CHUNK_BYTES = 32 << 20
-"""Text read per chunk: large enough that per-task overhead vanishes, small enough to bound memory."""
+CHUNK_BYTES = 8 << 20
+"""Text read per chunk: large enough that per-task overhead vanishes, small enough to bound memory and
+to give every worker several chunks."""
 HF_CHUNK_ROWS = 50_000
 _BLANK_LINE = re.compile(rb"\n[ \t\r]*\n")
 

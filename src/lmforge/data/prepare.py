@@ -91,6 +91,7 @@ class PrepareResult:
 # -- worker side (module globals set once per worker process) --------------------------------------
 
 _WORKER: dict[str, Any] = {}
+_ENCODE_BATCH = 256
 
 
 def _init_worker(tokenizer_spec: str | None, tokenizer: Tokenizer | None, text_field: str) -> None:
@@ -103,8 +104,12 @@ def _encode(tokenizer: Tokenizer, docs: list[str]) -> list[np.ndarray]:
     if isinstance(tokenizer, ByteTokenizer):  # same ids as encode(), without a Python list per byte
         return [np.frombuffer(d.encode("utf-8"), dtype=np.uint8) for d in docs]
     batch = getattr(tokenizer, "encode_batch", None)
-    ids = batch(docs) if callable(batch) else [tokenizer.encode(d) for d in docs]
-    return [np.asarray(x, dtype=np.int64) for x in ids]
+    if not callable(batch):
+        return [np.asarray(tokenizer.encode(d), dtype=np.int64) for d in docs]
+    out: list[np.ndarray] = []
+    for i in range(0, len(docs), _ENCODE_BATCH):  # a Rust Encoding per document is large: bound how many live
+        out += [np.asarray(x, dtype=np.int64) for x in batch(docs[i:i + _ENCODE_BATCH])]
+    return out
 
 
 def _tokenize_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, int]:
