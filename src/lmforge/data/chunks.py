@@ -10,12 +10,13 @@ knows the line or row it starts at, so errors still name ``file:line``.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from lmforge.data.sources import (SUPPORTED_SUFFIXES, _append_text, _decode, _lines, hf_column, is_hf_dataset_dir,
-                                  load_hf_dataset)
+                                  load_hf_dataset, text_blocks)
 from lmforge.errors import UserError
 
 __all__ = ["Chunk", "plan_chunks", "chunk_documents", "input_files"]
@@ -173,22 +174,10 @@ def _decode_at(path: Path, data: bytes, chunk: Chunk) -> str:
 
 
 def _txt_docs(text: str) -> list[str]:
-    docs: list[str] = []
-    block: list[str] = []
-    for line in _lines(text):
-        if line.strip():
-            block.append(line)
-        elif block:
-            docs.append("\n".join(block).strip())
-            block = []
-    if block:
-        docs.append("\n".join(block).strip())
-    return docs
+    return [block for _, block in text_blocks(text)]
 
 
 def _jsonl_docs(path: Path, text: str, text_field: str, first_line: int) -> list[str]:
-    import json
-
     docs: list[str] = []
     for k, line in enumerate(_lines(text)):
         if not line.strip():

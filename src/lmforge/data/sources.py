@@ -77,7 +77,11 @@ def _jsonl_lines(path: Path) -> Iterator[tuple[int, Any]]:
 
 def _txt_blocks(path: Path) -> Iterator[tuple[int, str]]:
     """(first line number, text) of every blank-line-separated block of a text file."""
-    text = _decode(path, _read_bytes(path))
+    return text_blocks(_decode(path, _read_bytes(path)))
+
+
+def text_blocks(text: str) -> Iterator[tuple[int, str]]:
+    """(first line number, stripped text) of every blank-line-separated block of ``text``."""
     block: list[str] = []
     first = 0
     for lineno, line in enumerate(_lines(text), start=1):
