@@ -5,12 +5,22 @@ The session-scoped ones are real CLI runs, made once however many modules read t
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from _helpers import (Reference, losses, lmforge_cmd, run_in_terminal, run_lmforge, small_corpus, tail,
                       tiny_run_args, write_corpus, write_fault_runner)
+
+# Raw data files of test runs are prepared into token shards in a cache: one per test session, not the
+# user's ~/.cache (every CLI run inherits this environment).
+if "LMFORGE_CACHE" not in os.environ:
+    os.environ["LMFORGE_CACHE"] = tempfile.mkdtemp(prefix="lmforge-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["LMFORGE_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -111,7 +111,7 @@ def test_one_record_reader_for_jsonl_and_parquet(tmp_path):
 
     (tmp_path / "a.jsonl").write_text('{"prompt": "p1", "answer": "1"}\n\n{"prompt": "p2", "answer": "2"}\n')
     pq.write_table(pa.Table.from_pylist([{"prompt": "p3", "answer": "3"}]), tmp_path / "b.parquet")
-    (tmp_path / "notes.txt").write_text("not a record file")
+    (tmp_path / "notes.md").write_text("not a record file")
     got = read_records(tmp_path)
     assert [w.rsplit("/", 1)[1] for w, _ in got] == ["a.jsonl:1", "a.jsonl:3", "b.parquet: row 0"]
     assert [r["prompt"] for _, r in got] == ["p1", "p2", "p3"]
@@ -119,8 +119,8 @@ def test_one_record_reader_for_jsonl_and_parquet(tmp_path):
     (tmp_path / "c.jsonl").write_text('{"prompt": "x"}\n[1, 2]\n')
     with pytest.raises(UserError, match=r"c\.jsonl:2: expected a JSON object, got list"):
         read_records(tmp_path)
-    with pytest.raises(UserError, match=r"record data must be \.jsonl or \.parquet"):
-        read_records(tmp_path / "notes.txt")
+    with pytest.raises(UserError, match=r"record data must be \.jsonl, \.parquet, \.txt or a datasets directory"):
+        read_records(tmp_path / "notes.md")
 
 
 def _grpo_cfg(*overrides: str):

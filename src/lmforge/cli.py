@@ -121,13 +121,46 @@ def _eval(argv: list[str]) -> int:
                     batch_size=a.batch_size, include_path=a.include_path, out=a.out, device=a.device)
 
 
+def _prepare(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="lmforge prepare", description="Tokenize text once into token shards that "
+                                "data.train / data.sources read (memory-mapped).")
+    p.add_argument("inputs", nargs="*", metavar="INPUT", help=".txt/.jsonl/.parquet file, directory of them, or a "
+                   "datasets directory (save_to_disk)")
+    p.add_argument("--out", required=True, help="the prepared directory to write (or to check, with --verify)")
+    p.add_argument("--tokenizer", default="byte", help="'byte' or a directory holding tokenizer.json (default: byte)")
+    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1) - 1), help="tokenizing processes")
+    p.add_argument("--text-field", default="text", help="JSONL field / parquet or datasets column of the text")
+    p.add_argument("--shard-tokens", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--verify", action="store_true", help="hash every byte of --out against its index and exit")
+    a = p.parse_args(argv)
+    if a.verify:
+        from lmforge.data.shards import PreparedTokens
+
+        problems = PreparedTokens(a.out).verify()
+        if problems:
+            raise UserError(f"{a.out} is damaged: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+        print(f"{a.out}: every shard matches its checksum")
+        return 0
+    if not a.inputs:
+        raise UserError("lmforge prepare: give at least one INPUT (or --verify to check --out)")
+    if a.workers < 1:
+        raise UserError(f"--workers must be at least 1, got {a.workers}")
+    from lmforge.data.prepare import prepare
+    from lmforge.data.shards import SHARD_TOKENS
+    from lmforge.models.tokenizer import load_tokenizer
+
+    prepare(a.inputs, a.out, load_tokenizer(a.tokenizer), tokenizer_spec=a.tokenizer, workers=a.workers,
+            text_field=a.text_field, shard_tokens=a.shard_tokens or SHARD_TOKENS)
+    return 0
+
+
 def _report(argv: list[str]) -> int:
     from lmforge.metrics.report import main as report_main
     return report_main(argv)
 
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
-    "generate": _generate, "export": _export, "report": _report, "eval": _eval,
+    "generate": _generate, "export": _export, "report": _report, "eval": _eval, "prepare": _prepare,
 }
 
 
@@ -135,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = ("usage: lmforge {pretrain,sft,grpo,dpo,elastic} --config FILE [--section.key=value ...]\n"
              "       lmforge generate CHECKPOINT --prompt TEXT | export --hf OUT [--adapter OUT] RUN_DIR | report RUN_DIR...\n"
-             "       lmforge eval RUN_OR_MODEL_DIR --tasks T1,T2 [--limit N] [--apply-chat-template]")
+             "       lmforge eval RUN_OR_MODEL_DIR --tasks T1,T2 [--limit N] [--apply-chat-template]\n"
+             "       lmforge prepare INPUT... --out DIR [--tokenizer T] [--workers N] [--text-field F] | --out DIR --verify")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2

@@ -51,9 +51,24 @@ class ModelSection(Section):
     """An lmforge run directory or checkpoint to take the starting weights from (model only)."""
 
 
+class DataSourceSection(Section):
+    """One entry of ``data.sources``: a prepared directory or raw data, and its share of the samples."""
+
+    path: str
+    weight: float = Field(1.0, gt=0)
+
+
 class DataSection(Section):
     train: str = "embedded"
-    """``embedded`` (the built-in corpus) or a local .txt/.jsonl/.parquet file or directory."""
+    """``embedded`` (the built-in corpus), a directory written by ``lmforge prepare``, or a local
+    .txt/.jsonl/.parquet file, directory or ``datasets`` directory (prepared on first use into
+    ``data.cache_dir``)."""
+    sources: list[DataSourceSection] = []
+    """Pretraining data mixed by weight, instead of ``data.train``: ``[{path = "...", weight = 0.7}, ...]``
+    (``lmforge.data.mixture``)."""
+    cache_dir: str = ""
+    """Where raw pretraining files are prepared into token shards ("": ``$LMFORGE_CACHE`` or
+    ``~/.cache/lmforge/prepared``)."""
     validation: str = "embedded"
     text_field: str = "text"
     format: Literal["auto", "messages", "prompt_completion", "alpaca", "sharegpt", "text"] = "auto"
@@ -356,6 +371,15 @@ def _all_keys(cls: type[BaseModel], prefix: str = "") -> list[str]:
     return keys
 
 
+def _toml_value(v: Any) -> str:
+    """JSON scalars and arrays are TOML too; tables (``data.sources`` entries) are written inline."""
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items() if x is not None) + "}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return json.dumps(v)
+
+
 def dump_toml(data: dict[str, Any]) -> str:
     """Write a two-level config dict as TOML (tables of scalars/arrays; ``None`` values omitted)."""
     lines: list[str] = []
@@ -367,5 +391,5 @@ def dump_toml(data: dict[str, Any]) -> str:
         lines.append(f"\n[{section}]")
         for k, v in values.items():
             if v is not None:
-                lines.append(f"{k} = {json.dumps(v)}")
+                lines.append(f"{k} = {_toml_value(v)}")
     return "\n".join(lines).lstrip() + "\n"

@@ -6,7 +6,8 @@ global batch of step ``k`` is always samples ``[k*G, (k+1)*G)`` of one fixed glo
 Each data-parallel rank takes a contiguous slice of that batch and splits it into
 microbatches. Because nothing depends on how many ranks there are, a run can be resumed at a
 different world size and still see exactly the same data, and the checkpointed state is just
-``samples_consumed``.
+``samples_consumed``. A dataset with ``orders_itself = True`` (a weighted mixture) maps global
+indices to samples itself and is read in index order.
 """
 
 from __future__ import annotations
@@ -87,11 +88,12 @@ class StepLoader:
         self.micro_batch_size = m
         self.dp_rank = dp_rank
         self.dp_world_size = W
-        self.shuffle = shuffle
+        # A dataset that orders itself (a weighted mixture) is read in its own order, never re-permuted.
+        self.shuffle = shuffle and not getattr(dataset, "orders_itself", False)
         self.prefetch = max(0, int(prefetch))
         self.device = torch.device(device)
         self._seed = int(seed)
-        self._order = _GlobalOrder(len(dataset), self._seed, shuffle)
+        self._order = _GlobalOrder(len(dataset), self._seed, self.shuffle)
         self.samples_consumed = 0
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue | None = None

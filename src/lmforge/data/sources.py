@@ -9,9 +9,12 @@ Supported inputs:
 * ``.parquet`` - the string column ``text_field`` (needs ``pyarrow``: ``pip install
   lmforge[data]``). Null values are skipped.
 * a directory - every file above, found recursively, read in sorted path order.
+* a Hugging Face ``datasets`` directory (written by ``Dataset.save_to_disk``; needs ``datasets``:
+  ``pip install lmforge[data]``) - the string column ``text_field``.
 
-Records (SFT examples, GRPO prompts) are JSON objects of ``.jsonl`` lines or ``.parquet`` rows, read
-by :func:`read_records` with their location, so later checks can name ``file:line`` too.
+Records (SFT examples, GRPO prompts) are JSON objects of ``.jsonl`` lines, ``.parquet`` rows or
+``datasets`` rows, and ``{"text": block}`` for each block of a ``.txt`` file; :func:`read_records`
+reads them with their location, so later checks can name ``file:line`` too.
 
 Every problem is a :class:`~lmforge.errors.UserError` naming the file, and the line where
 there is one, so a bad row in a large file can be found without a debugger. Empty documents
@@ -27,11 +30,11 @@ from typing import Any, Iterator
 from lmforge.errors import UserError
 
 __all__ = ["Record", "read_documents", "read_records", "read_file_records", "record_files", "read_jsonl_records",
-           "SUPPORTED_SUFFIXES", "RECORD_SUFFIXES"]
+           "SUPPORTED_SUFFIXES", "RECORD_SUFFIXES", "is_hf_dataset_dir", "load_hf_dataset", "hf_column"]
 
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet")
-RECORD_SUFFIXES = (".jsonl", ".parquet")
-"""Files holding records (one JSON object per line, or parquet rows) rather than plain documents."""
+RECORD_SUFFIXES = (".jsonl", ".parquet", ".txt")
+"""Files read as records: JSON lines, parquet rows, and text blocks (as ``{"text": block}``)."""
 
 Record = tuple[str, dict[str, Any]]
 """(location such as ``file.jsonl:12`` or ``file.parquet: row 3``, the record)."""
@@ -72,18 +75,64 @@ def _jsonl_lines(path: Path) -> Iterator[tuple[int, Any]]:
             raise UserError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
 
 
-def _read_txt(path: Path) -> list[str]:
-    text = _decode(path, _read_bytes(path))
-    docs: list[str] = []
+def _txt_blocks(path: Path) -> Iterator[tuple[int, str]]:
+    """(first line number, text) of every blank-line-separated block of a text file."""
+    return text_blocks(_decode(path, _read_bytes(path)))
+
+
+def text_blocks(text: str) -> Iterator[tuple[int, str]]:
+    """(first line number, stripped text) of every blank-line-separated block of ``text``."""
     block: list[str] = []
-    for line in _lines(text):
+    first = 0
+    for lineno, line in enumerate(_lines(text), start=1):
         if line.strip():
+            if not block:
+                first = lineno
             block.append(line)
         elif block:
-            docs.append("\n".join(block).strip())
+            yield first, "\n".join(block).strip()
             block = []
     if block:
-        docs.append("\n".join(block).strip())
+        yield first, "\n".join(block).strip()
+
+
+def _read_txt(path: Path) -> list[str]:
+    return [doc for _, doc in _txt_blocks(path)]
+
+
+def is_hf_dataset_dir(path: Path) -> bool:
+    """A directory written by ``datasets.Dataset.save_to_disk`` (or ``DatasetDict.save_to_disk``)."""
+    return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
+def load_hf_dataset(path: Path):
+    """The ``datasets.Dataset`` saved in ``path`` (memory-mapped Arrow files: nothing is read yet)."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise UserError(f"{path}: reading a datasets directory needs datasets (pip install 'lmforge[data]')") from e
+    if (path / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
+        raise UserError(f"{path}: a dataset with splits ({', '.join(splits)}); name one split's directory, "
+                        f"e.g. {path / (splits[0] if splits else 'train')}")
+    try:
+        return datasets.load_from_disk(str(path), keep_in_memory=False)
+    except Exception as e:  # datasets raises several types for damaged directories
+        raise UserError(f"{path}: not a readable datasets directory ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
+def hf_column(ds, field: str, path: Path):
+    """Column ``field`` of a datasets ``Dataset`` (a lazy column: rows are read when sliced)."""
+    if field not in ds.column_names:
+        raise UserError(f"{path}: no column {field!r} (columns: {', '.join(ds.column_names)})")
+    return ds[field] if len(ds) == 0 else ds.select_columns([field])[field]
+
+
+def _read_hf(path: Path, text_field: str) -> list[str]:
+    docs: list[str] = []
+    for row, value in enumerate(hf_column(load_hf_dataset(path), text_field, path)):
+        if value is not None:
+            _append_text(docs, value, f"{path}: row {row}: column {text_field!r}")
     return docs
 
 
@@ -146,9 +195,14 @@ def _files(path: Path) -> list[Path]:
 
 
 def read_documents(path: str | Path, text_field: str = "text") -> list[str]:
-    """All documents under ``path`` (a file or a directory), in a deterministic order."""
+    """All documents under ``path`` (a file, a directory, a datasets directory), in a deterministic order."""
     path = Path(path).expanduser()
-    docs: list[str] = []
+    if is_hf_dataset_dir(path):
+        docs = _read_hf(path, text_field)
+        if not docs:
+            raise UserError(f"no documents in {path}")
+        return docs
+    docs = []
     for f in _files(path):
         if f.suffix == ".txt":
             docs.extend(_read_txt(f))
@@ -162,18 +216,21 @@ def read_documents(path: str | Path, text_field: str = "text") -> list[str]:
 
 
 def record_files(path: str | Path) -> list[Path]:
-    """The ``.jsonl``/``.parquet`` files of ``path``: the file itself, or those under a directory
-    (recursively, in sorted path order)."""
+    """The ``.jsonl``/``.parquet``/``.txt`` files of ``path``: the file itself, those under a directory
+    (recursively, in sorted path order), or a datasets directory itself."""
     path = Path(path).expanduser()
+    if is_hf_dataset_dir(path):
+        return [path]
     if path.is_dir():
         found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in RECORD_SUFFIXES)
         if not found:
-            raise UserError(f"{path}: no .jsonl or .parquet files")
+            raise UserError(f"{path}: no .jsonl, .parquet or .txt files")
         return found
     if not path.exists():
         raise UserError(f"data file not found: {path}")
     if path.suffix not in RECORD_SUFFIXES:
-        raise UserError(f"{path}: record data must be .jsonl or .parquet (got {path.suffix or 'no suffix'!r})")
+        raise UserError(f"{path}: record data must be .jsonl, .parquet, .txt or a datasets directory "
+                        f"(got {path.suffix or 'no suffix'!r})")
     return [path]
 
 
@@ -191,10 +248,15 @@ def _parquet_rows(path: Path) -> Iterator[Record]:
 
 
 def read_file_records(path: Path) -> list[Record]:
-    """Every record of one ``.jsonl`` or ``.parquet`` file, each with its location
-    (``file.jsonl:LINE`` or ``file.parquet: row N``)."""
+    """Every record of one ``.jsonl``/``.parquet``/``.txt`` file or datasets directory, each with its
+    location (``file.jsonl:LINE``, ``file.txt:LINE`` of the block's first line, ``file.parquet: row N``)."""
+    if is_hf_dataset_dir(path):
+        ds = load_hf_dataset(path)
+        return [(f"{path}: row {i}", row) for i, row in enumerate(ds)]
     if path.suffix == ".parquet":
         return list(_parquet_rows(path))
+    if path.suffix == ".txt":
+        return [(f"{path}:{line}", {"text": block}) for line, block in _txt_blocks(path)]
     out: list[Record] = []
     for lineno, obj in _jsonl_lines(path):
         if not isinstance(obj, dict):
