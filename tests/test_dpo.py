@@ -223,7 +223,7 @@ def row_sample(batch, i) -> Sample:
 
 
 def test_lora_reference_is_the_base_model_without_a_copy():
-    peft = pytest.importorskip("peft")  # noqa: F841
+    pytest.importorskip("peft")
     from lmforge.config import LoraSection
     from lmforge.models.lora import apply_lora
 
