@@ -119,7 +119,7 @@ def test_one_record_reader_for_jsonl_and_parquet(tmp_path):
     (tmp_path / "c.jsonl").write_text('{"prompt": "x"}\n[1, 2]\n')
     with pytest.raises(UserError, match=r"c\.jsonl:2: expected a JSON object, got list"):
         read_records(tmp_path)
-    with pytest.raises(UserError, match=r"record data must be \.jsonl, \.parquet, \.txt or a datasets directory"):
+    with pytest.raises(UserError, match=r"unsupported file type '\.md'; data must be \.jsonl, \.parquet, \.txt, a directory of them"):
         read_records(tmp_path / "notes.md")
 
 

@@ -15,8 +15,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from lmforge.data.sources import (SUPPORTED_SUFFIXES, _append_text, _decode, _lines, hf_column, is_hf_dataset_dir,
-                                  load_hf_dataset, text_blocks)
+from lmforge.data.sources import (SUPPORTED_SUFFIXES, _append_text, _decode, _lines, data_files, hf_column,
+                                  is_hf_dataset_dir, load_hf_dataset, text_blocks)
 from lmforge.errors import UserError
 
 __all__ = ["Chunk", "plan_chunks", "chunk_documents", "input_files"]
@@ -39,20 +39,7 @@ class Chunk:
 
 def input_files(path: str | Path) -> list[Path]:
     """The files (or ``datasets`` directories) that make up one input, in sorted path order."""
-    path = Path(path).expanduser()
-    if is_hf_dataset_dir(path):
-        return [path]
-    if path.is_dir():
-        found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUPPORTED_SUFFIXES)
-        if not found:
-            raise UserError(f"no documents in {path}")
-        return found
-    if not path.exists():
-        raise UserError(f"data file not found: {path}")
-    if path.suffix not in SUPPORTED_SUFFIXES:
-        raise UserError(f"{path}: unsupported file type {path.suffix or '(none)'!r}; expected one of "
-                        f"{', '.join(SUPPORTED_SUFFIXES)}, a directory, or a datasets directory")
-    return [path]
+    return data_files(path, SUPPORTED_SUFFIXES)
 
 
 def _text_chunks(path: Path, kind: str) -> list[Chunk]:

@@ -29,7 +29,7 @@ from typing import Any, Iterator
 
 from lmforge.errors import UserError
 
-__all__ = ["Record", "read_documents", "read_records", "read_file_records", "record_files", "read_jsonl_records",
+__all__ = ["Record", "data_files", "read_documents", "read_records", "read_file_records", "record_files", "read_jsonl_records",
            "SUPPORTED_SUFFIXES", "RECORD_SUFFIXES", "is_hf_dataset_dir", "load_hf_dataset", "hf_column"]
 
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -181,16 +181,22 @@ def _read_parquet(path: Path, text_field: str) -> list[str]:
     return docs
 
 
-def _files(path: Path) -> list[Path]:
+def data_files(path: str | Path, suffixes: tuple[str, ...] = SUPPORTED_SUFFIXES) -> list[Path]:
+    """The files ``path`` names: the file itself, those under a directory (recursively, in sorted path
+    order), or a ``datasets`` directory itself; anything else is a one-line error."""
+    path = Path(path).expanduser()
+    if is_hf_dataset_dir(path):
+        return [path]
     if path.is_dir():
-        return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUPPORTED_SUFFIXES)
+        found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in suffixes)
+        if not found:
+            raise UserError(f"no documents in {path} (no {', '.join(suffixes)} files)")
+        return found
     if not path.exists():
         raise UserError(f"data file not found: {path}")
-    if path.suffix not in SUPPORTED_SUFFIXES:
-        raise UserError(
-            f"{path}: unsupported file type {path.suffix or '(none)'!r}; "
-            f"expected one of {', '.join(SUPPORTED_SUFFIXES)} or a directory"
-        )
+    if path.suffix not in suffixes:
+        raise UserError(f"{path}: unsupported file type {path.suffix or '(none)'!r}; data must be "
+                        f"{', '.join(suffixes)}, a directory of them, or a datasets directory")
     return [path]
 
 
@@ -203,7 +209,7 @@ def read_documents(path: str | Path, text_field: str = "text") -> list[str]:
             raise UserError(f"no documents in {path}")
         return docs
     docs = []
-    for f in _files(path):
+    for f in data_files(path):
         if f.suffix == ".txt":
             docs.extend(_read_txt(f))
         elif f.suffix == ".jsonl":
@@ -216,22 +222,8 @@ def read_documents(path: str | Path, text_field: str = "text") -> list[str]:
 
 
 def record_files(path: str | Path) -> list[Path]:
-    """The ``.jsonl``/``.parquet``/``.txt`` files of ``path``: the file itself, those under a directory
-    (recursively, in sorted path order), or a datasets directory itself."""
-    path = Path(path).expanduser()
-    if is_hf_dataset_dir(path):
-        return [path]
-    if path.is_dir():
-        found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in RECORD_SUFFIXES)
-        if not found:
-            raise UserError(f"{path}: no .jsonl, .parquet or .txt files")
-        return found
-    if not path.exists():
-        raise UserError(f"data file not found: {path}")
-    if path.suffix not in RECORD_SUFFIXES:
-        raise UserError(f"{path}: record data must be .jsonl, .parquet, .txt or a datasets directory "
-                        f"(got {path.suffix or 'no suffix'!r})")
-    return [path]
+    """The ``.jsonl``/``.parquet``/``.txt`` files (or the datasets directory) of ``path``."""
+    return data_files(path, RECORD_SUFFIXES)
 
 
 def _parquet_rows(path: Path) -> Iterator[Record]:

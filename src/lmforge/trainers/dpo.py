@@ -34,13 +34,12 @@ from torch import Tensor, nn
 
 from lmforge import distributed as dist_utils
 from lmforge.config import Config, RunSection, Section, StartEvalSection, TasksSection
-from lmforge.data.loader import eval_batches
 from lmforge.data.packing import IGNORE_INDEX, Batch
 from lmforge.data.preference_data import (PreferenceDataset, build_preference_dataset, pairs_in,
                                           read_preference_records, sequence_index)
 from lmforge.errors import UserError
 from lmforge.evaluation.downstream import with_downstream
-from lmforge.evaluation.loss import evaluate_loss
+from lmforge.evaluation.loss import evaluate_loss, validation_batches
 from lmforge.evaluation.tasks import TaskEval, held_out_examples, record_task_summary
 from lmforge.models.load import ModelSource, load_model
 from lmforge.models.flops import training_flops
@@ -242,9 +241,7 @@ def make_eval(cfg: DPOConfig, val_set: PreferenceDataset | None, objective: DPOO
     def evaluate(rt: Runtime, step: int) -> dict:
         values: dict = {}
         if val_set is not None:
-            W = rt.dist.world_size
-            size = max(min(cfg.eval.batch_size, len(val_set)) // W * W, W)
-            batches = eval_batches(val_set, size, cfg.eval.steps, rt.dist.rank, W)
+            batches = validation_batches(rt, val_set)
             values.update(objective.log_values(evaluate_loss(rt, batches, objective.loss_fn)))
         return values | tasks(rt, step)
 

@@ -15,12 +15,11 @@ from typing import Literal
 
 from lmforge.config import Config, StartEvalSection, RunSection, Section, TasksSection
 from lmforge.data.chat import ChatFormat, chat_format_for
-from lmforge.data.loader import eval_batches
 from lmforge.data.sft_data import Record, SFTDataset, build_sft_dataset, read_sft_records, task_records
 from lmforge.data.tasks import task_examples
 from lmforge.errors import UserError
 from lmforge.evaluation.downstream import with_downstream
-from lmforge.evaluation.loss import evaluate_loss
+from lmforge.evaluation.loss import evaluate_loss, validation_batches
 from lmforge.evaluation.tasks import TaskEval, held_out_examples, record_task_summary
 from lmforge.training.loop import EvalFn, train
 from lmforge.training.next_token import LoaderSource, NextTokenObjective
@@ -96,9 +95,7 @@ def make_eval(cfg: SFTConfig, val_set: SFTDataset | None, tasks: TaskEval) -> Ev
     def evaluate(rt: Runtime, step: int) -> dict:
         values: dict = {}
         if val_set is not None:
-            W = rt.dist.world_size  # a small validation set still gives one (smaller) batch
-            size = max(min(cfg.eval.batch_size, len(val_set)) // W * W, W)
-            batches = eval_batches(val_set, size, cfg.eval.steps, rt.dist.rank, W)
+            batches = validation_batches(rt, val_set)
             values.update(evaluate_loss(rt, batches, functools.partial(
                 cross_entropy_loss, chunk_tokens=cfg.training.loss_chunk_tokens)))
         return values | tasks(rt, step)
