@@ -122,6 +122,18 @@ def _tokenize_all(documents: Sequence[str], tokenizer) -> list[list[int]]:
     return [tokenizer.encode(d) for d in documents]
 
 
+def window_sample(i: int, num_samples: int, seq_len: int, read) -> Sample:
+    """Sample ``i`` of a token stream cut into ``seq_len`` windows: tokens ``[i*T, i*T+T+1)`` as
+    (input, next-token label) pairs; ``read(start, stop)`` gives int64 tokens of the stream."""
+    if i < 0:
+        i += num_samples
+    if not 0 <= i < num_samples:
+        raise IndexError(f"sample {i} out of range [0, {num_samples})")
+    start = i * seq_len
+    window = torch.from_numpy(read(start, start + seq_len + 1))
+    return Sample(input_ids=window[:-1], labels=window[1:])
+
+
 class PackedTokenDataset:
     """Pretraining data: all documents as one token stream, cut into fixed windows.
 
@@ -164,10 +176,5 @@ class PackedTokenDataset:
         return self._num_samples
 
     def __getitem__(self, i: int) -> Sample:
-        if i < 0:
-            i += self._num_samples
-        if not 0 <= i < self._num_samples:
-            raise IndexError(f"sample {i} out of range [0, {self._num_samples})")
-        start = i * self.seq_len
-        window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
-        return Sample(input_ids=window[:-1], labels=window[1:])
+        return window_sample(i, self._num_samples, self.seq_len,
+                             lambda start, stop: self.tokens[start:stop].astype(np.int64))

@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from lmforge.data.packing import Sample
+from lmforge.data.packing import Sample, window_sample
 from lmforge.errors import UserError
 
 __all__ = ["INDEX_FILE", "FORMAT", "is_prepared_dir", "read_index", "PreparedTokens", "PackedShardDataset",
@@ -221,10 +220,4 @@ class PackedShardDataset:
         return self._num_samples
 
     def __getitem__(self, i: int) -> Sample:
-        if i < 0:
-            i += self._num_samples
-        if not 0 <= i < self._num_samples:
-            raise IndexError(f"sample {i} out of range [0, {self._num_samples})")
-        start = i * self.seq_len
-        window = torch.from_numpy(self.data.read(start, start + self.seq_len + 1))
-        return Sample(input_ids=window[:-1], labels=window[1:])
+        return window_sample(i, self._num_samples, self.seq_len, self.data.read)
