@@ -15,8 +15,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from lmforge.data.sources import (SUPPORTED_SUFFIXES, _append_text, _decode, _lines, data_files, hf_column,
-                                  is_hf_dataset_dir, load_hf_dataset, text_blocks)
+from lmforge.data.sources import (SUPPORTED_SUFFIXES, _append_text, _decode, _lines, append_jsonl_text, data_files,
+                                  hf_column, is_hf_dataset_dir, load_hf_dataset, text_blocks)
 from lmforge.errors import UserError
 
 __all__ = ["Chunk", "plan_chunks", "chunk_documents", "input_files"]
@@ -174,9 +174,5 @@ def _jsonl_docs(path: Path, text: str, text_field: str, first_line: int) -> list
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise UserError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
-        if not isinstance(obj, dict):
-            raise UserError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-        if text_field not in obj:
-            raise UserError(f"{path}:{lineno}: missing field {text_field!r}")
-        _append_text(docs, obj[text_field], f"{path}:{lineno}: field {text_field!r}")
+        append_jsonl_text(docs, obj, f"{path}:{lineno}", text_field)
     return docs

@@ -139,12 +139,18 @@ def _read_hf(path: Path, text_field: str) -> list[str]:
 def _read_jsonl(path: Path, text_field: str) -> list[str]:
     docs: list[str] = []
     for lineno, obj in _jsonl_lines(path):
-        if not isinstance(obj, dict):
-            raise UserError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-        if text_field not in obj:
-            raise UserError(f"{path}:{lineno}: missing field {text_field!r}")
-        _append_text(docs, obj[text_field], f"{path}:{lineno}: field {text_field!r}")
+        append_jsonl_text(docs, obj, f"{path}:{lineno}", text_field)
     return docs
+
+
+def append_jsonl_text(docs: list[str], obj: object, where: str, text_field: str) -> None:
+    """Append the ``text_field`` document of one JSON line (``where`` = ``file:line``), or say in one
+    line why it has none."""
+    if not isinstance(obj, dict):
+        raise UserError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    if text_field not in obj:
+        raise UserError(f"{where}: missing field {text_field!r}")
+    _append_text(docs, obj[text_field], f"{where}: field {text_field!r}")
 
 
 def _append_text(docs: list[str], value: object, where: str) -> None:
