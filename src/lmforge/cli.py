@@ -1,5 +1,7 @@
 """The ``lmforge`` command: ``lmforge TRAINER --config FILE [--section.key=value ...]`` and tools.
 
+The trainers are the registered recipes (:mod:`lmforge.recipes`); adding one needs no change here.
+
 User errors (bad config, missing files, ...) print one ``error:`` line and exit with status 2.
 """
 
@@ -12,37 +14,18 @@ from typing import Callable
 
 from lmforge.errors import UserError
 
-TRAINERS = ("pretrain", "sft", "grpo", "dpo", "elastic")
-
-
-def _trainer(name: str) -> tuple[type, Callable]:
-    if name == "pretrain":
-        from lmforge.config import Config
-        from lmforge.trainers.pretrain import run
-        return Config, run
-    if name == "sft":
-        from lmforge.trainers.sft import SFTConfig, run
-        return SFTConfig, run
-    if name == "grpo":
-        from lmforge.trainers.grpo import GRPOConfig, run
-        return GRPOConfig, run
-    if name == "dpo":
-        from lmforge.trainers.dpo import DPOConfig, run
-        return DPOConfig, run
-    from lmforge.trainers.elastic import ElasticConfig, run
-    return ElasticConfig, run
-
-
 def _train(name: str, argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog=f"lmforge {name}", description=f"Run the {name} trainer.",
+    from lmforge.config import load_config
+    from lmforge.recipes import get_recipe
+    from lmforge.recipes.skeleton import run_recipe
+
+    recipe = get_recipe(name)
+    parser = argparse.ArgumentParser(prog=f"lmforge {name}", description=f"{name}: {recipe.summary}.",
                                      epilog="Any config key can be overridden: --training.steps=50")
     parser.add_argument("--config", help="TOML config file (configs/*.toml)")
     args, overrides = parser.parse_known_args(argv)
-    from lmforge.config import load_config
-
-    cls, run = _trainer(name)
-    cfg = load_config(cls, args.config, overrides)
-    rt = run(cfg)
+    cfg = load_config(recipe.config, args.config, overrides)
+    rt = run_recipe(recipe, cfg)
     if rt.dist.is_main:
         d = rt.run_dir
         print(f"run files: {d}/ (metrics.jsonl, config.toml, checkpoints/, tensorboard/)")
@@ -166,7 +149,10 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = ("usage: lmforge {pretrain,sft,grpo,dpo,elastic} --config FILE [--section.key=value ...]\n"
+    from lmforge.recipes import recipes
+
+    trainers = recipes()
+    usage = (f"usage: lmforge {{{','.join(trainers)}}} --config FILE [--section.key=value ...]\n"
              "       lmforge generate CHECKPOINT --prompt TEXT | export --hf OUT [--adapter OUT] RUN_DIR | report RUN_DIR...\n"
              "       lmforge eval RUN_OR_MODEL_DIR --tasks T1,T2 [--limit N] [--apply-chat-template]\n"
              "       lmforge prepare INPUT... --out DIR [--tokenizer T] [--workers N] [--text-field F] | --out DIR --verify")
@@ -175,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     try:
-        if cmd in TRAINERS:
+        if cmd in trainers:
             return _train(cmd, rest)
         if cmd in COMMANDS:
             return COMMANDS[cmd](rest)

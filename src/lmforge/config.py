@@ -226,7 +226,23 @@ class LoraSection(Section):
 
 
 class ParallelSection(Section):
+    """How the ranks divide the work (``lmforge.parallel.dims``): the product of the degrees used is
+    the world size."""
+
     mode: Literal["ddp", "fsdp"] = "ddp"
+    """Shorthand for the data dimensions: ``ddp`` replicates the model on every rank, ``fsdp`` shards it."""
+    dp_replicate: int = Field(0, ge=0)
+    """Ranks holding whole copies (0: from ``mode``); with ``dp_shard`` > 1 too, HSDP."""
+    dp_shard: int = Field(0, ge=0)
+    """Ranks sharding parameters, gradients and optimizer state with FSDP2 (0: from ``mode``)."""
+    tp: int = Field(1, ge=1)
+    """Tensor-parallel degree (not available yet: must be 1)."""
+    cp: int = Field(1, ge=1)
+    """Context-parallel degree (not available yet: must be 1)."""
+    ep: int = Field(1, ge=1)
+    """Expert-parallel degree (not available yet: must be 1)."""
+    pp: int = Field(1, ge=1)
+    """Pipeline-parallel degree (not available yet: must be 1)."""
 
 
 class Config(Section):

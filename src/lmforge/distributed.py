@@ -1,4 +1,5 @@
-"""Process groups, devices and data-parallel wrapping (DDP or FSDP2) under torchrun or alone."""
+"""Process groups, devices and collectives under torchrun or alone (the model's layout over the ranks is
+:mod:`lmforge.parallel`)."""
 
 from __future__ import annotations
 
@@ -140,32 +141,6 @@ def no_grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
             model.set_requires_gradient_sync(True)
     else:
         yield
-
-
-def wrap_model(model: nn.Module, mode: str, info: DistInfo, *, bf16: bool = False) -> nn.Module:
-    """Wrap for data parallelism: DDP, or FSDP2 ``fully_shard`` per transformer block then the root.
-
-    Alone (world size 1) the model is returned as is. With FSDP2 on GPU and ``bf16``, parameters are
-    gathered in bf16 and gradients reduced in fp32.
-    """
-    if info.world_size == 1:
-        return model
-    if mode == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mesh = init_device_mesh(info.device.type, (info.world_size,))
-        kwargs: dict = {"mesh": mesh}
-        if bf16 and info.device.type == "cuda":
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.layers:
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
-        return model
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    device_ids = [info.local_rank] if info.device.type == "cuda" else None
-    return DDP(model, device_ids=device_ids)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -227,6 +227,27 @@ def chat_format_for(tokenizer: Tokenizer, template_file: str | None = None) -> C
     return JinjaChatFormat(text, tokenizer, _special_strings(tokenizer, _tokenizer_config(tokenizer)), source)
 
 
+def training_chat_format(tokenizer: Tokenizer, vocab_size: int, template_file: str | None = None) -> ChatFormat | None:
+    """The chat format a fine-tuning run renders conversations with (``template_file`` or the
+    tokenizer's own), or None when the tokenizer has none (only conversational records need one).
+
+    The template's special tokens must exist in the model. Checked on the tokenizer's control tokens,
+    not by rendering a sample chat: a template may rightly refuse any given sample (e.g. one that
+    requires a system message), and the data's own chats are rendered and checked line by line.
+    """
+    try:
+        chat: ChatFormat | None = chat_format_for(tokenizer, template_file)
+    except UserError:
+        if template_file:
+            raise
+        return None
+    bad = sorted((i, t) for t, i in tokenizer.control_tokens.items() if i >= vocab_size)
+    if bad:
+        raise UserError(f"chat token {bad[0][1]!r} (id {bad[0][0]}) is outside the model's vocabulary "
+                        f"({vocab_size}): model.tokenizer does not match the model")
+    return chat
+
+
 def stop_token_ids(tokenizer: Tokenizer, template_file: str | None = None) -> list[int]:
     """Every token that ends a reply: generation stops at any of them.
 

@@ -1,8 +1,9 @@
-"""Eval loss: token-weighted over all eval batches and ranks, from zero at every eval."""
+"""Eval loss: weighted over all eval batches and ranks, from zero at every eval; and the eval function
+every recipe with a validation set uses (its objective's logged values, plus held-out task scores)."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -10,6 +11,7 @@ from lmforge.data.loader import eval_batches
 from lmforge.data.packing import Batch, SampleDataset
 from lmforge.errors import UserError
 from lmforge.training.runtime import Runtime
+from lmforge.training.stats import LossStats, accumulate
 from lmforge.training.train_step import LossFn, compute_global_loss
 
 
@@ -22,18 +24,33 @@ def validation_batches(rt: Runtime, dataset: SampleDataset) -> Iterable[Batch]:
 
 
 def evaluate_loss(rt: Runtime, batches: Iterable[Batch], loss_fn: LossFn) -> dict[str, torch.Tensor]:
-    """``Σ loss / Σ total_weights`` over ``batches`` on every rank; the sums start from zero every call,
-    so the same eval set always reports the same ``total_weights``."""
+    """``Σ loss_sum / Σ loss_weight`` over ``batches`` on every rank, with every summed statistic; the
+    sums start from zero every call, so the same eval set always reports the same ``total_weights``."""
     model = rt.model
     was_training = model.training
     model.eval()
-    totals: dict[str, torch.Tensor] = {}
+    totals: LossStats | None = None
     with torch.no_grad(), rt.autocast():
         for batch in batches:
             _, stats = loss_fn(model, batch.to(rt.dist.device))
-            for k, v in stats.items():
-                totals[k] = totals[k] + v if k in totals else v.detach().clone()
+            totals = accumulate(totals, stats)
     model.train(was_training)
-    if not totals:
+    if totals is None:
         raise UserError("eval produced no batches: the validation set is smaller than one eval batch")
     return compute_global_loss(totals)
+
+
+def validation_eval(objective: Any, val_set: SampleDataset | None, tasks: Any = None,
+                    batches: Callable[[Runtime, SampleDataset], Iterable[Batch]] = validation_batches) -> Any:
+    """``evaluate(rt, step)``: the objective's logged values on ``val_set`` (eval loss and the rest),
+    plus ``tasks(rt, step)`` (held-out exact match) when given; None when there is nothing to score."""
+    if val_set is None and not tasks:
+        return None
+
+    def evaluate(rt: Runtime, step: int) -> dict:
+        values: dict = {}
+        if val_set is not None:
+            values |= objective.log_values(evaluate_loss(rt, batches(rt, val_set), objective.loss_fn))
+        return values | (tasks(rt, step) if tasks else {})
+
+    return evaluate

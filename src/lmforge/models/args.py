@@ -3,7 +3,11 @@
 One ``ModelArgs`` describes every family lmforge runs: Llama 2/3/3.x, SmolLM2 (Llama-shaped),
 Qwen2/2.5 (bias on the q/k/v projections), Qwen3 (RMSNorm on q and k per head, explicit
 ``head_dim``) and Mistral (sliding-window attention). ``hf_model_type`` records which Hugging Face
-family the weights belong to, so exporting writes the same ``model_type`` back.
+family the weights belong to: it selects the family's :class:`~lmforge.models.spec.ModelSpec`
+(``spec_for_args``), so exporting writes the same ``model_type`` back.
+
+Checkpoints store ``ModelArgs.to_dict()``, so field names and meanings never change; a new field
+needs a default that reproduces what older checkpoints meant.
 """
 
 from __future__ import annotations
@@ -13,13 +17,6 @@ from typing import Any
 
 from lmforge.errors import UserError
 
-# Hugging Face model_type -> the CausalLM class transformers builds for it.
-HF_ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "mistral": "MistralForCausalLM",
-}
 # RoPE frequency schemes that are computed once from the config (no run-time state).
 ROPE_TYPES = ("default", "llama3", "linear")
 
@@ -66,8 +63,12 @@ class ModelArgs:
                 raise UserError(f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise UserError(f"sliding_window must be a positive number of tokens, got {self.sliding_window}")
-        if self.hf_model_type not in HF_ARCHITECTURES:
-            raise UserError(f"unknown hf_model_type {self.hf_model_type!r}; known: {', '.join(HF_ARCHITECTURES)}")
+        # Imported here: the registry's family modules build models, and models import this module.
+        from lmforge.models.spec import registered_model_types
+
+        known = registered_model_types()
+        if self.hf_model_type not in known:
+            raise UserError(f"unknown hf_model_type {self.hf_model_type!r}; known: {', '.join(known)}")
 
     @property
     def kv_heads(self) -> int:

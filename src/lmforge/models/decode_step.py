@@ -15,8 +15,10 @@ same math as ``Transformer.forward`` with a ``KVCache`` and one token, but
   repeats), bit-identical from 4 rows up (below 4 rows MKL takes a matrix-vector path that sums
   in another order, so small batches keep ``linear`` and match the model exactly).
 
-Only plain models qualify (:func:`supports`): adapters (LoRA), sharded parameters (FSDP, TP) or
-forward hooks need the modules' own forward, which ``generate`` then uses instead.
+Only plain models of a family whose spec says ``fused_decode`` qualify (:func:`supports`): adapters
+(LoRA), sharded parameters (FSDP, TP) or forward hooks need the modules' own forward, which
+``generate`` then uses instead. The step covers the dense decoder's switches: q/k/v bias, q/k
+norms, explicit ``head_dim`` and the sliding window.
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lmforge.models.kv_cache import KVCache
-from lmforge.models.model import Transformer, apply_rope, rms_norm
+from lmforge.models.layers.kv_cache import KVCache
+from lmforge.models.layers.norm import rms_norm
+from lmforge.models.layers.rope import apply_rope
+from lmforge.models.model import Transformer
+from lmforge.models.spec import spec_for_args
 
 FUSE_LIMIT_BYTES = 1 << 30
 """Fused copies of q|k|v and w1|w3 cost extra memory of about their own size; above this the
@@ -92,11 +97,12 @@ class DecodeWeights:
 def supports(model: nn.Module) -> bool:
     """Whether :func:`decode_step` computes exactly what ``model``'s own forward would.
 
-    It bypasses module calls, so anything that acts through them rules it out: replaced linear
-    layers (LoRA adapters), parameters that are not plain tensors (FSDP / tensor-parallel
-    DTensors), and forward hooks (on any module, or global ones).
+    The family's spec must declare ``fused_decode``. The step bypasses module calls, so anything
+    that acts through them rules it out too: replaced linear layers (LoRA adapters), parameters
+    that are not plain tensors (FSDP / tensor-parallel DTensors), and forward hooks (on any
+    module, or global ones).
     """
-    if type(model) is not Transformer:
+    if type(model) is not Transformer or not spec_for_args(model.args).fused_decode:
         return False
     from torch.nn.modules import module as module_mod
 

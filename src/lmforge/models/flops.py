@@ -12,7 +12,7 @@ from typing import Iterable
 
 import torch
 
-from lmforge.models.model import ModelArgs
+from lmforge.models.args import ModelArgs
 
 
 def matmul_params(args: ModelArgs) -> int:

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from lmforge.errors import UserError
 from lmforge.models.decode_step import DecodeWeights, decode_step, decode_step_static, supports
-from lmforge.models.kv_cache import KVCache
+from lmforge.models.layers.kv_cache import KVCache
 from lmforge.models.model import Transformer
 
 _SYNC_EVERY = 16

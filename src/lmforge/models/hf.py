@@ -1,16 +1,16 @@
 """Read and write Hugging Face checkpoint directories (config.json + safetensors).
 
-Families: Llama (incl. SmolLM2), Qwen2/2.5, Qwen3 and Mistral; ``lmforge.models.hf_config``
-maps their config.json to ``ModelArgs`` and back. lmforge's RoPE uses the same
-``rotate_half`` layout as Hugging Face, so the conversion is a pure renaming of tensors:
-no q/k permutation is needed in either direction. Everything works offline on local
-directories.
+Every family-specific step goes through the family's :class:`~lmforge.models.spec.ModelSpec`:
+``lmforge.models.hf_config`` maps config.json to ``ModelArgs`` and back, the spec's
+``state_dict_adapter`` renames the tensors (a pure renaming: lmforge's RoPE uses Hugging Face's
+``rotate_half`` layout, so no q/k permutation in either direction) and its ``build`` makes the
+model. Built-in families: Llama (incl. SmolLM2), Qwen2/2.5, Qwen3 and Mistral. Everything works
+offline on local directories.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -19,103 +19,38 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from lmforge.errors import UserError
+from lmforge.models.args import ModelArgs
+from lmforge.models.families.llama_style import LLAMA_LAYOUT
 from lmforge.models.hf_config import args_from_hf_config, check_exportable, hf_config_from_args
-from lmforge.models.model import ModelArgs, Transformer
-
-# lmforge per-layer suffix -> Hugging Face per-layer suffix
-_LAYER_MAP = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention.wq.bias": "self_attn.q_proj.bias",
-    "attention.wk.bias": "self_attn.k_proj.bias",
-    "attention.wv.bias": "self_attn.v_proj.bias",
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_GLOBAL_MAP = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_HF_LAYER_MAP = {v: k for k, v in _LAYER_MAP.items()}
-_HF_GLOBAL_MAP = {v: k for k, v in _GLOBAL_MAP.items()}
-_LF_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
-_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-# Wrappers that prefix parameter names (torch.compile, DDP).
-_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+from lmforge.models.model import Transformer
+from lmforge.models.spec import spec_for_args
 
 
-def _strip_wrappers(name: str) -> str:
-    changed = True
-    while changed:
-        changed = False
-        for p in _WRAPPER_PREFIXES:
-            if name.startswith(p):
-                name, changed = name[len(p):], True
-    return name.replace("._orig_mod.", ".")
-
-
-def hf_module_name(name: str) -> str:
+def hf_module_name(name: str, args: ModelArgs | None = None) -> str:
     """The Hugging Face name of a projection inside a layer: ``layers.3.attention.wq`` ->
-    ``model.layers.3.self_attn.q_proj`` (wrapper prefixes such as torch.compile's are dropped)."""
-    m = _LF_LAYER.fullmatch(_strip_wrappers(name))
-    suffix = _LAYER_MAP.get(f"{m.group(2)}.weight") if m else None
-    if m is None or suffix is None:
-        raise ValueError(f"no Hugging Face name for lmforge module {name!r}")
-    return f"model.layers.{m.group(1)}.{suffix.removesuffix('.weight')}"
+    ``model.layers.3.self_attn.q_proj`` (wrapper prefixes such as torch.compile's are dropped).
+
+    Without ``args`` the names of the Llama layout, which every built-in family shares, are used.
+    """
+    adapter = LLAMA_LAYOUT if args is None else spec_for_args(args).state_dict_adapter
+    return adapter.hf_module_name(name)
 
 
 def hf_state_dict_from_lmforge(model_state: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
-    """Rename an lmforge state dict to Hugging Face ``*ForCausalLM`` names (shared by all families).
+    """Rename an lmforge state dict to the Hugging Face ``*ForCausalLM`` names of ``args``' family.
 
     With tied embeddings ``lm_head.weight`` is omitted, as ``save_pretrained`` does.
     """
-    out: dict[str, Tensor] = {}
-    for raw, t in model_state.items():
-        name = _strip_wrappers(raw)
-        if name in _GLOBAL_MAP:
-            if name == "output.weight" and args.tie_embeddings:
-                continue
-            out[_GLOBAL_MAP[name]] = t
-            continue
-        m = _LF_LAYER.fullmatch(name)
-        if m is None or m.group(2) not in _LAYER_MAP:
-            raise ValueError(f"unexpected lmforge parameter {raw!r}")
-        out[f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"] = t
-    return out
+    return spec_for_args(args).state_dict_adapter.to_hf(model_state, args)
 
 
 def lmforge_state_dict_from_hf(hf_state: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
-    """Rename a Hugging Face state dict (any supported family) to lmforge names.
+    """Rename a Hugging Face state dict of ``args``' family to lmforge names.
 
     When the model ties embeddings, ``output.weight`` is the embedding tensor itself.
     Buffers HF may store (``rotary_emb.inv_freq``) are ignored: lmforge recomputes RoPE.
     """
-    out: dict[str, Tensor] = {}
-    for name, t in hf_state.items():
-        if name.endswith("rotary_emb.inv_freq"):
-            continue
-        if name in _HF_GLOBAL_MAP:
-            out[_HF_GLOBAL_MAP[name]] = t
-            continue
-        m = _HF_LAYER.fullmatch(name)
-        if m is None or m.group(2) not in _HF_LAYER_MAP:
-            raise UserError(f"unexpected tensor {name!r} in Hugging Face checkpoint (a feature lmforge lacks?)")
-        out[f"layers.{m.group(1)}.{_HF_LAYER_MAP[m.group(2)]}"] = t
-    if args.tie_embeddings:
-        if "tok_embeddings.weight" not in out:
-            raise UserError("Hugging Face checkpoint has no model.embed_tokens.weight")
-        out["output.weight"] = out["tok_embeddings.weight"]
-    elif "output.weight" not in out:
-        raise UserError("checkpoint has no lm_head.weight but config says tie_word_embeddings=false")
-    return out
+    return spec_for_args(args).state_dict_adapter.from_hf(hf_state, args)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -160,19 +95,20 @@ def _read_hf_tensors(model_dir: Path) -> dict[str, Tensor]:
 
 
 def load_hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Transformer:
-    """Load a Hugging Face model directory into a CPU ``Transformer`` of ``dtype``.
+    """Load a Hugging Face model directory into a CPU model of ``dtype`` (its spec's ``build``).
 
     The module is built on the meta device and the checkpoint tensors assigned directly,
     so no time or memory is spent on a random init that would be overwritten.
     """
     model_dir = Path(model_dir)
     args = load_hf_config(model_dir)
-    state = lmforge_state_dict_from_hf(_read_hf_tensors(model_dir), args)
+    spec = spec_for_args(args)
+    state = spec.state_dict_adapter.from_hf(_read_hf_tensors(model_dir), args)
     state = {k: v.to(dtype) for k, v in state.items()}
     if args.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
     with torch.device("meta"):
-        model = Transformer(args)
+        model = spec.build(args)
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:

@@ -16,7 +16,9 @@ from typing import Any, Literal
 
 from lmforge.checkpoint import RunDir, STATE_FILE, load_model_weights, read_trainer_state, resolve_checkpoint
 from lmforge.errors import UserError
-from lmforge.models.model import ModelArgs, Transformer
+from lmforge.models.args import ModelArgs
+from lmforge.models.model import Transformer
+from lmforge.models.spec import spec_for_args
 from lmforge.models.tokenizer import Tokenizer, load_tokenizer
 
 SourceKind = Literal["init", "hf", "checkpoint"]
@@ -99,10 +101,10 @@ def load_model(source: ModelSource, *, tokenizer: str = "byte", args: ModelArgs 
         spec = _tokenizer_spec(tokenizer)
         tok = load_tokenizer(spec)
         if args is None:
-            from lmforge.models.model import model_args_for
+            from lmforge.models.args import model_args_for
 
             args = model_args_for(size, tok.vocab_size, **(overrides or {}))
-        model = Transformer(args)
+        model = spec_for_args(args).build(args)
         model.init_weights(seed=int(source.where))
     elif source.kind == "hf":
         from lmforge.models.hf import load_hf_model
@@ -118,7 +120,8 @@ def load_model(source: ModelSource, *, tokenizer: str = "byte", args: ModelArgs 
         if "lora" in described:
             model = _load_adapted(ckpt, described, spec, merge_lora)
         else:
-            model = Transformer(ModelArgs.from_dict(described["model_args"]))
+            args = ModelArgs.from_dict(described["model_args"])
+            model = spec_for_args(args).build(args)
             load_model_weights(ckpt, model)
     if tok.vocab_size > model.args.vocab_size:
         raise UserError(f"{source}: tokenizer vocabulary ({tok.vocab_size}) does not fit the model's "

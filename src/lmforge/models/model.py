@@ -1,17 +1,19 @@
-"""Llama-style decoder-only transformer, with the options of its popular relatives.
+"""The dense decoder-only transformer (``Transformer``) that every built-in family builds.
 
-The layout follows Llama exactly (RMSNorm, rotary embeddings in the Hugging Face
-``rotate_half`` convention, grouped-query attention, SwiGLU MLP) so that Hugging Face
-checkpoints map onto it tensor-for-tensor with no permutation (see ``lmforge.models.hf``).
-The family options (``ModelArgs.qkv_bias``, ``qk_norm``, explicit ``head_dim``,
-``sliding_window``) cover Qwen2/2.5, Qwen3 and Mistral with the same modules.
+Its blocks come from :mod:`lmforge.models.layers`: RMSNorm, rotary embeddings in the Hugging Face
+``rotate_half`` convention, grouped-query attention and a SwiGLU MLP, laid out exactly as Llama
+so that Hugging Face checkpoints map onto it tensor-for-tensor with no permutation (each
+family's :class:`~lmforge.models.spec.ModelSpec` holds the renaming). The ``ModelArgs`` switches
+``qkv_bias``, ``qk_norm``, an explicit ``head_dim`` and ``sliding_window`` cover Qwen2/2.5, Qwen3
+and Mistral with the same modules.
 
-Attention always goes through ``F.scaled_dot_product_attention`` (``lmforge.models.attention``)
-so PyTorch can pick flash / memory-efficient kernels; the plain causal case passes
-``is_causal=True`` (no mask tensor at all), which is the fast path on GPUs; a sliding window
-only adds a banded mask once the sequence is longer than the window. Packed batches
-(``document_ids``) run causal SDPA per document, never a T x T mask; reading the document
-boundaries is the forward's only host sync (once per batch, outside any compiled block).
+The forward decides the attention pattern once for all layers: plain causal (``is_causal=True``,
+no mask tensor: the fast path on GPUs); a banded mask only once a sliding-window sequence is
+longer than the window; per-document causal SDPA for packed batches (``document_ids``), never a
+T x T mask. Reading the document boundaries is the forward's only host sync (once per batch,
+outside any compiled block).
+
+The layer names are re-exported here because code across lmforge imports them from this module.
 """
 
 from __future__ import annotations
@@ -20,17 +22,16 @@ import math
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmforge.errors import UserError
 from lmforge.models.args import MODEL_SIZES, ModelArgs, model_args_for
-from lmforge.models.attention import (
-    PackedLayout,
-    attend,
-    packed_layout,
-    sliding_window_mask,
-)
+from lmforge.models.layers.attention import Attention
+from lmforge.models.layers.masks import document_mask, sliding_window_mask
+from lmforge.models.layers.mlp import FeedForward
+from lmforge.models.layers.norm import RMSNorm, rms_norm
+from lmforge.models.layers.packed_attention import PackedLayout, packed_layout
+from lmforge.models.layers.rope import RotaryEmbedding, apply_rope
 
 __all__ = [
     "MODEL_SIZES", "ModelArgs", "model_args_for", "Transformer", "TransformerBlock", "Attention", "FeedForward",
@@ -38,158 +39,15 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lmforge.models.kv_cache import KVCache
+    from lmforge.models.layers.kv_cache import KVCache
 
 OutputHead = Callable[[Tensor, Tensor], Any]
 """(final-normed hidden states [B, T, dim], output weight [vocab, dim]) -> anything: see ``Transformer.forward``."""
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm over the last dimension (``RMSNorm.forward``; also used by the decode step)."""
-    # Normalise in fp32 and cast back before the weight, as Llama does; this keeps
-    # bf16 numerics identical to reference implementations.
-    dtype = x.dtype
-    if dtype == torch.float32:  # same math, one fused kernel
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
-
-
-def _rope_inv_freq(args: ModelArgs, device: torch.device | str | None) -> Tensor:
-    hd = args.head_dim
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
-    sc = args.rope_scaling
-    kind = None if sc is None else sc.get("rope_type", sc.get("type"))
-    if kind is None or kind == "default":
-        return inv
-    if kind == "linear":  # positions divided by `factor`, i.e. every frequency slowed down
-        return inv / float(sc["factor"])
-    # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, and the band
-    # in between interpolated smoothly.
-    factor = float(sc["factor"])
-    low, high = float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
-    old_ctx = float(sc["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
-    return torch.where(medium, blended, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for positions ``[0, max_seq_len)``, always kept in fp32.
-
-    The tables are non-persistent buffers (never checkpointed). ``_apply`` is overridden so
-    that ``model.to(torch.bfloat16)`` does not round them: they are rebuilt in fp32 instead.
-    """
-
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.register_buffer("cos", torch.empty(0), persistent=False)
-        self.register_buffer("sin", torch.empty(0), persistent=False)
-        self.rebuild()
-
-    def rebuild(self, device: torch.device | str | None = None) -> None:
-        """(Re)compute the tables, e.g. after ``to_empty`` from the meta device."""
-        device = self.cos.device if device is None else device
-        if torch.device(device).type == "meta":
-            shape = (self.args.max_seq_len, self.args.head_dim)
-            self.cos = torch.empty(shape, device="meta")
-            self.sin = torch.empty(shape, device="meta")
-            return
-        inv = _rope_inv_freq(self.args, device)
-        pos = torch.arange(self.args.max_seq_len, device=device, dtype=torch.float32)
-        freqs = torch.outer(pos, inv)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        # sin carries rotate_half's sign (first half negated), so applying RoPE needs only
-        # a roll of x instead of split + negate + concat: x*cos + roll(x, hd/2)*sin.
-        half = emb.shape[-1] // 2
-        sin = emb.sin()
-        sin[:, :half].neg_()
-        self.cos, self.sin = emb.cos(), sin
-
-    def _apply(self, fn, recurse=True):  # type: ignore[override]
-        super()._apply(fn, recurse)
-        if self.cos.dtype != torch.float32:
-            self.rebuild(self.cos.device)
-        return self
-
-    def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """Gather tables for ``position_ids`` [B, T] -> cos, signed sin [B, 1, T, head_dim] in ``dtype``.
-
-        The cast to the activation dtype matches Hugging Face, so bf16 runs agree with it too.
-        """
-        cos = self.cos[position_ids].unsqueeze(1).to(dtype)
-        sin = self.sin[position_ids].unsqueeze(1).to(dtype)
-        return cos, sin
-
-
-def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
-    """Rotate [B, H, T, head_dim] by the given angles (Hugging Face ``rotate_half`` layout).
-
-    Equals ``x * cos + rotate_half(x) * sin`` exactly, with ``signed_sin`` as produced by
-    ``RotaryEmbedding`` (its first half negated).
-    """
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
-
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=args.qkv_bias)
-        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
-        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
-        # Qwen3: per-head RMSNorm of q and k (over head_dim, weights shared by all heads).
-        self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
-
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | PackedLayout | None, is_causal: bool,
-        kv_cache: KVCache | None = None, layer_idx: int = 0,
-    ) -> Tensor:
-        B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv_cache is not None:
-            k, v = kv_cache.update(layer_idx, k, v)
-        out = attend(q, k, v, mask, is_causal, enable_gqa=self.n_kv_heads != self.n_heads)
-        return self.wo(out.reshape(B, T, self.n_heads * self.head_dim))
-
-
-class FeedForward(nn.Module):
-    """SwiGLU: ``w2(silu(w1 x) * w3 x)`` (w1 = gate, w3 = up, w2 = down)."""
-
-    def __init__(self, dim: int, hidden_dim: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class TransformerBlock(nn.Module):
+    """Pre-norm residual block: ``h = x + attention(norm(x))``, then ``h + feed_forward(norm(h))``."""
+
     def __init__(self, layer_idx: int, args: ModelArgs) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -206,19 +64,9 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def document_mask(document_ids: Tensor) -> Tensor:
-    """Block-diagonal causal mask [B, 1, T, T]: i attends j iff j <= i and same document.
-
-    The dense reference for packed attention; the model itself uses ``packed_layout``, whose
-    memory grows with the tokens per document instead of T^2.
-    """
-    T = document_ids.shape[1]
-    same = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)
-    causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
-    return (same & causal).unsqueeze(1)
-
-
 class Transformer(nn.Module):
+    """Embedding, ``n_layers`` blocks, final RMSNorm and output projection (optionally tied to the embedding)."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
@@ -318,7 +166,7 @@ class Transformer(nn.Module):
         ``document_ids`` [B, T] switches to block-diagonal causal attention for packed
         sequences; the caller then supplies ``position_ids`` that restart at 0 per document.
         With a ``kv_cache`` the new keys/values are appended to the cache and attention
-        covers everything cached so far (see ``lmforge.models.kv_cache.KVCache``).
+        covers everything cached so far (see ``lmforge.models.layers.kv_cache.KVCache``).
 
         ``head`` replaces the output projection: it gets the final-normed hidden states [B, T, dim]
         and the output weight [vocab_size, dim] and its result is returned (e.g. the chunked loss of

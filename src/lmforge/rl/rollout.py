@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from lmforge import distributed as dist_utils
 from lmforge.models.generate import generate
-from lmforge.rl.grpo_loss import AdvantageScale, PolicyBatch, group_advantages, token_logprobs
+from lmforge.objectives.grpo import AdvantageScale, PolicyBatch, group_advantages, token_logprobs
 from lmforge.rl.rewards import WeightedReward, score_completions
 from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS
 

@@ -29,21 +29,23 @@ from lmforge import distributed as dist_utils
 from lmforge.data.chat import ChatFormat, chat_format_for, stop_token_ids
 from lmforge.data.record_formats import prompt_messages
 from lmforge.errors import UserError
-from lmforge.models.load import ModelSource, load_model
-from lmforge.models.lora import BaseModelView, has_adapters
 from lmforge.models.tokenizer import Tokenizer
-from lmforge.rl.grpo_loss import PolicyBatch
+from lmforge.objectives.grpo import PolicyBatch
 from lmforge.rl.rewards import WeightedReward
 from lmforge.rl.rollout import (
     AllTruncatedWarning, PromptSampler, Rollout, RolloutSettings, SampledGroups, build_rollout, sample_groups,
 )
 from lmforge.training.loop import StepBatch
+from lmforge.training.reference import FrozenReference
 from lmforge.training.runtime import Runtime
 
 
 class RolloutSource:
-    def __init__(self, rt: Runtime, rewards: list[WeightedReward], prompts: list[dict[str, Any]]) -> None:
-        g, t = rt.cfg.grpo, rt.cfg.training
+    """``g`` is the ``[grpo]`` section; ``rewards`` the loaded reward functions; ``prompts`` the
+    training prompt records (:mod:`lmforge.data.prompts`)."""
+
+    def __init__(self, rt: Runtime, g: Any, rewards: list[WeightedReward], prompts: list[dict[str, Any]]) -> None:
+        t = rt.cfg.training
         self.rt, self.g, self.rewards, self.prompts = rt, g, rewards, prompts
         self.sampler = PromptSampler(len(prompts), t.global_batch_size // g.num_generations, rt.dist.rank,
                                      rt.dist.world_size, t.seed)
@@ -57,26 +59,14 @@ class RolloutSource:
         self.stop_ids = stop_token_ids(rt.tokenizer)
         names = [rt.tokenizer.decode([i], skip_special=False) for i in self.stop_ids]
         self.truncation_warning = AllTruncatedWarning(names, g.max_new_tokens, g.mask_truncated)
-        self.reference_source = rt.model_source
-        self.reference = self._load_reference(self.reference_source)
+        self.reference = FrozenReference(rt) if g.beta > 0 else None
+        """The frozen KL reference (only with beta > 0)."""
         self.rollout: Rollout | None = None
         self.uses_left = 0
         """Updates still to be trained on the current rollout (saved with it when > 0)."""
         if g.top_p < 1:
             rt.metrics.record_event("top_p", 0, f"warning: grpo.top_p={g.top_p} samples from the nucleus, but the "
                                     "ratio, the KL and the entropy use the whole distribution at grpo.temperature")
-
-    def _load_reference(self, source: ModelSource) -> Callable[..., Any] | None:
-        """The frozen KL reference (only with beta > 0): the run's starting weights, loaded afresh, or
-        under LoRA the policy itself with its adapters off (its frozen base: no second copy)."""
-        if self.g.beta == 0:
-            return None
-        rt = self.rt
-        if has_adapters(rt.raw_model):
-            return BaseModelView(rt.raw_model)
-        ref = load_model(source, args=rt.model_args, tokenizer=rt.model_description["tokenizer"]).model
-        ref = ref.to(rt.dist.device)
-        return ref.eval().requires_grad_(False)
 
     def next_step(self, step: int) -> StepBatch:
         if self.rollout is None or self.uses_left == 0:
@@ -137,7 +127,8 @@ class RolloutSource:
             counts = dist_utils.all_reduce_sum(torch.tensor([float(rounds * share), float(len(reserve) - fill)],
                                                             dtype=torch.float64, device=rt.dist.device)).tolist()
             extra |= {"grpo/prompts_drawn": counts[0], "grpo/dropped_groups": counts[1], "grpo/sampling_rounds": rounds}
-        return build_rollout(rt.raw_model, batch, self.settings, pad_id=rt.tokenizer.pad_id, reference=self.reference,
+        reference = self.reference.model_for(rt.raw_model) if self.reference is not None else None
+        return build_rollout(rt.raw_model, batch, self.settings, pad_id=rt.tokenizer.pad_id, reference=reference,
                              autocast=rt.autocast(), rollout_autocast=self.rollout_autocast(), gen_seconds=gen_seconds,
                              started=t0, extra_metrics=extra)
 
@@ -163,16 +154,13 @@ class RolloutSource:
                              autocast=self.rollout_autocast(), prompt_field=field, lockstep=True)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self.sampler.state_dict(), "reference": str(self.reference_source)}
+        reference = self.reference.state_dict() if self.reference else {"reference": str(self.rt.model_source)}
+        return {**self.sampler.state_dict(), **reference}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state)
-        saved = ModelSource.parse(state.get("reference", str(self.reference_source)))
-        if saved != self.reference_source:  # resumed with another start configured: keep the recorded one
-            self.reference_source = saved
-            self.reference = self._load_reference(saved)
-            if self.reference is not None:
-                self.rt.metrics.record_event("reference", 0, f"reference model: {saved} (recorded in the checkpoint)")
+        if self.reference is not None:  # resumed with another start configured: the recorded one wins
+            self.reference.load_state_dict(state)
         self.rollout, self.uses_left = None, 0
 
     def rank_state(self) -> dict[str, Any]:

@@ -6,20 +6,19 @@ import math
 import signal
 from typing import Any
 
-import torch
-
 from lmforge.errors import UserError
 from lmforge.metrics import to_python
 from lmforge.training.runtime import Runtime
 from lmforge.training.state import TrainState
-from lmforge.training.train_step import run_optimizer_step
 
 
 class Guard:
     """Non-finite loss/grad-norm guard and loss-spike warning.
 
     ``training.nonfinite=stop`` checks the loss on log steps (no per-step sync), on every step on
-    CPU, and before every checkpoint save; ``skip`` must look at the grad norm before every update, so it reads it each step.
+    CPU, and before every checkpoint save; ``skip`` must look at the grad norm before every update, so
+    the optimizer step reads it each step (``run_optimizer_step(skip_nonfinite=True)``) and the guard
+    reports each skipped update.
     """
 
     def __init__(self, rt: Runtime, spike_factor: float) -> None:
@@ -27,27 +26,12 @@ class Guard:
         self.mode = rt.cfg.training.nonfinite
         self.spike_factor = spike_factor
         self.every_step = rt.dist.device.type == "cpu" or self.mode == "skip"
+        self.skips_nonfinite = self.mode == "skip"
         self.mean: float | None = None
         self.skipped = 0
         self.latest: tuple[int, dict[str, Any], dict[str, Any] | None] | None = None
         """(step, values, logged record) of the last finished step: what :meth:`before_save` checks."""
         self._checked = 0
-
-    def optimizer_step(self, step: int, lr: float) -> torch.Tensor:
-        rt = self.rt
-        if self.mode != "skip":
-            return run_optimizer_step(rt.model, rt.optimizer, lr, rt.cfg.optimizer.grad_clip)
-        params = [p for p in rt.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        if not math.isfinite(float(norm)):
-            rt.optimizer.zero_grad(set_to_none=True)
-            self.skipped += 1
-            rt.metrics.record_event("nonfinite_skip", step, f"warning: step {step}: non-finite grad norm, "
-                                    f"update skipped ({self.skipped} so far)", skipped_updates=self.skipped)
-            return norm
-        return run_optimizer_step(rt.model, rt.optimizer, lr, rt.cfg.optimizer.grad_clip)
 
     def after_step(self, step: int, values: dict[str, Any], record: dict[str, Any] | None) -> None:
         self.latest = (step, values, record)
@@ -55,6 +39,10 @@ class Guard:
             return
         loss, grad_norm = self._read(values, record)
         self._checked = step
+        if self.mode == "skip" and not math.isfinite(grad_norm):
+            self.skipped += 1
+            self.rt.metrics.record_event("nonfinite_skip", step, f"warning: step {step}: non-finite grad norm, "
+                                         f"update skipped ({self.skipped} so far)", skipped_updates=self.skipped)
         if self.mode == "stop" and not (math.isfinite(loss) and math.isfinite(grad_norm)):
             where = f"at step {step}" if self.every_step else f"at step {step} (checked on log steps and before saves)"
             self._stop(step, loss, grad_norm, where)

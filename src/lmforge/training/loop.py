@@ -1,4 +1,4 @@
-"""The training loop: the only one, run by every trainer (pretraining, SFT, GRPO, elastic).
+"""The training loop: the only one, run by every recipe (pretraining, SFT, DPO, GRPO, elastic).
 
 A trainer hands :func:`train` two things and nothing else:
 
@@ -21,13 +21,12 @@ from typing import Any, Callable, Protocol
 import torch
 
 from lmforge import distributed as dist_utils
-from lmforge.errors import UserError
-from lmforge.metrics.records import last_logged_step
+from lmforge.training.checkpointing import resume, save
 from lmforge.training.guard import Guard, StopSignals
 from lmforge.training.runtime import Runtime
 from lmforge.training.state import TrainState
 from lmforge.training.train_step import (
-    LossFn, compute_global_loss, gradient_computation, learning_rate, should_continue_training,
+    LossFn, compute_global_loss, gradient_computation, learning_rate, run_optimizer_step, should_continue_training,
 )
 
 EvalFn = Callable[[Runtime, int], "dict[str, torch.Tensor | float]"]
@@ -46,6 +45,16 @@ class StepBatch:
     computed on the host when the batch is built: the TFLOP/s and MFU numerator."""
     metrics: dict[str, Any] = field(default_factory=dict)
     """Values the source measured for this step (e.g. rollout rewards), logged with the step."""
+
+
+@dataclass
+class Job:
+    """What a recipe hands the loop: its step source, its objective and its eval function."""
+
+    source: "StepSource"
+    objective: "Objective"
+    evaluate: EvalFn | None = None
+    """``evaluate(rt, step) -> values``, or None: no eval of the recipe's own."""
 
 
 class StepSource(Protocol):
@@ -85,7 +94,8 @@ def train(rt: Runtime, source: StepSource, objective: Objective, evaluate: EvalF
                 batch = source.next_step(step)
             normalizer = objective.normalizer(batch.microbatches)
             stats = gradient_computation(rt.model, batch.microbatches, objective.loss_fn, normalizer, rt.autocast())
-            grad_norm = guard.optimizer_step(step, lr := lr_at(rt, step))
+            grad_norm = run_optimizer_step(rt.model, rt.optimizer, lr := lr_at(rt, step), rt.cfg.optimizer.grad_clip,
+                                           skip_nonfinite=guard.skips_nonfinite)
             state.step = step
             values = objective.log_values(compute_global_loss(stats)) | batch.metrics | {"lr": lr, "grad_norm": grad_norm}
             record = rt.metrics.record_step(step, tokens=batch.tokens, flops=batch.flops, metrics=values, data_wait=wait.seconds,
@@ -143,43 +153,3 @@ def do_eval(rt: Runtime, state: TrainState, evaluate: EvalFn) -> dict[str, Any]:
     if "loss" in rec:
         state.last_eval_loss = rec["loss"]
     return rec
-
-
-def checkpoint_state(rt: Runtime, state: TrainState, source: StepSource) -> dict[str, Any]:
-    """Everything a checkpoint holds besides tensors and RNG (see lmforge.training.state)."""
-    return {**state.state_dict(), "data": source.state_dict(), "world_size": rt.dist.world_size,
-            "model": rt.model_description}
-
-
-def save(rt: Runtime, state: TrainState, source: StepSource, tier: str = "durable") -> Any:
-    """Checkpoint the current step (every rank); the guard first refuses a non-finite step."""
-    if rt.before_save is not None:
-        rt.before_save()
-    with rt.metrics.timed("checkpoint_save"):
-        return rt.checkpoints.save(state.step, rt.model, rt.optimizer, checkpoint_state(rt, state, source),
-                                   rank_state=source.rank_state(), tier=tier)  # type: ignore[arg-type]
-
-
-def resume(rt: Runtime, source: StepSource) -> TrainState:
-    """Continue from the newest complete checkpoint (of either tier) of the run directory, if any."""
-    state = TrainState()
-    if rt.cfg.checkpoint.resume == "never":
-        return state
-    path = rt.checkpoints.latest()
-    if path is None:
-        return state
-    with rt.metrics.timed("checkpoint_restore"):
-        saved = rt.checkpoints.load(path, rt.model, rt.optimizer)
-        try:
-            source.load_state_dict(saved.get("data", {}))
-            source.load_rank_state(saved.get("rank_state", {}))
-        except UserError as e:
-            raise UserError(f"resuming from {path}: {e}") from None
-        except (KeyError, TypeError, ValueError) as e:
-            raise UserError(f"resuming from {path}: its data position is unreadable ({e!r})") from None
-    state.load_state_dict(saved)
-    state.resumed_from = path
-    state.redo_until = last_logged_step(rt.run_dir)
-    rt.metrics.record_event("resume", state.step, f"resumed from {path} at step {state.step}",
-                            path=str(path), saved_world_size=saved.get("world_size", 0))
-    return state

@@ -1,20 +1,19 @@
-"""Next-token training, shared by pretraining, SFT and elastic runs: the packed-data step source
-and the cross-entropy objective that :func:`lmforge.training.loop.train` runs."""
+"""Next-token training's step source (packed data, shared by pretraining, SFT, DPO and elastic runs)
+and the next-token job over checked corpora that the pretraining and elastic recipes both run."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-import torch
-
+from lmforge.data.corpora import Corpora, build_datasets
 from lmforge.data.fingerprint import check_fingerprint, dataset_fingerprint
-from lmforge.data.loader import StepLoader
-from lmforge.data.packing import Batch, SampleDataset
-from lmforge.training.loop import StepBatch
+from lmforge.data.loader import StepLoader, eval_batches
+from lmforge.data.packing import SampleDataset
+from lmforge.errors import UserError
+from lmforge.evaluation.loss import validation_eval
+from lmforge.objectives.next_token import NextTokenObjective
+from lmforge.training.loop import Job, StepBatch
 from lmforge.training.runtime import Runtime
-from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS
-from lmforge.training.train_step import cross_entropy_loss, global_target_count
 
 
 class LoaderSource:
@@ -53,18 +52,18 @@ class LoaderSource:
         self.loader.close()
 
 
-class NextTokenObjective:
-    """Summed cross-entropy over target tokens, divided by the target tokens of the whole step (all
-    microbatches, all ranks): accumulation and ranks give the same gradient as one big batch."""
-
-    console_keys = ("accuracy",)
-    watch_spikes = True
-
-    def __init__(self, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
-        self.loss_fn = functools.partial(cross_entropy_loss, chunk_tokens=chunk_tokens)
-
-    def normalizer(self, microbatches: list[Batch]) -> torch.Tensor:
-        return global_target_count(microbatches)
-
-    def log_values(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return totals
+def next_token_job(rt: Runtime, corpora: Corpora) -> Job:
+    """Cross-entropy on the packed training corpus; eval loss on ``eval.steps`` fixed batches of the
+    validation corpus (a validation set too small for one eval batch fails now, not after training)."""
+    cfg = rt.cfg
+    train_set, val_set = build_datasets(cfg, rt.tokenizer, corpora)
+    e, rank, world = cfg.eval, rt.dist.rank, rt.dist.world_size
+    if val_set is not None and e.interval:
+        try:
+            eval_batches(val_set, e.batch_size, e.steps, rank, world)
+        except UserError as err:
+            raise UserError(f"data.validation={cfg.data.validation}: {err} (eval.batch_size)") from None
+    objective = NextTokenObjective(cfg.training.loss_chunk_tokens)
+    evaluate = validation_eval(objective, val_set,
+                               batches=lambda rt, ds: eval_batches(ds, e.batch_size, e.steps, rank, world))
+    return Job(LoaderSource(rt, train_set), objective, evaluate)

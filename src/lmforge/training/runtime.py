@@ -1,13 +1,15 @@
-"""Everything a trainer needs before its first step, built the same way for every trainer.
+"""The services every trainer runs on, built the same way for every recipe.
 
-``build_runtime`` turns a validated config into a :class:`Runtime`: process group and device,
-tokenizer, model (fresh, from a Hugging Face directory, or from an lmforge checkpoint), its
-data-parallel wrapper, AdamW, the MetricLogger and the Checkpointer.
+``build_runtime`` turns a validated config into a :class:`Runtime`: process group, device mesh and
+device, tokenizer, model (fresh, from a Hugging Face directory, or from an lmforge checkpoint) laid
+out over the mesh by its family's plan, AdamW, the MetricLogger and the checkpoint tiers. What only
+one recipe needs (the elastic recipe's step hooks and fast snapshot tier, a goodput clock that starts
+at an earlier failure) comes in a :class:`RecipeServices` from the recipe; nothing else about the
+trainer reaches the runtime.
 """
 
 from __future__ import annotations
 
-import json
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +33,9 @@ from lmforge.models.load import LoadedModel, ModelSource, load_model
 from lmforge.models.lora import apply_lora, trainable_parameters
 from lmforge.models.model import ModelArgs, Transformer
 from lmforge.models.tokenizer import Tokenizer
+from lmforge.parallel import ParallelDims, ParallelOptions, parallelize_decoder
 from lmforge.training.precision import choose_dtype
+from lmforge.training.startup_checks import check_fresh_start, check_resume_compatible
 from lmforge.training.train_step import build_optimizer
 
 StepHook = Callable[["Runtime", Any, Any], None]
@@ -40,24 +44,39 @@ SnapshotRoot = Callable[[Config, RunDir, dist_utils.DistInfo], "tuple[Path | Non
 """Where a fast checkpoint tier lives for this run, or (None, why not)."""
 
 
+@dataclass(frozen=True)
+class RecipeServices:
+    """What a recipe adds to the shared runtime (the elastic recipe uses all three)."""
+
+    step_hooks: tuple[StepHook, ...] = ()
+    snapshot_root: SnapshotRoot | None = None
+    """Adds a fast checkpoint tier (snapshots) where it returns a directory."""
+    snapshot_keep: int = 1
+    process_start: float | None = None
+    """Moves the start of goodput accounting earlier (a restarted attempt counts from the failure)."""
+
+
 @dataclass
 class Runtime:
     """The services every trainer runs on, all built by :func:`build_runtime` and never replaced."""
 
     cfg: Config
     dist: dist_utils.DistInfo
+    dims: ParallelDims
+    mesh: Any
+    """The ``DeviceMesh`` of ``dims`` (None for one process)."""
     tokenizer: Tokenizer
     model_args: ModelArgs
     raw_model: Transformer
     """The unwrapped model (for generation, export and state dicts)."""
     model: nn.Module
-    """The model the train step calls: DDP/FSDP-wrapped and/or compiled."""
+    """The model the train step calls: laid out over the mesh (DDP/FSDP2) and/or compiled."""
     optimizer: torch.optim.Optimizer
     metrics: MetricLogger
     checkpoints: CheckpointTiers
     run_dir: Path
     model_source: ModelSource
-    """Where the starting weights came from (GRPO rebuilds its reference model from it)."""
+    """Where the starting weights came from (the frozen reference of DPO/GRPO is rebuilt from it)."""
     model_description: dict[str, Any]
     """Model shape and tokenizer, stored in every checkpoint so it describes itself."""
     step_hooks: tuple[StepHook, ...] = ()
@@ -148,17 +167,52 @@ def build_model(cfg: Config) -> LoadedModel:
     return loaded
 
 
-def build_runtime(cfg: Config, trainer: str, *, step_hooks: tuple[StepHook, ...] = (),
-                  snapshot_root: SnapshotRoot | None = None, snapshot_keep: int = 1,
-                  process_start: float | None = None) -> Runtime:
-    """Process group, run directory, model, optimizer, MetricLogger and checkpoint tiers.
+def parallelize(model: Transformer, cfg: Config, dims: ParallelDims, mesh: Any, device: torch.device,
+                bf16: bool) -> nn.Module:
+    """Lay the model out over the mesh with its family's plan (the decoder plan unless the family
+    brings its own)."""
+    from lmforge.models.spec import spec_for_args
 
-    ``step_hooks`` run after every step; ``snapshot_root`` adds a fast checkpoint tier;
-    ``process_start`` moves the start of goodput accounting earlier (see MetricLogger).
-    """
+    plan = spec_for_args(model.args).parallelize or parallelize_decoder
+    t = cfg.training
+    return plan(model, dims, mesh, device, ParallelOptions(t.activation_checkpointing, t.compile, bf16))
+
+
+def build_metrics(cfg: Config, info: dist_utils.DistInfo, run: RunDir, fpt: float, peak: float,
+                  process_start: float | None) -> MetricLogger:
+    """The MetricLogger, with the model's FLOPs per token and the device's peak for MFU."""
+    bar = progress_bar(cfg.metrics.progress, cfg.training.steps, cfg.training.max_tokens, is_main=info.is_main)
+    sinks = [WandbSink.start(run.root, cfg.to_dict())] if cfg.metrics.wandb and info.is_main else []
+    metrics = MetricLogger(run.root, rank=info.rank, world_size=info.world_size, log_every=cfg.metrics.log_every,
+                           flops_per_token=fpt, peak_flops=peak, tensorboard=cfg.metrics.tensorboard,
+                           console=bar.write if bar else None, process_start=process_start, sinks=sinks,
+                           progress=bar, defer=True, device=info.device)
+    return metrics
+
+
+def build_checkpoints(cfg: Config, info: dist_utils.DistInfo, run: RunDir, metrics: MetricLogger,
+                      trainer: str, services: RecipeServices) -> CheckpointTiers:
+    """The durable tier in the run directory, plus a fast tier where the recipe asks for one."""
+    report = lambda line: metrics.record_event("checkpoint_damaged", 0, line)  # noqa: E731
+    durable = Checkpointer(run.root, cfg.checkpoint.keep, on_damaged=cfg.checkpoint.on_damaged, report=report)
+    fast = None
+    if services.snapshot_root is not None:
+        root, why_not = services.snapshot_root(cfg, run, info)
+        if root is None:
+            metrics.console(f"{trainer}: fast snapshots off ({why_not})")
+        else:
+            fast = Checkpointer(run.root, services.snapshot_keep, on_damaged=cfg.checkpoint.on_damaged,
+                                report=report, root=root)
+    return CheckpointTiers(durable, fast)
+
+
+def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeServices()) -> Runtime:
+    """Process group and mesh, run directory, model laid out over the mesh, optimizer, MetricLogger
+    and checkpoint tiers, plus what the recipe's ``services`` add."""
     if cfg.training.threads:
         torch.set_num_threads(cfg.training.threads)
     info = dist_utils.init_distributed(cfg.training.device)
+    dims = ParallelDims.from_config(cfg.parallel, info.world_size)
     run = RunDir(cfg.run.dir)
     claim_run_dir(run.root, info.is_main)
     torch.manual_seed(cfg.training.seed)
@@ -170,121 +224,30 @@ def build_runtime(cfg: Config, trainer: str, *, step_hooks: tuple[StepHook, ...]
         apply_lora(model, cfg.lora)
         adapter_params = trainable_parameters(model)[0]
         description |= {"lora": cfg.lora.model_dump(), "base": str(loaded.source)}
-    _check_fresh_start(cfg, run)
-    _check_resume_compatible(run, args, description)
+    check_fresh_start(cfg, run)
+    check_resume_compatible(run, args, description)
     model.to(info.device)
-    raw = model
-    if cfg.training.activation_checkpointing:
-        _apply_activation_checkpointing(model)
-    if cfg.training.compile:
-        for i, block in enumerate(model.layers):
-            model.layers[i] = torch.compile(block)
-    dtype, dtype_why = choose_dtype(cfg.training.dtype, info.device, raw.num_params(exclude_embeddings=True))
-    wrapped = dist_utils.wrap_model(model, cfg.parallel.mode, info, bf16=dtype == "bfloat16")
+    dtype, dtype_why = choose_dtype(cfg.training.dtype, info.device, model.num_params(exclude_embeddings=True))
+    mesh = dims.build_mesh(info.device.type)
+    wrapped = parallelize(model, cfg, dims, mesh, info.device, bf16=dtype == "bfloat16")
     o = cfg.optimizer
     optimizer = build_optimizer(wrapped, o.lr, o.weight_decay, (o.beta1, o.beta2), o.eps)
     peak, peak_src = peak_flops_per_device(  # MFU is measured against the peak of the dtype in use
         info.device, torch.bfloat16 if dtype == "bfloat16" else torch.float32,
         cfg.metrics.peak_tflops * 1e12 if cfg.metrics.peak_tflops else None)
     fpt = flops_per_token(args, cfg.data.seq_len, adapter_params)
-    bar = progress_bar(cfg.metrics.progress, cfg.training.steps, cfg.training.max_tokens, is_main=info.is_main)
-    sinks = [WandbSink.start(run.root, cfg.to_dict())] if cfg.metrics.wandb and info.is_main else []
-    metrics = MetricLogger(run.root, rank=info.rank, world_size=info.world_size, log_every=cfg.metrics.log_every,
-                           flops_per_token=fpt, peak_flops=peak, tensorboard=cfg.metrics.tensorboard,
-                           console=bar.write if bar else None, process_start=process_start, sinks=sinks,
-                           progress=bar, defer=True, device=info.device)
-    trainable, total = trainable_parameters(raw)
+    metrics = build_metrics(cfg, info, run, fpt, peak, services.process_start)
+    trainable, total = trainable_parameters(model)
     metrics.log_setup({
-        "trainer": trainer, "parameters": raw.num_params(), "non_embedding_parameters":
-        raw.num_params(exclude_embeddings=True), "trainable_parameters": trainable,
-        "trainable_share": round(trainable / total, 6), "flops_per_token": fpt, "peak_tflops_per_device": peak / 1e12,
-        "peak_source": peak_src, "world_size": info.world_size, "device": str(info.device),
-        "parallel": cfg.parallel.mode if info.world_size > 1 else "none", "dtype": dtype, "dtype_reason": dtype_why,
-        "threads": torch.get_num_threads(), "run_dir": str(run.root),
+        "trainer": trainer, "parameters": model.num_params(), "non_embedding_parameters":
+        model.num_params(exclude_embeddings=True), "trainable_parameters": trainable,
+        "trainable_share": round(trainable / total, 6), "flops_per_token": fpt,
+        "peak_tflops_per_device": peak / 1e12, "peak_source": peak_src,
+        "world_size": info.world_size, "device": str(info.device), "parallel": dims.describe(), "dtype": dtype,
+        "dtype_reason": dtype_why, "threads": torch.get_num_threads(), "run_dir": str(run.root),
     }, cfg.to_toml())
-    report = lambda line: metrics.record_event("checkpoint_damaged", 0, line)  # noqa: E731
-    durable = Checkpointer(run.root, cfg.checkpoint.keep, on_damaged=cfg.checkpoint.on_damaged, report=report)
-    fast = None
-    if snapshot_root is not None:
-        root, why_not = snapshot_root(cfg, run, info)
-        if root is None:
-            metrics.console(f"{trainer}: fast snapshots off ({why_not})")
-        else:
-            fast = Checkpointer(run.root, snapshot_keep, on_damaged=cfg.checkpoint.on_damaged, report=report, root=root)
-    return Runtime(cfg=cfg, dist=info, tokenizer=loaded.tokenizer, model_args=args, raw_model=raw, model=wrapped,
-                   optimizer=optimizer, metrics=metrics, checkpoints=CheckpointTiers(durable, fast),
-                   run_dir=run.root, model_source=loaded.source, model_description=description,
-                   step_hooks=tuple(step_hooks), dtype=dtype, adapter_params=adapter_params)
-
-
-def _check_fresh_start(cfg: Config, run: RunDir) -> None:
-    """``checkpoint.resume=never`` starts from step 0; in a directory that already holds checkpoints
-    the new run's saves would interleave with the old ones (and the newer old ones would win the next
-    resume), so it is refused instead of guessing which to delete."""
-    if cfg.checkpoint.resume != "never":
-        return
-    found = list_checkpoints(run.checkpoints)
-    if found:
-        raise UserError(f"checkpoint.resume=never but run.dir={run.root} already holds checkpoints "
-                        f"(newest {found[-1].name}); choose a new run.dir or move {run.checkpoints} away")
-
-
-def _saved_description(run: RunDir) -> dict[str, Any]:
-    """The model description the run's checkpoints were made for: from the newest checkpoint that
-    describes itself, else from ``model_args.json`` (older runs); {} when neither can be read."""
-    for ckpt in reversed(list_checkpoints(run.checkpoints)):
-        try:
-            described = json.loads((ckpt / STATE_FILE).read_text()).get("model", {})
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(described, dict) and isinstance(described.get("model_args"), dict):
-            return described
-    try:
-        saved = json.loads(run.model_args.read_text())
-    except (OSError, ValueError, AttributeError):
-        return {}
-    return saved if isinstance(saved, dict) and isinstance(saved.get("model_args", {}), dict) else {}
-
-
-def _check_resume_compatible(run: RunDir, args: ModelArgs, description: dict[str, Any]) -> None:
-    """Refuse to resume a run directory whose checkpoints were made for another model shape, or for
-    other LoRA adapters or another base model (a LoRA checkpoint holds only the adapters)."""
-    run_dir = run.root
-    if not list_checkpoints(run.checkpoints):
-        return
-    described = _saved_description(run)
-    if described:
-        _check_same_adapters(run_dir, described, description)
-    saved = described.get("model_args", {})
-    new = args.to_dict()
-    diff = sorted((k for k in new if k in saved and saved[k] != new[k]), key=lambda k: k != "vocab_size")
-    if diff and diff[0] == "vocab_size":
-        raise UserError(f"run.dir={run_dir}: the tokenizer's vocabulary ({new['vocab_size']}) does not match the "
-                        f"checkpoints' ({saved['vocab_size']}); model.tokenizer must be the one the run started with")
-    if diff:
-        k = diff[0]
-        raise UserError(f"run.dir={run_dir} holds checkpoints of another model (model {k}: {saved[k]} there, "
-                        f"{new[k]} now); use a new run.dir or checkpoint.resume=never")
-
-
-def _check_same_adapters(run_dir: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
-    if ("lora" in saved) != ("lora" in now):
-        had = "LoRA adapters" if "lora" in saved else "full weights"
-        raise UserError(f"run.dir={run_dir} holds checkpoints of {had}; set lora.enabled="
-                        f"{'true' if 'lora' in saved else 'false'} to resume it, or use a new run.dir")
-    if "lora" not in saved:
-        return
-    if saved["lora"] != now["lora"]:
-        k = next(k for k in now["lora"] if saved["lora"].get(k) != now["lora"][k])
-        raise UserError(f"run.dir={run_dir} holds adapters with lora.{k}={saved['lora'].get(k)!r}, "
-                        f"not {now['lora'][k]!r}; use the same [lora] settings or a new run.dir")
-    if saved.get("base") != now.get("base"):
-        raise UserError(f"run.dir={run_dir} holds adapters for the base model {saved.get('base')}, not "
-                        f"{now.get('base')}; start from the same model (model.from_hf / model.from_checkpoint)")
-
-
-def _apply_activation_checkpointing(model: Transformer) -> None:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    for i, block in enumerate(model.layers):
-        model.layers[i] = checkpoint_wrapper(block)
+    return Runtime(cfg=cfg, dist=info, dims=dims, mesh=mesh, tokenizer=loaded.tokenizer, model_args=args,
+                   raw_model=model, model=wrapped, optimizer=optimizer, metrics=metrics,
+                   checkpoints=build_checkpoints(cfg, info, run, metrics, trainer, services), run_dir=run.root,
+                   model_source=loaded.source, model_description=description, step_hooks=services.step_hooks,
+                   dtype=dtype, adapter_params=adapter_params)

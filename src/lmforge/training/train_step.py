@@ -2,7 +2,7 @@
 
 * :func:`gradient_computation` — forward/backward over one step's microbatches.
 * :func:`run_optimizer_step` — clip, learning rate, AdamW step, zero grads.
-* :func:`compute_global_loss` — token-weighted loss and ``total_weights`` across ranks.
+* :func:`compute_global_loss` — the loss and every summed statistic across ranks.
 * :func:`should_continue_training` — step, token, time, target-loss budgets and stop requests.
 
 Loss normalization: a loss function returns the *sum* of its per-token (or per-sequence) terms.
@@ -16,48 +16,29 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 from torch import nn
 
 from lmforge import distributed as dist_utils
-from lmforge.data.packing import IGNORE_INDEX, Batch
-from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobSumHead
+from lmforge.data.packing import Batch
+from lmforge.training.stats import LossStats, accumulate
 
 if TYPE_CHECKING:  # pragma: no cover
     from lmforge.training.state import TrainState
 
-LossFn = Callable[[nn.Module, Batch], "tuple[torch.Tensor, dict[str, torch.Tensor]]"]
+LossFn = Callable[[nn.Module, Any], "tuple[torch.Tensor, LossStats]"]
 """(model, microbatch) -> (objective summed over its terms, summed statistics as device tensors)."""
-
-
-def cross_entropy_loss(model: nn.Module, batch: Batch,
-                       chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Summed next-token cross-entropy over target tokens (labels != IGNORE_INDEX).
-
-    Statistics: ``loss_sum``, ``total_weights`` (target tokens) and ``correct`` (argmax hits), all
-    sums, so they add up exactly across microbatches and ranks.
-
-    Logits exist only at target positions and only ``chunk_tokens`` rows at a time (fp32), in
-    forward and backward (see :mod:`lmforge.training.chunked_loss`); the values equal the full
-    ``F.cross_entropy`` over fp32 logits. Bind ``chunk_tokens`` with ``functools.partial``.
-    """
-    mask = batch.labels != IGNORE_INDEX
-    head = TargetLogprobSumHead(batch.labels, mask, chunk_tokens=chunk_tokens)
-    logprob_sum, hits = model(batch.input_ids, position_ids=batch.position_ids, document_ids=batch.document_ids,
-                              head=head)
-    loss_sum = -logprob_sum
-    return loss_sum, {"loss_sum": loss_sum.detach(), "total_weights": mask.sum(), "correct": hits.sum()}
 
 
 def gradient_computation(
     model: nn.Module,
-    microbatches: list[Batch],
+    microbatches: list[Any],
     loss_fn: LossFn,
     normalizer: torch.Tensor,
     autocast: torch.autocast | None = None,
-) -> dict[str, torch.Tensor]:
+) -> LossStats:
     """Accumulate gradients of ``sum(objective) / normalizer`` over this rank's microbatches.
 
     ``normalizer`` must already be global (see :func:`global_target_count`). Gradient sync between
@@ -66,15 +47,15 @@ def gradient_computation(
     hooks). Returns the summed statistics (device tensors).
     """
     scale = dist_utils.world_size() / normalizer.clamp(min=1)
-    totals: dict[str, torch.Tensor] = {}
+    totals: LossStats | None = None
     for i, mb in enumerate(microbatches):
         last = i == len(microbatches) - 1
         with dist_utils.no_grad_sync(model, enabled=not last):
             with autocast or nullcontext():
                 objective, stats = loss_fn(model, mb)
             (objective * scale).backward()
-        for k, v in stats.items():
-            totals[k] = totals[k] + v if k in totals else v.detach().clone()
+        totals = accumulate(totals, stats)
+    assert totals is not None, "a step has at least one microbatch"
     return totals
 
 
@@ -85,16 +66,22 @@ def global_target_count(microbatches: list[Batch]) -> torch.Tensor:
 
 
 def run_optimizer_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, lr: float, max_grad_norm: float
+    model: nn.Module, optimizer: torch.optim.Optimizer, lr: float, max_grad_norm: float,
+    skip_nonfinite: bool = False,
 ) -> torch.Tensor:
     """Clip to ``max_grad_norm`` (0: only measure), set ``lr``, step AdamW, zero grads.
 
-    Returns the pre-clip global grad norm as a device tensor (no host sync).
+    Returns the pre-clip global grad norm as a device tensor (no host sync), unless
+    ``skip_nonfinite``: then the norm is read on the host, and a non-finite one drops the update
+    (gradients zeroed, no optimizer step); the caller sees the non-finite norm it returns.
     """
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):  # FSDP2 returns a DTensor
         norm = norm.full_tensor()
+    if skip_nonfinite and not math.isfinite(float(norm)):
+        optimizer.zero_grad(set_to_none=True)
+        return norm
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
@@ -102,22 +89,10 @@ def run_optimizer_step(
     return norm
 
 
-def compute_global_loss(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Token-weighted loss over all ranks: sum(loss_sum) / sum(total_weights), plus the weights.
-
-    Every other statistic is summed across ranks too; ``correct`` becomes ``accuracy``.
-    """
-    keys = sorted(stats)
-    summed = dist_utils.all_reduce_sum(torch.stack([stats[k].float() for k in keys]))
-    total = dict(zip(keys, summed.unbind()))
-    weights = total["total_weights"]
-    out = {"loss": total["loss_sum"] / weights.clamp(min=1), "total_weights": weights}
-    if "correct" in total:
-        out["accuracy"] = total["correct"] / weights.clamp(min=1)
-    for k, v in total.items():
-        if k not in ("loss_sum", "total_weights", "correct"):
-            out[k] = v
-    return out
+def compute_global_loss(stats: LossStats) -> dict[str, torch.Tensor]:
+    """The loss over all ranks, ``Σ loss_sum / Σ loss_weight``, with ``total_weights`` (the target
+    tokens), ``loss_weight`` and every other summed statistic summed over ranks (one all-reduce)."""
+    return stats.global_totals()
 
 
 class Budgets(Protocol):

@@ -1,9 +1,9 @@
-"""The attention kernel choice: plain SDPA, or SDPA over the documents of a packed batch.
+"""Attention over the documents of a packed batch: per-document causal SDPA, never a T x T mask.
 
 Packed sequences (several documents per row, ``document_ids``) need block-diagonal causal
 attention. A dense ``[B, 1, T, T]`` mask does that, but costs O(T^2) memory per row and rules
 out flash kernels. Instead, :func:`packed_layout` cuts every row into its documents once per
-batch, and :func:`attend` runs ``is_causal=True`` SDPA on each group of similar-length
+batch, and :func:`attend_packed` runs ``is_causal=True`` SDPA on each group of similar-length
 documents, padded at the end to a common length. Padding at the end of a causal sequence is
 never attended by a real token, so the result is exact; the work and memory grow with the
 tokens per document, not with T.
@@ -21,14 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["LengthGroup", "PackedLayout", "attend", "packed_layout", "sliding_window_mask"]
+from lmforge.models.layers.masks import sliding_window_mask
 
-
-def sliding_window_mask(T: int, window: int, device: torch.device | str | None = None) -> Tensor:
-    """Banded causal mask [1, 1, T, T]: i attends j iff i - window < j <= i (Mistral's rule)."""
-    i = torch.arange(T, device=device).unsqueeze(1)
-    j = torch.arange(T, device=device).unsqueeze(0)
-    return ((j <= i) & (j > i - window))[None, None]
+__all__ = ["LengthGroup", "PackedLayout", "attend_packed", "packed_layout"]
 
 
 @dataclass(frozen=True)
@@ -97,7 +92,8 @@ def packed_layout(document_ids: Tensor, window: int | None = None) -> PackedLayo
 
 
 @torch.compiler.disable
-def _attend_packed(q: Tensor, k: Tensor, v: Tensor, layout: PackedLayout, enable_gqa: bool) -> Tensor:
+def attend_packed(q: Tensor, k: Tensor, v: Tensor, layout: PackedLayout, enable_gqa: bool) -> Tensor:
+    """Per-document causal attention of q [B, H, T, D] over k, v [B, Hkv, T, D] -> [B, T, H, D]."""
     B, _, T, _ = q.shape
     # [B, H, T, D] -> [B*T, H, D], so one index picks a document's tokens for every head.
     q, k, v = (x.transpose(1, 2).reshape(B * T, x.shape[1], x.shape[3]) for x in (q, k, v))
@@ -109,17 +105,3 @@ def _attend_packed(q: Tensor, k: Tensor, v: Tensor, layout: PackedLayout, enable
         )
         outs.append(out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2]))
     return torch.cat(outs).index_select(0, layout.unpack).view(B, T, q.shape[1], q.shape[2])
-
-
-def attend(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | PackedLayout | None, is_causal: bool, enable_gqa: bool,
-) -> Tensor:
-    """Attention of q [B, H, T, D] over k, v [B, Hkv, S, D] -> [B, T, H, D].
-
-    ``mask`` is a boolean SDPA mask, a :class:`PackedLayout` (block-diagonal causal attention
-    per document), or None (``is_causal`` decides).
-    """
-    if isinstance(mask, PackedLayout):
-        return _attend_packed(q, k, v, mask, enable_gqa)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=enable_gqa)
-    return out.transpose(1, 2)

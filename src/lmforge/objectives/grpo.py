@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from lmforge import distributed as dist_utils
 from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobHead
+from lmforge.training.stats import LossStats
 
 Aggregation = Literal["grpo", "dapo", "dr_grpo"]
 AdvantageScale = Literal["group", "batch", "none"]
@@ -181,7 +182,7 @@ class GRPOLoss:
         self.aggregation, self.max_new_tokens, self.temperature = aggregation, max_new_tokens, temperature
         self.chunk_tokens, self.tis_cap = chunk_tokens, tis_cap
 
-    def __call__(self, model: nn.Module, batch: PolicyBatch) -> tuple[Tensor, dict[str, Tensor]]:
+    def __call__(self, model: nn.Module, batch: PolicyBatch) -> tuple[Tensor, LossStats]:
         logp, entropy = policy_logprobs(model, batch, self.temperature, chunk_tokens=self.chunk_tokens, entropy=True)
         assert entropy is not None
         mask = batch.mask
@@ -201,19 +202,18 @@ class GRPOLoss:
             kl = k3_kl(logp, batch.ref_logprobs)
             objective = objective + self.beta * aggregate(kl, mask, self.aggregation)
         with torch.no_grad():
-            stats = {
-                "loss_sum": objective.detach(),
-                "total_weights": aggregation_weight(mask, self.aggregation, self.max_new_tokens),
+            sums = {
                 "policy_loss_sum": policy_sum.detach(),
-                "completion_tokens": mask.sum(),
                 "kl_sum": (kl.detach() * mask).sum(),
                 "clip_low_count": (((ratio < 1 - self.eps_low) & (adv < 0)).float() * mask).sum(),
                 "clip_high_count": (((ratio > 1 + self.eps_high) & (adv > 0)).float() * mask).sum(),
                 "entropy_sum": (entropy * mask).sum(),
             }
             if tis is not None:
-                stats["rollout_gap_sum"] = ((old - batch.rollout_logprobs).abs() * mask).sum()
-                stats["tis_weight_sum"] = (tis * mask).sum()
+                sums["rollout_gap_sum"] = ((old - batch.rollout_logprobs).abs() * mask).sum()
+                sums["tis_weight_sum"] = (tis * mask).sum()
+            stats = LossStats(objective.detach(), aggregation_weight(mask, self.aggregation, self.max_new_tokens),
+                              mask.sum(), sums)
         return objective, stats
 
 
@@ -225,8 +225,8 @@ def loss_normalizer(batches: list[PolicyBatch], aggregation: Aggregation, max_ne
 
 def update_metrics(totals: dict[str, Tensor]) -> dict[str, Tensor]:
     """Turn the summed statistics (after ``compute_global_loss``) into per-token / per-batch means."""
-    tokens = totals["completion_tokens"].clamp(min=1)
-    weights = totals["total_weights"].clamp(min=1)
+    tokens = totals["total_weights"].clamp(min=1)  # the completion tokens that carry loss
+    weights = totals["loss_weight"].clamp(min=1)
     return {
         "grpo/policy_loss": totals["policy_loss_sum"] / weights,
         "grpo/kl": totals["kl_sum"] / tokens,
@@ -241,7 +241,7 @@ class GRPOObjective:
     """What the shared loop needs from GRPO: the loss, its global normalizer, and the logged values.
 
     ``total_weights`` on the log line is the completion tokens that carry loss (as for every trainer:
-    the non-padding target tokens); ``loss`` stays the aggregated objective over its normalizer.
+    the non-padding target tokens); ``loss`` is the aggregated objective over its own weight.
     """
 
     console_keys = ("reward/mean", "grpo/kl", "grpo/clip_high", "completion/mean_length")
@@ -259,5 +259,4 @@ class GRPOObjective:
         return loss_normalizer(microbatches, self.aggregation, self.max_new_tokens)
 
     def log_values(self, totals: dict[str, Tensor]) -> dict[str, Tensor]:
-        kept = {k: v for k, v in totals.items() if not k.endswith(("_sum", "_count")) and k != "completion_tokens"}
-        return kept | update_metrics(totals) | {"total_weights": totals["completion_tokens"]}
+        return {"loss": totals["loss"], "total_weights": totals["total_weights"]} | update_metrics(totals)

@@ -1,32 +1,31 @@
 """GRPO: reinforcement learning with verifiable rewards on prompts (the embedded tasks by default, or
-prompt records of ``.jsonl``/``.parquet`` files read by the same reader as SFT data).
+prompt records of ``.jsonl``/``.parquet`` files: :mod:`lmforge.data.prompts`).
 
-GRPO runs the shared loop (:func:`lmforge.training.loop.train`) like every trainer. What differs is
-its step source, :class:`lmforge.rl.rollout_source.RolloutSource` (a rollout of
-``grpo.num_generations`` completions per prompt, scored by the reward functions, reused for
-``grpo.num_iterations`` updates), and its objective, :class:`lmforge.rl.grpo_loss.GRPOObjective`.
+What differs from the other recipes is the step source, :class:`lmforge.rl.rollout_source.RolloutSource`
+(a rollout of ``grpo.num_generations`` completions per prompt, scored by the reward functions, reused
+for ``grpo.num_iterations`` updates), and the objective, :class:`lmforge.objectives.grpo.GRPOObjective`.
 ``training.steps`` counts optimizer updates and ``training.global_batch_size`` counts completions
 (prompts per rollout x num_generations).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from lmforge.config import Config, Section, StartEvalSection, TasksSection, comma_separated
-from lmforge.data.record_formats import prompt_messages
-from lmforge.data.sources import read_records
-from lmforge.data.tasks import TaskExample, task_examples, task_share
+from lmforge.data.prompts import prompt_records
+from lmforge.data.tasks import TaskExample
 from lmforge.errors import UserError
-from lmforge.evaluation.tasks import TaskEval, record_task_summary
-from lmforge.rl.grpo_loss import GRPOObjective
-from lmforge.evaluation.downstream import with_downstream
-from lmforge.rl.rewards import load_rewards, probe_rewards
+from lmforge.evaluation.tasks import TaskEval
+from lmforge.objectives.grpo import GRPOObjective
+from lmforge.recipes.base import Recipe, register
+from lmforge.rl.rewards import WeightedReward, load_rewards, probe_rewards
 from lmforge.rl.rollout_source import RolloutSource
-from lmforge.training.loop import train
-from lmforge.training.runtime import Runtime, build_runtime
+from lmforge.training.loop import Job
+from lmforge.training.runtime import Runtime
 
 
 class GRPOSection(Section):
@@ -116,72 +115,48 @@ def check_batch_shape(cfg: GRPOConfig, world_size: int) -> None:
             "prompt's group of completions must sit whole on one rank")
 
 
-def read_prompt_records(spec: str, prompt_field: str = "prompt", answer_field: str = "answer") -> list[dict[str, Any]]:
-    """Prompt records of a ``.jsonl``/``.parquet`` file or directory, checked, with the
-    ``answer_field`` column's value under ``answer`` (what the rewards receive)."""
-    rows = read_records(spec)
-    with_answers = any(answer_field in r for _, r in rows)
-    if not with_answers and answer_field != "answer":
-        raise UserError(f"{spec}: no record has the answer column `{answer_field}` (grpo.answer_field)")
-    out = []
-    for k, (where, record) in enumerate(rows, start=1):
-        prompt = record.get(prompt_field)
-        if isinstance(prompt, list):
-            try:
-                prompt_messages(prompt)
-            except ValueError as e:
-                raise UserError(f"{where}: `{prompt_field}`: {e}") from None
-        elif not isinstance(prompt, str):
-            raise UserError(f"{where}: record {k} has no string `{prompt_field}` column (a prompt is a string "
-                            "or a list of messages; set grpo.prompt_field)")
-        if with_answers:
-            if answer_field not in record:
-                raise UserError(f"{where}: missing answer column `{answer_field}` (grpo.answer_field)")
-            answer = record[answer_field]
-            if isinstance(answer, bool) or not isinstance(answer, (str, int, float, type(None))):
-                raise UserError(f"{where}: `{answer_field}` must be a string or a number, got {type(answer).__name__}")
-            record = {**record, "answer": answer}
-        out.append(record)
-    return out
+def check_batch_shape(cfg: GRPOConfig, world_size: int) -> None:
+    """Refuse batches that cannot hold whole groups before any work is done."""
+    t, g = cfg.training, cfg.grpo
+    if t.global_batch_size % (g.num_generations * world_size):
+        raise UserError(
+            f"training.global_batch_size ({t.global_batch_size}) must be a multiple of grpo.num_generations "
+            f"({g.num_generations}) x world size ({world_size}): batch sizes count completions, and every "
+            "prompt's group of completions must sit whole on one rank")
 
 
-def prompt_records(cfg: GRPOConfig, split: Literal["train", "test"]) -> list[dict[str, Any]]:
-    """Prompts with their other columns: the embedded tasks or a prompt file (none for ``test`` when
-    ``data.validation`` is ``none``)."""
-    spec = cfg.data.train if split == "train" else cfg.data.validation
-    if spec == "embedded":  # a subset of the tasks keeps the default per-task share of each split
-        share = task_share(split, cfg.tasks.names)
-        n = share if split == "train" else min(cfg.tasks.eval_examples, share)
-        return [{"prompt": e.prompt, "task": e.task, "answer": e.answer}
-                for e in task_examples(split, n, tasks=cfg.tasks.names)]
-    if split == "test" and spec in ("", "none"):
-        return []
-    records = read_prompt_records(spec, cfg.grpo.prompt_field, cfg.grpo.answer_field)
-    return records if split == "train" else records[: cfg.tasks.eval_examples]
+@dataclass
+class GRPOInputs:
+    rewards: list[WeightedReward]
+    train: list[dict[str, Any]]
+    eval: list[dict[str, Any]]
 
 
-def run(cfg: GRPOConfig) -> Runtime:
-    """Check everything the user can get wrong (batch shape, rewards, prompt data), then train."""
-    g = cfg.grpo
-    check_batch_shape(cfg, 1)
-    rewards = load_rewards(g.rewards, g.rewards_weights, max_new_tokens=g.max_new_tokens,
-                           overlong_buffer=g.overlong_buffer)
-    data = prompt_records(cfg, "train"), prompt_records(cfg, "test")
-    probe_rewards(rewards, data[0][0], g.prompt_field)
-    rt = build_runtime(cfg, "grpo")
-    try:
+@register
+class GRPO(Recipe):
+    name = "grpo"
+    config = GRPOConfig
+    summary = "GRPO/DAPO reinforcement learning with verifiable rewards"
+
+    def check(self, cfg: GRPOConfig) -> GRPOInputs:
+        """Everything the user can get wrong (batch shape, rewards, prompt data), before any work."""
+        g = cfg.grpo
+        check_batch_shape(cfg, 1)
+        rewards = load_rewards(g.rewards, g.rewards_weights, max_new_tokens=g.max_new_tokens,
+                               overlong_buffer=g.overlong_buffer)
+        train, test = (prompt_records(cfg.data, cfg.tasks, split, g.prompt_field, g.answer_field)
+                       for split in ("train", "test"))
+        probe_rewards(rewards, train[0], g.prompt_field)
+        return GRPOInputs(rewards, train, test)
+
+    def build(self, rt: Runtime, cfg: GRPOConfig, inputs: GRPOInputs) -> Job:
+        g = cfg.grpo
         check_batch_shape(cfg, rt.dist.world_size)
-        train_set, eval_set = data
         objective = GRPOObjective(eps_low=g.epsilon_low, eps_high=g.epsilon_high, beta=g.beta,
                                   aggregation=g.loss_aggregation, max_new_tokens=g.max_new_tokens,
                                   temperature=g.temperature, chunk_tokens=cfg.training.loss_chunk_tokens,
                                   tis_cap=g.tis_cap)
-        evaluate = TaskEval([TaskExample(r.get("task", "file"), r[g.prompt_field], str(r["answer"]))
-                             for r in eval_set if r.get("answer") is not None and isinstance(r[g.prompt_field], str)],
-                            cfg.tasks.eval_max_new_tokens)
-        state = train(rt, RolloutSource(rt, rewards, train_set), objective,
-                      with_downstream(evaluate if evaluate else None, cfg))
-        record_task_summary(rt, state.step)
-    finally:
-        rt.metrics.close()
-    return rt
+        tasks = TaskEval([TaskExample(r.get("task", "file"), r[g.prompt_field], str(r["answer"]))
+                          for r in inputs.eval if r.get("answer") is not None and isinstance(r[g.prompt_field], str)],
+                         cfg.tasks.eval_max_new_tokens)
+        return Job(RolloutSource(rt, g, inputs.rewards, inputs.train), objective, tasks if tasks else None)

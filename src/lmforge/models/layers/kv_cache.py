@@ -1,7 +1,7 @@
 """The key/value cache that generation fills and the model's attention reads.
 
-Kept apart from both :mod:`lmforge.models.model` (which only reads it) and
-:mod:`lmforge.models.generate` (which creates it), so neither imports the other.
+Kept apart from both the model (which only reads it) and :mod:`lmforge.models.generate` (which
+creates it), so neither imports the other.
 """
 
 from __future__ import annotations

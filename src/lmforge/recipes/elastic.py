@@ -1,4 +1,4 @@
-"""Elastic pretraining: the pretraining trainer under torchrun's elastic agent.
+"""Elastic pretraining: the pretraining job under torchrun's elastic agent.
 
 When a worker dies, torchrun stops the group and starts it again (possibly with fewer workers); each
 new attempt resumes from the newest complete state and continues with the same global batch. State
@@ -21,6 +21,7 @@ import os
 import shutil
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,10 +35,13 @@ from lmforge.distributed import DistInfo
 from lmforge.errors import UserError
 from lmforge.metrics import PROCESS_START
 from lmforge.metrics.records import last_record_time
-from lmforge.trainers import pretrain
+from lmforge.data.corpora import Corpora, read_corpora
+from lmforge.recipes.base import Recipe, register
 from lmforge.training import faults
-from lmforge.training.loop import StepSource, save
-from lmforge.training.runtime import Runtime, build_runtime
+from lmforge.training.checkpointing import save
+from lmforge.training.loop import Job, StepSource
+from lmforge.training.next_token import next_token_job
+from lmforge.training.runtime import RecipeServices, Runtime
 from lmforge.training.state import TrainState
 
 RUN_ID_FILE = "elastic_run_id"
@@ -78,7 +82,9 @@ class ElasticHooks:
     ``lost_progress``); with ``metrics.log_every > 1`` it is a lower bound.
     """
 
-    def __init__(self, failure_time: float | None, plans: list[faults.FaultPlan], notes: dict[str, Any]) -> None:
+    def __init__(self, e: ElasticSection, failure_time: float | None, plans: list[faults.FaultPlan],
+                 notes: dict[str, Any]) -> None:
+        self.e = e
         self.failure_time = failure_time
         self.plans = plans
         self.notes = notes
@@ -102,7 +108,7 @@ class ElasticHooks:
         fast tier off with a warning; the run goes on with its durable checkpoints.
         """
         cfg, step = rt.cfg, state.step
-        k = cfg.elastic.snapshot_interval
+        k = self.e.snapshot_interval
         if rt.checkpoints.fast is None or not k or step % k or step >= cfg.training.steps:
             return
         if cfg.checkpoint.enabled and cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
@@ -176,23 +182,40 @@ def snapshot_root(cfg: ElasticConfig, run: RunDir, info: DistInfo) -> tuple[Path
     return RunDir(SHM_ROOT / f"lmforge-{token}").checkpoints, ""
 
 
-def run(cfg: ElasticConfig) -> Runtime:
-    attempt = faults.current_attempt()
-    run_dir = RunDir(cfg.run.dir)
-    # Read before this attempt appends its own setup record: the failed attempt's last sign of life.
-    failure_time = last_record_time(run_dir.metrics) if attempt > 0 else None
-    notes = adapt_micro_batch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    e = cfg.elastic
-    plans = faults.fault_plans(e.fault_rank, e.fault_step, e.fault_mode, e.fault_attempt)
-    corpora = pretrain.read_corpora(cfg)
-    # Goodput of a restarted attempt starts at the failure; the gap before this process is recovery.
-    starts_at = failure_time if failure_time is not None and failure_time < PROCESS_START else None
-    rt = build_runtime(cfg, "elastic", step_hooks=(ElasticHooks(failure_time, plans, notes),),
-                       snapshot_root=snapshot_root, snapshot_keep=e.snapshot_keep, process_start=starts_at)
-    notes["snapshot_dir"] = str(rt.checkpoints.fast.root.parent) if rt.checkpoints.fast else ""
-    pretrain.train_on_corpora(rt, corpora)
-    dist_utils.barrier()
-    fast = rt.checkpoints.fast
-    if fast is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        shutil.rmtree(fast.root.parent, ignore_errors=True)  # the durable tier now holds the newest state
-    return rt
+@dataclass
+class ElasticInputs:
+    corpora: Corpora
+    hooks: ElasticHooks
+    process_start: float | None
+
+
+@register
+class Elastic(Recipe):
+    name = "elastic"
+    config = ElasticConfig
+    summary = "pretraining that survives losing workers (torchrun's elastic agent)"
+
+    def check(self, cfg: ElasticConfig) -> ElasticInputs:
+        attempt = faults.current_attempt()
+        # Read before this attempt appends its own setup record: the failed attempt's last sign of life.
+        failure_time = last_record_time(RunDir(cfg.run.dir).metrics) if attempt > 0 else None
+        notes = adapt_micro_batch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        e = cfg.elastic
+        plans = faults.fault_plans(e.fault_rank, e.fault_step, e.fault_mode, e.fault_attempt)
+        # Goodput of a restarted attempt starts at the failure; the gap before this process is recovery.
+        starts_at = failure_time if failure_time is not None and failure_time < PROCESS_START else None
+        return ElasticInputs(read_corpora(cfg), ElasticHooks(e, failure_time, plans, notes), starts_at)
+
+    def services(self, cfg: ElasticConfig, inputs: ElasticInputs) -> RecipeServices:
+        return RecipeServices(step_hooks=(inputs.hooks,), snapshot_root=snapshot_root,
+                              snapshot_keep=cfg.elastic.snapshot_keep, process_start=inputs.process_start)
+
+    def build(self, rt: Runtime, cfg: ElasticConfig, inputs: ElasticInputs) -> Job:
+        inputs.hooks.notes["snapshot_dir"] = str(rt.checkpoints.fast.root.parent) if rt.checkpoints.fast else ""
+        return next_token_job(rt, inputs.corpora)
+
+    def finish(self, rt: Runtime, cfg: ElasticConfig, inputs: ElasticInputs, state: TrainState) -> None:
+        dist_utils.barrier()
+        fast = rt.checkpoints.fast
+        if fast is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            shutil.rmtree(fast.root.parent, ignore_errors=True)  # the durable tier now holds the newest state

@@ -1,8 +1,9 @@
-"""Pretraining: next-token prediction on packed documents (the embedded corpus by default).
+"""The inputs of next-token training (pretraining, elastic): the embedded corpus, directories written by
+``lmforge prepare`` (token shards read on demand), or raw files, prepared into ``data.cache_dir`` on
+first use and read from there; ``data.sources`` mixes several of them by weight.
 
-Data comes from the embedded corpus (generated in memory), from directories written by ``lmforge
-prepare`` (memory-mapped token shards), or from raw files, which are prepared into ``data.cache_dir``
-on first use and read from there; ``data.sources`` mixes several of them by weight.
+Every input is checked (:func:`read_corpora`) before the run directory is touched; the datasets are
+built (:func:`build_datasets`) once the tokenizer is known.
 """
 
 from __future__ import annotations
@@ -15,18 +16,13 @@ from pathlib import Path
 from lmforge.config import Config
 from lmforge.data.chunks import chunk_documents, plan_chunks
 from lmforge.data.corpus import embedded_corpus
-from lmforge.data.loader import eval_batches
+from lmforge.data.inputs import validation_spec
 from lmforge.data.mixture import MixtureDataset
 from lmforge.data.packing import PackedTokenDataset, SampleDataset
 from lmforge.data.prepare import is_up_to_date, prepare, tokenizer_fingerprint
 from lmforge.data.shards import PackedShardDataset, PreparedTokens, is_prepared_dir
 from lmforge.errors import UserError
-from lmforge.evaluation.downstream import with_downstream
-from lmforge.evaluation.loss import evaluate_loss
 from lmforge.models.tokenizer import Tokenizer
-from lmforge.training.loop import train
-from lmforge.training.next_token import LoaderSource, NextTokenObjective
-from lmforge.training.runtime import Runtime, build_runtime
 
 
 @dataclass
@@ -45,8 +41,8 @@ class DataInput:
     """A directory written by ``lmforge prepare``; raw files are prepared when the tokenizer is known."""
 
 
-Corpora = tuple[list[DataInput], DataInput]
-"""Training inputs (one, or several mixed by weight) and the validation input."""
+Corpora = tuple[list[DataInput], "DataInput | None"]
+"""Training inputs (one, or several mixed by weight) and the validation input (None: no validation set)."""
 
 
 def cache_root(cfg: Config) -> Path:
@@ -83,16 +79,22 @@ def check_input(key: str, spec: str, split: str, text_field: str, root: Path, we
 
 
 def read_corpora(cfg: Config) -> Corpora:
-    """Train and validation inputs. Checked before the run directory is touched, so a bad data file
-    fails the run without changing anything an earlier run saved there."""
+    """Train and validation inputs (``data.validation`` by the rule of :mod:`lmforge.data.inputs`).
+    Checked before the run directory is touched, so a bad data file fails the run without changing
+    anything an earlier run saved there."""
     d, root = cfg.data, cache_root(cfg)
     if d.sources and d.train != "embedded":
         raise UserError(f"data.train={d.train} and data.sources are both set: name the training data in one of them")
+    if not d.sources and d.train in ("", "none"):
+        raise UserError(f"data.train={d.train!r}: training needs data (embedded, a file or a directory)")
     if d.sources:
         train_inputs = [check_input(f"data.sources[{i}].path", s.path, "train", d.text_field, root, s.weight)
                         for i, s in enumerate(d.sources)]
     else:
         train_inputs = [check_input("data.train", d.train, "train", d.text_field, root)]
+    val, _ = validation_spec(d)
+    if val.kind == "none":
+        return train_inputs, None
     return train_inputs, check_input("data.validation", d.validation, "validation", d.text_field, root)
 
 
@@ -118,46 +120,15 @@ def _dataset(cfg: Config, inp: DataInput, tokenizer: Tokenizer, fp: str) -> Samp
 
 
 def build_datasets(cfg: Config, tokenizer: Tokenizer,
-                   corpora: Corpora | None = None) -> tuple[SampleDataset, SampleDataset]:
-    """Packed train (one dataset or a weighted mixture) and validation sets; a problem with either
-    names its config key and file."""
+                   corpora: Corpora | None = None) -> tuple[SampleDataset, SampleDataset | None]:
+    """Packed train (one dataset or a weighted mixture) and validation sets (None with no validation
+    input); a problem with either names its config key and file."""
     train_inputs, val_input = corpora or read_corpora(cfg)
     fp = tokenizer_fingerprint(tokenizer)
     parts = [_dataset(cfg, inp, tokenizer, fp) for inp in train_inputs]
-    val_set = _dataset(cfg, val_input, tokenizer, fp)
+    val_set = _dataset(cfg, val_input, tokenizer, fp) if val_input is not None else None
     if not cfg.data.sources:
         return parts[0], val_set
     mixture = MixtureDataset(parts, [inp.weight for inp in train_inputs], seed=cfg.training.seed,
                              shuffle=cfg.data.shuffle)
     return mixture, val_set
-
-
-def train_on_corpora(rt: Runtime, corpora: Corpora) -> Runtime:
-    """The pretraining job on an already built runtime (the elastic trainer runs it too)."""
-    cfg = rt.cfg
-    train_set, val_set = build_datasets(cfg, rt.tokenizer, corpora)
-    objective = NextTokenObjective(cfg.training.loss_chunk_tokens)
-
-    def evaluate(rt: Runtime, step: int):
-        batches = eval_batches(val_set, cfg.eval.batch_size, cfg.eval.steps, rt.dist.rank, rt.dist.world_size)
-        return evaluate_loss(rt, batches, objective.loss_fn)
-
-    if cfg.eval.interval:  # a validation set too small for one eval batch fails now, not after training
-        try:
-            eval_batches(val_set, cfg.eval.batch_size, cfg.eval.steps, rt.dist.rank, rt.dist.world_size)
-        except UserError as e:
-            raise UserError(f"data.validation={cfg.data.validation}: {e} (eval.batch_size)") from None
-    source = LoaderSource(rt, train_set)
-    evaluate = with_downstream(evaluate, cfg)  # type: ignore[assignment]
-
-    try:
-        train(rt, source, objective, evaluate)
-    finally:
-        source.close()
-        rt.metrics.close()
-    return rt
-
-
-def run(cfg: Config) -> Runtime:
-    corpora = read_corpora(cfg)
-    return train_on_corpora(build_runtime(cfg, "pretrain"), corpora)

@@ -1,0 +1,14 @@
+"""The built-in model families, one module per family, each registering its :class:`ModelSpec`.
+
+- :mod:`.llama`: Llama 2 / 3 / 3.1-3.3 and SmolLM2 (``model_type`` ``llama``);
+- :mod:`.qwen`: Qwen2 / Qwen2.5 (``qwen2``) and Qwen3 (``qwen3``);
+- :mod:`.mistral`: Mistral (``mistral``);
+- :mod:`.llama_style`: what they share (the Llama tensor names and config.json mapping).
+
+Importing this package (or :mod:`lmforge.models.spec`) registers them all.
+"""
+
+# Registration order is the order error messages list the supported families in.
+from lmforge.models.families import llama  # noqa: F401
+from lmforge.models.families import qwen  # noqa: F401
+from lmforge.models.families import mistral  # noqa: F401

@@ -1,0 +1,41 @@
+"""Mistral (``model_type`` ``mistral``): the shared decoder with sliding-window attention.
+
+A query attends to itself and the ``sliding_window - 1`` tokens before it, in every layer;
+config.json's ``sliding_window`` (4096 when left out, as in transformers) sets the window and
+``null`` turns it off. ``layer_types`` is not read: the window applies to all layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmforge.models.args import ModelArgs
+from lmforge.models.families.llama_style import LLAMA_LAYOUT, LlamaStyleConfig
+from lmforge.models.model import Transformer
+from lmforge.models.spec import ModelSpec, register_spec
+
+
+def _export_keys(args: ModelArgs) -> dict[str, Any]:
+    return {"sliding_window": args.sliding_window}
+
+
+MISTRAL_CONFIG = LlamaStyleConfig(
+    model_type="mistral",
+    architecture="MistralForCausalLM",
+    defaults={"num_key_value_heads": 8, "head_dim": None, "max_position_embeddings": 4096 * 32,
+              "sliding_window": 4096},
+    sliding_window=True,
+    export_keys=_export_keys,
+)
+
+MISTRAL = register_spec(ModelSpec(
+    name="mistral",
+    hf_model_type=MISTRAL_CONFIG.model_type,
+    hf_architecture=MISTRAL_CONFIG.architecture,
+    args_from_hf=MISTRAL_CONFIG.args_from_hf,
+    hf_config=MISTRAL_CONFIG.hf_config,
+    check_exportable=MISTRAL_CONFIG.check_exportable,
+    state_dict_adapter=LLAMA_LAYOUT,
+    build=Transformer,
+    fused_decode=True,  # the fused step applies the window to the cache
+))

@@ -1,0 +1,79 @@
+"""Qwen2 / Qwen2.5 (``model_type`` ``qwen2``) and Qwen3 (``qwen3``).
+
+Both are the shared decoder with one switch each: Qwen2 adds a bias to the q/k/v projections,
+Qwen3 normalises q and k per head (RMSNorm over ``head_dim``) before RoPE and sets ``head_dim``
+explicitly (128 when config.json leaves it out). Qwen's optional sliding window (per layer, from
+``max_window_layers`` on) is not implemented, so configs that switch it on are refused and
+exports write it off.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmforge.models.args import ModelArgs
+from lmforge.models.families.llama_style import LLAMA_LAYOUT, LlamaStyleConfig
+from lmforge.models.model import Transformer
+from lmforge.models.spec import ModelSpec, register_spec
+
+
+def _full_attention_keys(args: ModelArgs) -> dict[str, Any]:
+    """Full attention in every layer, spelt out so transformers never turns a window on."""
+    return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": args.n_layers}
+
+
+def _qwen3_export_keys(args: ModelArgs) -> dict[str, Any]:
+    return {**_full_attention_keys(args), "attention_bias": False}
+
+
+QWEN2_CONFIG = LlamaStyleConfig(
+    model_type="qwen2",
+    architecture="Qwen2ForCausalLM",
+    defaults={"num_key_value_heads": 32, "head_dim": None, "max_position_embeddings": 32768},
+    refused_flags=("use_sliding_window",),
+    qkv_bias=True,
+    export_keys=_full_attention_keys,
+)
+
+QWEN3_CONFIG = LlamaStyleConfig(
+    model_type="qwen3",
+    architecture="Qwen3ForCausalLM",
+    defaults={"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
+    refused_flags=("attention_bias", "use_sliding_window"),
+    qk_norm=True,
+    export_keys=_qwen3_export_keys,
+)
+
+QWEN2_LAYOUT = LLAMA_LAYOUT.extend(layer_names={
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+})
+QWEN3_LAYOUT = LLAMA_LAYOUT.extend(layer_names={
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+})
+
+QWEN2 = register_spec(ModelSpec(
+    name="qwen2",
+    hf_model_type=QWEN2_CONFIG.model_type,
+    hf_architecture=QWEN2_CONFIG.architecture,
+    args_from_hf=QWEN2_CONFIG.args_from_hf,
+    hf_config=QWEN2_CONFIG.hf_config,
+    check_exportable=QWEN2_CONFIG.check_exportable,
+    state_dict_adapter=QWEN2_LAYOUT,
+    build=Transformer,
+    fused_decode=True,  # the fused step adds the q/k/v bias
+))
+
+QWEN3 = register_spec(ModelSpec(
+    name="qwen3",
+    hf_model_type=QWEN3_CONFIG.model_type,
+    hf_architecture=QWEN3_CONFIG.architecture,
+    args_from_hf=QWEN3_CONFIG.args_from_hf,
+    hf_config=QWEN3_CONFIG.hf_config,
+    check_exportable=QWEN3_CONFIG.check_exportable,
+    state_dict_adapter=QWEN3_LAYOUT,
+    build=Transformer,
+    fused_decode=True,  # the fused step applies the q/k norms
+))

@@ -1,0 +1,71 @@
+"""Grouped-query self-attention, and the one place that picks its SDPA call.
+
+Attention always goes through ``F.scaled_dot_product_attention`` so PyTorch can pick flash /
+memory-efficient kernels. The plain causal case passes ``is_causal=True`` (no mask tensor at all),
+the fast path on GPUs; a boolean mask (sliding-window band, KV-cache padding) goes to SDPA as is;
+a packed batch's :class:`~lmforge.models.layers.packed_attention.PackedLayout` runs causal SDPA per
+document instead.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lmforge.models.args import ModelArgs
+from lmforge.models.layers.norm import RMSNorm
+from lmforge.models.layers.packed_attention import PackedLayout, attend_packed
+from lmforge.models.layers.rope import apply_rope
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lmforge.models.layers.kv_cache import KVCache
+
+__all__ = ["Attention", "attend"]
+
+
+class Attention(nn.Module):
+    """q/k/v/o projections (optional q/k/v bias: Qwen2), optional per-head q/k RMSNorm (Qwen3), RoPE, SDPA."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        # Qwen3: per-head RMSNorm of q and k (over head_dim, weights shared by all heads).
+        self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | PackedLayout | None, is_causal: bool,
+        kv_cache: KVCache | None = None, layer_idx: int = 0,
+    ) -> Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer_idx, k, v)
+        out = attend(q, k, v, mask, is_causal, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.wo(out.reshape(B, T, self.n_heads * self.head_dim))
+
+
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | PackedLayout | None, is_causal: bool, enable_gqa: bool,
+) -> Tensor:
+    """Attention of q [B, H, T, D] over k, v [B, Hkv, S, D] -> [B, T, H, D].
+
+    ``mask`` is a boolean SDPA mask, a :class:`PackedLayout` (block-diagonal causal attention
+    per document), or None (``is_causal`` decides).
+    """
+    if isinstance(mask, PackedLayout):
+        return attend_packed(q, k, v, mask, enable_gqa)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=enable_gqa)
+    return out.transpose(1, 2)

@@ -1,0 +1,130 @@
+"""What a model family provides, and the registry that finds a family's spec.
+
+A :class:`ModelSpec` is everything lmforge needs to know about one family besides the shared
+layers: how its Hugging Face ``config.json`` reads into ``ModelArgs`` and is written back, how its
+checkpoint tensors are named, how to build the model, whether the fused decode step runs it, how
+to lay it out over devices and how to count its FLOPs. Code that depends on the family asks the
+spec (``spec_for_args(args)``, ``spec_for_hf_config(cfg, where)``) and never tests a family name.
+
+The built-in families live in :mod:`lmforge.models.families`, one module per family, and register
+themselves when this module is imported. To add one, see ``docs/models.md`` ("Layout").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+from torch import nn
+
+from lmforge.errors import UserError
+from lmforge.models import flops
+from lmforge.models.args import ModelArgs
+from lmforge.models.state_dict_adapter import StateDictAdapter
+
+__all__ = [
+    "ModelSpec", "get_spec", "register_spec", "registered_model_types", "registered_specs", "spec_for_args",
+    "spec_for_hf_config",
+]
+
+ArgsFromHF = Callable[[Mapping[str, Any], str], ModelArgs]
+"""(parsed config.json, file name for errors) -> ``ModelArgs``; UserError for what the family cannot run."""
+HFConfig = Callable[..., dict[str, Any]]
+"""(args, *, torch_dtype, bos_token_id, eos_token_id, pad_token_id) -> the config.json to write."""
+Parallelize = Callable[..., nn.Module]
+"""(model, dims, mesh, device, options) -> the module the train step calls, as
+``lmforge.parallel.plans.parallelize_decoder``."""
+FlopsPerToken = Callable[[ModelArgs, int, int | None], float]
+"""(args, seq_len, adapter_params) -> training FLOPs per token (see ``flops.flops_per_token``)."""
+TrainingFlops = Callable[[ModelArgs, Iterable[int], int | None], float]
+"""(args, document lengths, adapter_params) -> training FLOPs of a batch (see ``flops.training_flops``)."""
+
+
+@dataclass(frozen=True, eq=False)
+class ModelSpec:
+    """One model family: its Hugging Face identity and conversions, its model, and its runtime hooks."""
+
+    name: str
+    """Registry key (``get_spec(name)``)."""
+    hf_model_type: str
+    """Hugging Face ``model_type``; ``ModelArgs.hf_model_type`` names the spec by it (``spec_for_args``)."""
+    hf_architecture: str
+    """The ``*ForCausalLM`` class transformers builds for this family (written to ``architectures``)."""
+    args_from_hf: ArgsFromHF
+    """config.json -> ``ModelArgs``: the family's defaults for missing keys and the settings it refuses."""
+    hf_config: HFConfig
+    """``ModelArgs`` -> config.json; refuses (like ``check_exportable``) what the family cannot express."""
+    check_exportable: Callable[[ModelArgs], None]
+    """UserError unless ``args`` are what the family can express (switches it requires or forbids).
+    Export calls it before writing anything."""
+    state_dict_adapter: StateDictAdapter
+    """lmforge parameter names <-> the family's Hugging Face tensor names."""
+    build: Callable[[ModelArgs], nn.Module]
+    """The model for ``args`` (any device context applies, e.g. ``torch.device("meta")``)."""
+    fused_decode: bool
+    """Whether ``lmforge.models.decode_step``'s fused step computes what ``build``'s model does; if not,
+    generation calls the model's own forward every step."""
+    parallelize: Parallelize | None = None
+    """How to lay the model out over the mesh (checkpointing, compile, FSDP2 / DDP). ``None``: the
+    runtime applies the default decoder plan, ``lmforge.parallel.plans.parallelize_decoder``, which
+    suits every family built from the shared layers."""
+    flops_per_token: FlopsPerToken = flops.flops_per_token
+    """Training FLOPs per token at a sequence length, for MFU."""
+    training_flops: TrainingFlops = flops.training_flops
+    """Training FLOPs of a batch's real tokens given its document lengths, for MFU."""
+
+
+_BY_NAME: dict[str, ModelSpec] = {}
+_BY_MODEL_TYPE: dict[str, ModelSpec] = {}
+
+
+def register_spec(spec: ModelSpec) -> ModelSpec:
+    """Add ``spec`` to the registry and return it. Names and Hugging Face model types are unique, so
+    a config.json always selects one family."""
+    if spec.name in _BY_NAME:
+        raise ValueError(f"a model spec named {spec.name!r} is already registered")
+    if spec.hf_model_type in _BY_MODEL_TYPE:
+        raise ValueError(f"model_type {spec.hf_model_type!r} already belongs to spec "
+                         f"{_BY_MODEL_TYPE[spec.hf_model_type].name!r}")
+    _BY_NAME[spec.name] = spec
+    _BY_MODEL_TYPE[spec.hf_model_type] = spec
+    return spec
+
+
+def registered_specs() -> tuple[ModelSpec, ...]:
+    """Every registered spec, in registration order."""
+    return tuple(_BY_NAME.values())
+
+
+def registered_model_types() -> tuple[str, ...]:
+    """The Hugging Face model types lmforge runs (valid ``ModelArgs.hf_model_type`` values)."""
+    return tuple(_BY_MODEL_TYPE)
+
+
+def get_spec(name: str) -> ModelSpec:
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise UserError(f"unknown model family {name!r}; known: {', '.join(_BY_NAME)}") from None
+
+
+def spec_for_args(args: ModelArgs) -> ModelSpec:
+    """The family ``args`` belong to (by ``args.hf_model_type``)."""
+    try:
+        return _BY_MODEL_TYPE[args.hf_model_type]
+    except KeyError:
+        raise UserError(f"unknown hf_model_type {args.hf_model_type!r}; known: "
+                        f"{', '.join(_BY_MODEL_TYPE)}") from None
+
+
+def spec_for_hf_config(cfg: Mapping[str, Any], where: str) -> ModelSpec:
+    """The family of a parsed ``config.json`` (by its ``model_type``); ``where`` names the file in errors."""
+    family = cfg.get("model_type")
+    spec = _BY_MODEL_TYPE.get(family) if isinstance(family, str) else None
+    if spec is None:
+        raise UserError(f"{where}: model_type {family!r} is not supported (supported: {', '.join(_BY_MODEL_TYPE)})")
+    return spec
+
+
+# The built-in families register themselves on import. Imported last: they import this module.
+from lmforge.models import families as _families  # noqa: E402,F401

@@ -1,0 +1,120 @@
+"""Renaming state dicts between lmforge's parameter names and a Hugging Face family's.
+
+lmforge's rotary embeddings use Hugging Face's ``rotate_half`` layout, so converting a checkpoint
+is a pure renaming of tensors: no q/k permutation in either direction, and no tensor is copied.
+A :class:`StateDictAdapter` is that renaming for one family; each family's
+:class:`~lmforge.models.spec.ModelSpec` holds one (the Llama layout they share, plus their extras).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+from torch import Tensor
+
+from lmforge.errors import UserError
+from lmforge.models.args import ModelArgs
+
+__all__ = ["StateDictAdapter", "strip_wrapper_prefixes"]
+
+_LF_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# Wrappers that prefix parameter names (torch.compile, DDP).
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+def strip_wrapper_prefixes(name: str) -> str:
+    """``name`` without the prefixes torch.compile and DDP add (at the front or inside)."""
+    changed = True
+    while changed:
+        changed = False
+        for p in _WRAPPER_PREFIXES:
+            if name.startswith(p):
+                name, changed = name[len(p):], True
+    return name.replace("._orig_mod.", ".")
+
+
+@dataclass(frozen=True)
+class StateDictAdapter:
+    """lmforge names <-> Hugging Face ``*ForCausalLM`` names of one family.
+
+    ``layer_names`` maps the suffix of a parameter inside block ``i`` (``layers.{i}.<suffix>``)
+    to its Hugging Face suffix (``model.layers.{i}.<suffix>``); ``global_names`` maps the
+    parameters outside the blocks. A name neither map knows is refused, so a checkpoint that
+    carries something the family does not model (say a bias) never loads silently incomplete.
+    """
+
+    layer_names: Mapping[str, str]
+    global_names: Mapping[str, str]
+    _hf_layer_names: Mapping[str, str] = field(init=False, repr=False, compare=False)
+    _hf_global_names: Mapping[str, str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("layer_names", "global_names"):
+            forward = dict(getattr(self, name))
+            if len(set(forward.values())) != len(forward):
+                raise ValueError(f"StateDictAdapter.{name} maps two lmforge names to one Hugging Face name")
+            object.__setattr__(self, name, MappingProxyType(forward))
+            object.__setattr__(self, f"_hf_{name}", MappingProxyType({v: k for k, v in forward.items()}))
+
+    def extend(self, layer_names: Mapping[str, str] | None = None,
+               global_names: Mapping[str, str] | None = None) -> StateDictAdapter:
+        """This renaming plus a family's extra names (e.g. Qwen2's q/k/v biases)."""
+        return StateDictAdapter({**self.layer_names, **(layer_names or {})},
+                                {**self.global_names, **(global_names or {})})
+
+    def to_hf(self, model_state: Mapping[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
+        """Hugging Face names for an lmforge state dict (wrapper prefixes such as torch.compile's dropped).
+
+        With tied embeddings ``lm_head.weight`` is omitted, as ``save_pretrained`` does.
+        """
+        out: dict[str, Tensor] = {}
+        for raw, t in model_state.items():
+            name = strip_wrapper_prefixes(raw)
+            if name in self.global_names:
+                if name == "output.weight" and args.tie_embeddings:
+                    continue
+                out[self.global_names[name]] = t
+                continue
+            m = _LF_LAYER.fullmatch(name)
+            if m is None or m.group(2) not in self.layer_names:
+                raise ValueError(f"unexpected lmforge parameter {raw!r}")
+            out[f"model.layers.{m.group(1)}.{self.layer_names[m.group(2)]}"] = t
+        return out
+
+    def from_hf(self, hf_state: Mapping[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
+        """lmforge names for a Hugging Face state dict.
+
+        When the model ties embeddings, ``output.weight`` is the embedding tensor itself.
+        Buffers HF may store (``rotary_emb.inv_freq``) are ignored: lmforge recomputes RoPE.
+        """
+        out: dict[str, Tensor] = {}
+        for name, t in hf_state.items():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name in self._hf_global_names:
+                out[self._hf_global_names[name]] = t
+                continue
+            m = _HF_LAYER.fullmatch(name)
+            if m is None or m.group(2) not in self._hf_layer_names:
+                raise UserError(f"unexpected tensor {name!r} in Hugging Face checkpoint (a feature lmforge lacks?)")
+            out[f"layers.{m.group(1)}.{self._hf_layer_names[m.group(2)]}"] = t
+        if args.tie_embeddings:
+            if "tok_embeddings.weight" not in out:
+                raise UserError("Hugging Face checkpoint has no model.embed_tokens.weight")
+            out["output.weight"] = out["tok_embeddings.weight"]
+        elif "output.weight" not in out:
+            raise UserError("checkpoint has no lm_head.weight but config says tie_word_embeddings=false")
+        return out
+
+    def hf_module_name(self, name: str) -> str:
+        """The Hugging Face name of a projection inside a layer: ``layers.3.attention.wq`` ->
+        ``model.layers.3.self_attn.q_proj`` (wrapper prefixes such as torch.compile's are dropped)."""
+        m = _LF_LAYER.fullmatch(strip_wrapper_prefixes(name))
+        suffix = self.layer_names.get(f"{m.group(2)}.weight") if m else None
+        if m is None or suffix is None:
+            raise ValueError(f"no Hugging Face name for lmforge module {name!r}")
+        return f"model.layers.{m.group(1)}.{suffix.removesuffix('.weight')}"

@@ -1,0 +1,52 @@
+"""Next-token cross-entropy: the objective of pretraining, SFT and elastic runs."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from lmforge.data.packing import IGNORE_INDEX, Batch
+from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobSumHead
+from lmforge.training.stats import LossStats
+from lmforge.training.train_step import global_target_count
+
+
+def cross_entropy_loss(model: nn.Module, batch: Batch,
+                       chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, LossStats]:
+    """Summed next-token cross-entropy over target tokens (labels != IGNORE_INDEX).
+
+    Statistics: the loss sum, the target tokens (both the loss's weight and ``target_tokens``) and
+    ``correct`` (argmax hits), all sums, so they add up exactly across microbatches and ranks.
+
+    Logits exist only at target positions and only ``chunk_tokens`` rows at a time (fp32), in
+    forward and backward (see :mod:`lmforge.training.chunked_loss`); the values equal the full
+    ``F.cross_entropy`` over fp32 logits. Bind ``chunk_tokens`` with ``functools.partial``.
+    """
+    mask = batch.labels != IGNORE_INDEX
+    head = TargetLogprobSumHead(batch.labels, mask, chunk_tokens=chunk_tokens)
+    logprob_sum, hits = model(batch.input_ids, position_ids=batch.position_ids, document_ids=batch.document_ids,
+                              head=head)
+    loss_sum = -logprob_sum
+    targets = mask.sum()
+    return loss_sum, LossStats(loss_sum.detach(), targets, targets, {"correct": hits.sum()})
+
+
+class NextTokenObjective:
+    """Summed cross-entropy over target tokens, divided by the target tokens of the whole step (all
+    microbatches, all ranks): accumulation and ranks give the same gradient as one big batch."""
+
+    console_keys = ("accuracy",)
+    watch_spikes = True
+
+    def __init__(self, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+        self.loss_fn = functools.partial(cross_entropy_loss, chunk_tokens=chunk_tokens)
+
+    def normalizer(self, microbatches: list[Batch]) -> torch.Tensor:
+        return global_target_count(microbatches)
+
+    def log_values(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``loss``, ``total_weights`` (target tokens) and ``accuracy`` (argmax hits per target)."""
+        return {"loss": totals["loss"], "total_weights": totals["total_weights"],
+                "accuracy": totals["correct"] / totals["total_weights"].clamp(min=1)}

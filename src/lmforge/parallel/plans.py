@@ -1,0 +1,85 @@
+"""How a model is laid out over the mesh: separate functions, applied in the order a family's plan says.
+
+Each function does one thing to the model in place and can be used alone (benchmarks and tests do):
+activation checkpointing and ``torch.compile`` per block, FSDP2 ``fully_shard`` per block then the
+root (HSDP on a 2-D mesh), or DDP over the data-replicate group. :func:`parallelize_decoder` is the
+plan of the decoder families (Llama, Qwen, Mistral): checkpointing and compile go on first, so FSDP2
+wraps the compiled, checkpointed blocks; the block is the unit of all three.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmforge.parallel.dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """What the plan needs besides the mesh: per-block wrappers and the precision of FSDP2's gathers."""
+
+    activation_checkpointing: bool = False
+    compile: bool = False
+    bf16: bool = False
+    """Training autocasts to bf16: on GPU, FSDP2 gathers parameters in bf16 and reduces in fp32."""
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute every block's activations in backward instead of keeping them."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, block in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(block)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile each block on its own: one graph reused by every layer, and short compiles."""
+    for i, block in enumerate(model.layers):
+        model.layers[i] = torch.compile(block)
+
+
+def apply_fsdp(model: nn.Module, mesh: Any, device: torch.device, *, bf16: bool = False) -> nn.Module:
+    """FSDP2 ``fully_shard`` per block, then the root (embedding, final norm, output layer). On a 2-D
+    ``(dp_replicate, dp_shard)`` mesh this is HSDP: sharded within a group, replicated across groups."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if bf16 and device.type == "cuda":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def apply_ddp(model: nn.Module, mesh: Any, device: torch.device) -> nn.Module:
+    """DDP over the mesh's data-replicate group (gradients all-reduced in buckets during backward)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DDP(model, device_ids=device_ids, process_group=mesh.get_group())
+
+
+def data_mesh(mesh: Any, dims: ParallelDims) -> Any:
+    """The part of the mesh the data-parallel wrapper spans."""
+    names = [n for n in ("dp_replicate", "dp_shard") if getattr(dims, n) > 1]
+    return mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
+
+
+def parallelize_decoder(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.device,
+                        options: ParallelOptions) -> nn.Module:
+    """The decoder plan: checkpointing, compile, then the data-parallel wrapper. Returns the module the
+    train step calls (the model itself for one process or FSDP2, a DDP wrapper for DDP)."""
+    if options.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if options.compile:
+        apply_compile(model)
+    if mesh is None:
+        return model
+    if dims.shards:
+        return apply_fsdp(model, data_mesh(mesh, dims), device, bf16=options.bf16)
+    return apply_ddp(model, data_mesh(mesh, dims), device)

@@ -1,0 +1,76 @@
+"""What a recipe is, and the registry of them.
+
+A recipe says only what its trainer's job needs: its config class (the shared sections plus its own),
+``check`` (every input the user can get wrong, read before anything is written), ``services`` (what it
+adds to the shared runtime: step hooks, a fast checkpoint tier), ``build`` (its step source, objective
+and evaluation, as a :class:`~lmforge.training.loop.Job`) and ``finish`` (anything after the last step). The shared loop,
+metrics, checkpoints and the skeleton around them (:mod:`.skeleton`) are the same for every recipe.
+
+Recipes are found by module: every module of the :mod:`lmforge.recipes` package is imported once and
+each ``@register``-ed class in it is registered under its ``name``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Any, ClassVar
+
+from lmforge.config import Config
+from lmforge.errors import UserError
+from lmforge.training.loop import Job
+from lmforge.training.runtime import RecipeServices, Runtime
+from lmforge.training.state import TrainState
+
+
+class Recipe:
+    name: ClassVar[str]
+    config: ClassVar[type[Config]] = Config
+    summary: ClassVar[str] = ""
+    """One line for ``lmforge --help``."""
+
+    def check(self, cfg: Any) -> Any:
+        """Read and check the recipe's inputs before the runtime exists (nothing is written yet); what it
+        returns is handed to ``services``, ``build`` and ``finish``."""
+        return None
+
+    def services(self, cfg: Any, inputs: Any) -> RecipeServices:
+        return RecipeServices()
+
+    def build(self, rt: Runtime, cfg: Any, inputs: Any) -> Job:
+        raise NotImplementedError
+
+    def finish(self, rt: Runtime, cfg: Any, inputs: Any, state: TrainState) -> None:
+        """After the run's final save (e.g. the elastic recipe removes its snapshots)."""
+
+
+_REGISTRY: dict[str, Recipe] = {}
+_LOADED = False
+
+
+def register(cls: type[Recipe]) -> type[Recipe]:
+    """Class decorator: make ``cls`` the recipe called ``cls.name``."""
+    if cls.name in _REGISTRY and type(_REGISTRY[cls.name]) is not cls:
+        raise ValueError(f"two recipes are called {cls.name!r}")
+    _REGISTRY[cls.name] = cls()
+    return cls
+
+
+def recipes() -> dict[str, Recipe]:
+    """Every registered recipe by name, in the order their modules sort."""
+    global _LOADED
+    if not _LOADED:
+        import lmforge.recipes as package
+
+        for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+            if info.name not in ("base", "skeleton"):
+                importlib.import_module(f"{package.__name__}.{info.name}")
+        _LOADED = True
+    return dict(_REGISTRY)
+
+
+def get_recipe(name: str) -> Recipe:
+    known = recipes()
+    if name not in known:
+        raise UserError(f"unknown trainer {name!r}; known: {', '.join(known)}")
+    return known[name]

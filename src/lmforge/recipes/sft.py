@@ -1,0 +1,86 @@
+"""Supervised fine-tuning: next-token loss on the assistant's tokens of chat (or completion) data.
+
+Everything but the data is shared with pretraining: the same step source type, objective, metrics
+line, checkpoints and resume. What differs lives here and in :mod:`lmforge.data.sft_data`: records
+become loss-masked examples, packed without cross-example attention; evaluation adds held-out exact
+match on the embedded tasks (``[tasks]``), measured before the first step too (``eval.at_start``), so
+every run reports its before/after.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from lmforge.config import Config, RunSection, Section, StartEvalSection, TasksSection
+from lmforge.data.chat import ChatFormat, training_chat_format
+from lmforge.data.inputs import DataSpec, train_spec, validation_spec
+from lmforge.data.sft_data import Record, SFTDataset, build_sft_dataset, read_sft_records, task_records
+from lmforge.data.tasks import task_examples
+from lmforge.errors import UserError
+from lmforge.evaluation.loss import validation_eval
+from lmforge.evaluation.tasks import TaskEval, held_out_examples
+from lmforge.objectives.next_token import NextTokenObjective
+from lmforge.recipes.base import Recipe, register
+from lmforge.training.loop import Job
+from lmforge.training.next_token import LoaderSource
+from lmforge.training.runtime import Runtime
+
+
+class SFTSection(Section):
+    loss_on: Literal["assistant", "all"] = "assistant"
+    """``assistant``: loss on assistant turns / completions only; ``all``: on every token."""
+    packing: bool = True
+    """Pack several examples per sequence (isolated by document masks); false: one padded example each."""
+    too_long: Literal["skip", "truncate"] = "skip"
+    """Examples longer than ``data.seq_len + 1`` tokens are skipped, or cut to fit."""
+    chat_template: str | None = None
+    """A jinja file to use instead of the tokenizer's own chat template."""
+
+
+class SFTConfig(Config):
+    sft: SFTSection = SFTSection()
+    tasks: TasksSection = TasksSection()
+    eval: StartEvalSection = StartEvalSection()
+    run: RunSection = RunSection(dir="runs/sft")
+
+
+def _records(spec: DataSpec, split: str, cfg: SFTConfig) -> tuple[list[Record], str]:
+    if spec.kind == "embedded":
+        n = (cfg.tasks.train_examples or None) if split == "train" else None
+        return task_records(task_examples(split, n, cfg.tasks.names), split), f"embedded tasks ({split})"
+    return read_sft_records(spec.path, cfg.data.format), spec.path
+
+
+def build_datasets(cfg: SFTConfig, rt: Runtime, chat: ChatFormat | None) -> tuple[SFTDataset, SFTDataset | None]:
+    """Train and validation sets; each summary (counts of skipped/truncated examples) is logged."""
+    d, s = cfg.data, cfg.sft
+    sets: list[SFTDataset | None] = []
+    for spec, split in ((train_spec(d), "train"), (validation_spec(d)[0], "test")):
+        if spec.kind == "none":
+            sets.append(None)
+            continue
+        records, source = _records(spec, split, cfg)
+        dataset, summary = build_sft_dataset(records, source, rt.tokenizer, chat, seq_len=d.seq_len,
+                                             loss_on=s.loss_on, too_long=s.too_long, packing=s.packing)
+        rt.metrics.record_event("sft_data", 0, summary.line(), split=split, **summary.counts())
+        sets.append(dataset)
+    return sets[0], sets[1]  # type: ignore[return-value]
+
+
+@register
+class SFT(Recipe):
+    name = "sft"
+    config = SFTConfig
+    summary = "supervised fine-tuning on chats, completions or the embedded tasks"
+
+    def check(self, cfg: SFTConfig) -> None:
+        if train_spec(cfg.data).kind == "none":
+            raise UserError("data.train=none: SFT needs training records (embedded, or a .jsonl/.parquet file)")
+
+    def build(self, rt: Runtime, cfg: SFTConfig, inputs: None) -> Job:
+        chat = training_chat_format(rt.tokenizer, rt.model_args.vocab_size, cfg.sft.chat_template)
+        train_set, val_set = build_datasets(cfg, rt, chat)
+        objective = NextTokenObjective(cfg.training.loss_chunk_tokens)
+        tasks = TaskEval(held_out_examples(cfg.tasks) if cfg.data.train == "embedded" else [],
+                         cfg.tasks.eval_max_new_tokens)
+        return Job(LoaderSource(rt, train_set), objective, validation_eval(objective, val_set, tasks))

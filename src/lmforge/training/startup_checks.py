@@ -1,0 +1,84 @@
+"""Start-up checks of a run directory against the run about to start, before anything is written.
+
+A run directory that holds checkpoints continues from them (``checkpoint.resume=auto``); these checks
+refuse, in one line naming the key to change, a start that would resume the wrong thing: checkpoints
+of another model shape or tokenizer, other LoRA adapters or another base, or a fresh start
+(``resume=never``) whose saves would interleave with the old ones.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from lmforge.checkpoint import STATE_FILE, RunDir, list_checkpoints
+from lmforge.config import Config
+from lmforge.errors import UserError
+from lmforge.models.model import ModelArgs
+
+
+def check_fresh_start(cfg: Config, run: RunDir) -> None:
+    """``checkpoint.resume=never`` starts from step 0; in a directory that already holds checkpoints
+    the new run's saves would interleave with the old ones (and the newer old ones would win the next
+    resume), so it is refused instead of guessing which to delete."""
+    if cfg.checkpoint.resume != "never":
+        return
+    found = list_checkpoints(run.checkpoints)
+    if found:
+        raise UserError(f"checkpoint.resume=never but run.dir={run.root} already holds checkpoints "
+                        f"(newest {found[-1].name}); choose a new run.dir or move {run.checkpoints} away")
+
+
+def _saved_description(run: RunDir) -> dict[str, Any]:
+    """The model description the run's checkpoints were made for: from the newest checkpoint that
+    describes itself, else from ``model_args.json`` (older runs); {} when neither can be read."""
+    for ckpt in reversed(list_checkpoints(run.checkpoints)):
+        try:
+            described = json.loads((ckpt / STATE_FILE).read_text()).get("model", {})
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(described, dict) and isinstance(described.get("model_args"), dict):
+            return described
+    try:
+        saved = json.loads(run.model_args.read_text())
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return saved if isinstance(saved, dict) and isinstance(saved.get("model_args", {}), dict) else {}
+
+
+def check_resume_compatible(run: RunDir, args: ModelArgs, description: dict[str, Any]) -> None:
+    """Refuse to resume a run directory whose checkpoints were made for another model shape, or for
+    other LoRA adapters or another base model (a LoRA checkpoint holds only the adapters)."""
+    run_dir = run.root
+    if not list_checkpoints(run.checkpoints):
+        return
+    described = _saved_description(run)
+    if described:
+        _check_same_adapters(run_dir, described, description)
+    saved = described.get("model_args", {})
+    new = args.to_dict()
+    diff = sorted((k for k in new if k in saved and saved[k] != new[k]), key=lambda k: k != "vocab_size")
+    if diff and diff[0] == "vocab_size":
+        raise UserError(f"run.dir={run_dir}: the tokenizer's vocabulary ({new['vocab_size']}) does not match the "
+                        f"checkpoints' ({saved['vocab_size']}); model.tokenizer must be the one the run started with")
+    if diff:
+        k = diff[0]
+        raise UserError(f"run.dir={run_dir} holds checkpoints of another model (model {k}: {saved[k]} there, "
+                        f"{new[k]} now); use a new run.dir or checkpoint.resume=never")
+
+
+def _check_same_adapters(run_dir: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
+    if ("lora" in saved) != ("lora" in now):
+        had = "LoRA adapters" if "lora" in saved else "full weights"
+        raise UserError(f"run.dir={run_dir} holds checkpoints of {had}; set lora.enabled="
+                        f"{'true' if 'lora' in saved else 'false'} to resume it, or use a new run.dir")
+    if "lora" not in saved:
+        return
+    if saved["lora"] != now["lora"]:
+        k = next(k for k in now["lora"] if saved["lora"].get(k) != now["lora"][k])
+        raise UserError(f"run.dir={run_dir} holds adapters with lora.{k}={saved['lora'].get(k)!r}, "
+                        f"not {now['lora'][k]!r}; use the same [lora] settings or a new run.dir")
+    if saved.get("base") != now.get("base"):
+        raise UserError(f"run.dir={run_dir} holds adapters for the base model {saved.get('base')}, not "
+                        f"{now.get('base')}; start from the same model (model.from_hf / model.from_checkpoint)")
