@@ -23,7 +23,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, markdown_table, median  # noqa: E402
 
-from lmforge.distributed import full_parameters, init_distributed, wrap_model  # noqa: E402
+from lmforge.distributed import full_parameters, init_distributed  # noqa: E402
+from lmforge.parallel.plans import data_parallel  # noqa: E402
 from lmforge.models.generate import generate  # noqa: E402
 from lmforge.models.args import model_args_for  # noqa: E402
 from lmforge.models.model import Transformer  # noqa: E402
@@ -61,7 +62,7 @@ def main() -> None:
     plain.init_weights(seed=0)
     model = Transformer(args)
     model.init_weights(seed=0)
-    model = wrap_model(model, "fsdp", info)
+    model = data_parallel(model, "fsdp", info.device)
     prompts = [[1 + (i * 7 + j) % 300 for j in range(12)] for i in range(a.batch)]
     want = generate(plain, prompts, a.new_tokens, pad_id=0, temperature=0.0)
     times: dict[str, list[float]] = {"once": [], "per token": []}

@@ -35,7 +35,8 @@ def one_point(a: argparse.Namespace) -> dict:
     from lmforge.data.packing import Batch
     from lmforge.models.lora import apply_lora, trainable_parameters
     from lmforge.models.model import Transformer, model_args_for
-    from lmforge.training.train_step import (build_optimizer, cross_entropy_loss, global_target_count,
+    from lmforge.objectives.next_token import cross_entropy_loss
+    from lmforge.training.train_step import (build_optimizer, global_target_count,
                                              gradient_computation, run_optimizer_step)
 
     torch.set_num_threads(a.threads)

@@ -32,7 +32,7 @@ from common import append_benchmark, loadavg, machine, markdown_table  # noqa: E
 
 from lmforge.data.packing import IGNORE_INDEX, Batch  # noqa: E402
 from lmforge.models.model import ModelArgs, Transformer  # noqa: E402
-from lmforge.training.train_step import cross_entropy_loss  # noqa: E402
+from lmforge.objectives.next_token import cross_entropy_loss  # noqa: E402
 
 VOCABS = (32_000, 128_256, 152_064)  # Llama 2, Llama 3.1, Qwen2.5
 

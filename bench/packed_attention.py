@@ -27,7 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import append_benchmark, loadavg, machine, markdown_table, median  # noqa: E402
 
-from lmforge.models.model import Transformer, document_mask, model_args_for  # noqa: E402
+from lmforge.models.layers.masks import document_mask  # noqa: E402
+from lmforge.models.model import Transformer, model_args_for  # noqa: E402
 
 PATHS = ("dense", "packed")
 
@@ -167,7 +168,7 @@ def main() -> None:
         f"fp32, documents of {a.doc_len // 2}-{a.doc_len * 3 // 2} tokens (~{a.doc_len}), one forward+backward, "
         f"median of {a.repeats} after a warm-up, each configuration in its own process (peak = ru_maxrss growth "
         "during the steps). `dense`: the [B, 1, T, T] document mask passed to SDPA (the previous path); "
-        "`packed`: per-document causal SDPA (`lmforge.models.attention`).\n\n"
+        "`packed`: per-document causal SDPA (`lmforge.models.layers.packed_attention`).\n\n"
         f"Command: `OMP_NUM_THREADS={threads} python bench/packed_attention.py "
         f"--seq-lens {a.seq_lens} --doc-len {a.doc_len} --layers {a.layers} --repeats {a.repeats}`\n\n{table}\n\n"
         "Alternatives on this CPU (T=512, fp32, forward+backward):\n\n" + "\n".join(alternatives) + "\n"

@@ -83,7 +83,8 @@ def one_point(a: argparse.Namespace) -> dict:
         step, before = _hf_step(args, b)
     else:
         from lmforge.models.model import Transformer
-        from lmforge.training.train_step import (build_optimizer, cross_entropy_loss, global_target_count,
+        from lmforge.objectives.next_token import cross_entropy_loss
+        from lmforge.training.train_step import (build_optimizer, global_target_count,
                                                  gradient_computation, run_optimizer_step)
 
         model = Transformer(args)

@@ -14,7 +14,7 @@ How each system is timed, identically: the wall-clock time from the end of optim
 ``--warmup`` to the end of step ``--steps`` (so warm-up, model build and process setup are
 excluded, and everything inside the loop, logging included, is counted).
 
-* lmforge: the real pretraining trainer, ``lmforge.trainers.pretrain.run`` (what ``lmforge
+* lmforge: the real pretraining trainer, the ``pretrain`` recipe run by ``run_recipe`` (what ``lmforge
   pretrain`` calls), with its normal logging: console line, metrics.jsonl and TensorBoard every
   ``metrics.log_every`` = 10 steps, prefetching loader, grad clipping, LR schedule, guards. Eval and
   checkpoint *saves* are switched off (the other systems do neither), but the loop still runs its
@@ -93,7 +93,8 @@ def merge(base: dict, extra: dict) -> dict:
 # ---------------------------------------------------------------------------------------- systems
 def run_lmforge(s: Setup, overrides: list[str]) -> tuple[float, float]:
     """(tokens/s over the window from JSONL wall-clock stamps, the trainer's own median tokens/s)."""
-    from lmforge.trainers.pretrain import run
+    from lmforge.recipes import get_recipe
+    from lmforge.recipes.skeleton import run_recipe
 
     with tempfile.TemporaryDirectory(prefix="lmforge-bench-") as run_dir:
         data = {
@@ -111,7 +112,7 @@ def run_lmforge(s: Setup, overrides: list[str]) -> tuple[float, float]:
         }
         cfg = validate_config(Config, merge(data, parse_overrides([f"--{o}" for o in overrides])), "bench")
         with contextlib.redirect_stdout(io.StringIO()):
-            run(cfg)
+            run_recipe(get_recipe("pretrain"), cfg)
         train = {r["step"]: r for r in read_records(run_dir, "train")}
     t0, t1 = train[s.warmup]["time"], train[s.steps]["time"]
     own = [r["tokens_per_sec_per_device"] for k, r in train.items() if k > s.warmup]

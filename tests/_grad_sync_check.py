@@ -8,7 +8,9 @@ import torch.distributed as dist
 
 from lmforge import distributed as dist_utils
 from lmforge.models.model import Transformer
-from lmforge.training.train_step import cross_entropy_loss, global_target_count, gradient_computation
+from lmforge.objectives.next_token import cross_entropy_loss
+from lmforge.parallel.plans import data_parallel
+from lmforge.training.train_step import global_target_count, gradient_computation
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _helpers import STEP_MODEL_ARGS, make_batch, split_batch  # noqa: E402
@@ -32,7 +34,7 @@ for name in ("reduce_scatter_tensor", "reduce_scatter_single"):  # FSDP2 calls o
 info = dist_utils.init_distributed("cpu")
 model = Transformer(STEP_MODEL_ARGS)
 model.init_weights(seed=0)
-wrapped = dist_utils.wrap_model(model, mode, info)
+wrapped = data_parallel(model, mode, info.device)
 if mode == "ddp":
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 

@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 tok = ByteTokenizer()
 model = Transformer(model_args_for("debug", tok.vocab_size, dim=64, n_layers=2))
 model.init_weights(seed=0)
-wrapped = dist_utils.wrap_model(model, mode, info)
+wrapped = data_parallel(model, mode, info.device)
 examples = [TaskExample(**e) for e in json.loads(open(examples_file).read())]
 scores = []
 for _ in range(2):

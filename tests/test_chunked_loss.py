@@ -14,9 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lmforge.config import TrainingSection
 from lmforge.data.packing import IGNORE_INDEX, Batch
 from lmforge.models.model import ModelArgs, Transformer
-from lmforge.rl.grpo_loss import GRPOLoss, PolicyBatch, token_logprobs
+from lmforge.objectives.grpo import GRPOLoss, PolicyBatch, token_logprobs
 from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobHead, TargetLogprobs
-from lmforge.training.train_step import cross_entropy_loss
+from lmforge.objectives.next_token import cross_entropy_loss
+from lmforge.training.stats import LossStats
 
 V = 97  # a prime: no chunk size divides it, and it is told apart from every other dimension
 ARGS = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=V, max_seq_len=32)
@@ -57,7 +58,7 @@ def _full_cross_entropy(model: Transformer, batch: Batch) -> tuple[torch.Tensor,
     loss_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
     mask = labels != IGNORE_INDEX
     correct = ((logits.argmax(-1) == labels) & mask).sum()
-    return loss_sum, {"loss_sum": loss_sum.detach(), "total_weights": mask.sum(), "correct": correct}
+    return loss_sum, LossStats(loss_sum.detach(), mask.sum(), mask.sum(), {"correct": correct})
 
 
 def _loss_and_grads(model, loss_fn, batch):
@@ -78,9 +79,9 @@ def _assert_grad_close(got: torch.Tensor, want: torch.Tensor, name: str) -> None
 
 def _assert_same(got, want):
     (stats, grads), (ref_stats, ref_grads) = got, want
-    torch.testing.assert_close(stats["loss_sum"], ref_stats["loss_sum"], rtol=1e-6, atol=0)
-    assert int(stats["total_weights"]) == int(ref_stats["total_weights"])
-    assert int(stats["correct"]) == int(ref_stats["correct"])
+    torch.testing.assert_close(stats.loss_sum, ref_stats.loss_sum, rtol=1e-6, atol=0)
+    assert int(stats.target_tokens) == int(ref_stats.target_tokens) == int(stats.loss_weight)
+    assert int(stats.sums["correct"]) == int(ref_stats.sums["correct"])
     assert grads.keys() == ref_grads.keys()
     for name in grads:
         _assert_grad_close(grads[name], ref_grads[name], name)
@@ -94,8 +95,8 @@ def test_chunked_cross_entropy_equals_full_logits(masked, tie):
     model = _model(tie)
     batch = _with_hits(model, _batch(masked))
     want = _loss_and_grads(model, _full_cross_entropy, batch)
-    assert int(want[0]["correct"]) > 0  # the hit count is really compared
-    targets = int(want[0]["total_weights"])
+    assert int(want[0].sums["correct"]) > 0  # the hit count is really compared
+    targets = int(want[0].target_tokens)
     for chunk in (1, 4, 7, targets, 1000):
         got = _loss_and_grads(model, lambda m, b: cross_entropy_loss(m, b, chunk_tokens=chunk), batch)
         _assert_same(got, want)
@@ -105,7 +106,7 @@ def test_no_target_tokens_gives_zero_loss_and_zero_gradients():
     model, batch = _model(), _batch(masked=True)
     batch.labels[:] = IGNORE_INDEX
     stats, grads = _loss_and_grads(model, cross_entropy_loss, batch)
-    assert float(stats["loss_sum"]) == 0 and int(stats["total_weights"]) == 0 and int(stats["correct"]) == 0
+    assert float(stats.loss_sum) == 0 and int(stats.target_tokens) == 0 and int(stats.sums["correct"]) == 0
     assert all(float(g.abs().sum()) == 0 for g in grads.values())  # every parameter got a (zero) gradient
 
 
@@ -223,14 +224,16 @@ def test_grpo_logprobs_entropy_and_gradients_equal_full_logits(temperature):
     loss_fn = GRPOLoss(eps_low=0.2, eps_high=0.28, beta=0.05, aggregation="grpo", max_new_tokens=8,
                        temperature=temperature)
     want_stats, want_grads = _loss_and_grads(_FullLogits(model), loss_fn, batch)
-    assert float(want_stats["clip_low_count"] + want_stats["clip_high_count"]) > 0
+    assert float(want_stats.sums["clip_low_count"] + want_stats.sums["clip_high_count"]) > 0
     for chunk in (4, 7, 1000):
         got = token_logprobs(model, batch, temperature, chunk_tokens=chunk)
         torch.testing.assert_close(got[on], want[on], rtol=1e-6, atol=1e-6)
         assert float(got[~on].abs().sum()) == 0
         loss_fn.chunk_tokens = chunk
         stats, grads = _loss_and_grads(model, loss_fn, batch)
-        for k in want_stats:
-            torch.testing.assert_close(stats[k], want_stats[k], rtol=1e-6, atol=1e-6, msg=k)
+        for k in want_stats.sums:
+            torch.testing.assert_close(stats.sums[k], want_stats.sums[k], rtol=1e-6, atol=1e-6, msg=k)
+        for k in ("loss_sum", "loss_weight", "target_tokens"):
+            torch.testing.assert_close(getattr(stats, k), getattr(want_stats, k), rtol=1e-6, atol=1e-6, msg=k)
         for name in want_grads:
             _assert_grad_close(grads[name], want_grads[name], name)

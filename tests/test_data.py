@@ -125,14 +125,19 @@ def test_one_record_reader_for_jsonl_and_parquet(tmp_path):
 
 def _grpo_cfg(*overrides: str):
     from lmforge.config import load_config
-    from lmforge.trainers.grpo import GRPOConfig
+    from lmforge.recipes.grpo import GRPOConfig
 
     return load_config(GRPOConfig, None, list(overrides))
 
 
-def test_grpo_prompt_files_with_answer_column_and_message_prompts(tmp_path):
-    from lmforge.trainers.grpo import prompt_records
+def prompt_records(cfg, split: str):
+    """The GRPO recipe's prompt records of ``split`` under ``cfg`` (as its ``check`` reads them)."""
+    from lmforge.data.prompts import prompt_records as read
 
+    return read(cfg.data, cfg.tasks, split, cfg.grpo.prompt_field, cfg.grpo.answer_field)
+
+
+def test_grpo_prompt_files_with_answer_column_and_message_prompts(tmp_path):
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
     f = tmp_path / "q.jsonl"
     f.write_text(json.dumps({"question": "1+1?", "solution": "1+1=2\n#### 2", "answer": "old"}) + "\n"
@@ -171,8 +176,6 @@ def test_message_prompts_use_the_chat_format():
     ('{"prompt": "q", "answer": ["1"]}', "`answer` must be a string or a number, got list"),
 ])
 def test_grpo_prompt_errors_name_file_and_line(tmp_path, line, message):
-    from lmforge.trainers.grpo import prompt_records
-
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "ok", "answer": "1"}\n' + line + "\n")
     with pytest.raises(UserError) as e:
@@ -181,8 +184,6 @@ def test_grpo_prompt_errors_name_file_and_line(tmp_path, line, message):
 
 
 def test_grpo_answer_field_must_exist(tmp_path):
-    from lmforge.trainers.grpo import prompt_records
-
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "q"}\n')
     assert prompt_records(_grpo_cfg(f"--data.train={f}"), "train") == [{"prompt": "q"}]  # rewards without answers

@@ -93,7 +93,8 @@ def test_accumulation_reduces_gradients_once_per_step(mode, tmp_path):
 
     from _helpers import STEP_MODEL_ARGS, make_batch
     from lmforge.models.model import Transformer
-    from lmforge.training.train_step import cross_entropy_loss, global_target_count, gradient_computation
+    from lmforge.objectives.next_token import cross_entropy_loss
+    from lmforge.training.train_step import global_target_count, gradient_computation
 
     out = tmp_path / "sync.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

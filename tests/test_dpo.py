@@ -21,7 +21,9 @@ from lmforge.errors import UserError
 from lmforge.metrics.records import read_records
 from lmforge.models.model import ModelArgs, Transformer
 from lmforge.models.tokenizer import ByteTokenizer, load_tokenizer
-from lmforge.trainers.dpo import DPOObjective, Reference, dpo_losses, sequence_logprobs
+from lmforge.models.load import ModelSource
+from lmforge.objectives.dpo import DPOObjective, dpo_losses, sequence_logprobs
+from lmforge.training.reference import FrozenReference
 from lmforge.training.train_step import compute_global_loss, gradient_computation
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -129,7 +131,12 @@ def test_chat_masks_on_a_real_tokenizer_cover_only_the_responses():
 
 
 # ---------------------------------------------------------------------------------------- gradients
-def objective_and_batch(reference: Reference, rows: int = 6):
+def Reference(model):  # noqa: N802 - reads like the class it builds
+    """A frozen reference of ``model`` (None: the policy with its adapters off)."""
+    return FrozenReference(model, ModelSource("init", "0"))
+
+
+def objective_and_batch(reference: FrozenReference, rows: int = 6):
     tok = ByteTokenizer()
     dataset, _ = build_preference_dataset(task_pairs(13), "t", tok, ByteChatFormat(tok), seq_len=64)
     assert len(dataset) >= rows
@@ -198,7 +205,7 @@ def test_nll_weight_adds_the_chosen_per_token_nll():
                 chosen_tokens.append(int((labels != IGNORE_INDEX).sum()))
     want = float(base) + 0.5 * sum(-float(logps[2 * j]) / n for j, n in enumerate(chosen_tokens))
     assert float(total) == pytest.approx(want, rel=1e-5)
-    assert float(stats["dpo_loss_sum"]) == pytest.approx(float(base), rel=1e-6)  # logged as loss/dpo
+    assert float(stats.sums["dpo_loss_sum"]) == pytest.approx(float(base), rel=1e-6)  # logged as loss/dpo
 
 
 def split_documents(sample):
@@ -237,7 +244,8 @@ def test_lora_reference_is_the_base_model_without_a_copy():
     with torch.no_grad():
         base_logps = sequence_logprobs(base, batch)
         policy_logps = sequence_logprobs(policy, batch)
-    ref_logps = objective.loss_fn.reference.sequence_logprobs(policy, batch)
+    with torch.no_grad():
+        ref_logps = sequence_logprobs(objective.loss_fn.reference.model_for(policy), batch)
     assert torch.allclose(ref_logps, base_logps, rtol=1e-5)
     assert not torch.allclose(policy_logps, base_logps, rtol=1e-3)
     grads, values = grads_and_values(policy, objective, [batch])
@@ -268,7 +276,8 @@ def test_cli_refuses_embedded_data_with_one_line(tmp_path, capsys):
     assert rc == 2 and "label_smoothing applies to the sigmoid loss only" in capsys.readouterr().err
     rc = main(["dpo", f"--run.dir={tmp_path / 'run'}", "--training.threads=0"])
     err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("error: data.train: DPO trains on preference records") and err.count("\n") == 1
+    assert rc == 2 and err.startswith("error: data.train=embedded: DPO trains on preference records") and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()  # refused before the run directory was made
 
 
 # ---------------------------------------------------------------------------------------- the CLI

@@ -24,7 +24,7 @@ from lmforge.config import validate_config
 from lmforge.errors import UserError
 from lmforge.training.faults import FaultPlan, InjectedFault, inject, parse_fault
 from lmforge.checkpoint.tiers import CheckpointTiers
-from lmforge.trainers.elastic import ElasticConfig, adapt_micro_batch
+from lmforge.recipes.elastic import ElasticConfig, adapt_micro_batch
 
 
 def test_fault_specs_parse_and_fire_only_where_due():

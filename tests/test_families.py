@@ -17,7 +17,8 @@ from lmforge.errors import UserError
 from lmforge.models.flops import attended_keys, flops_per_token, matmul_params
 from lmforge.models.generate import generate
 from lmforge.models.hf import load_hf_config, load_hf_model, save_hf_model
-from lmforge.models.model import ModelArgs, Transformer, model_args_for, sliding_window_mask
+from lmforge.models.layers.masks import sliding_window_mask
+from lmforge.models.model import ModelArgs, Transformer, model_args_for
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,7 +8,7 @@ import torch
 
 from lmforge.errors import UserError
 from lmforge.models.generate import generate, length_buckets
-from lmforge.models.kv_cache import KVCache
+from lmforge.models.layers.kv_cache import KVCache
 from lmforge.models.hf import hf_state_dict_from_lmforge
 from lmforge.models.model import ModelArgs, Transformer
 

@@ -14,7 +14,7 @@ from torch import nn
 from _helpers import finish, start_lmforge, tiny_run_args
 from lmforge.errors import UserError
 from lmforge.metrics.records import read_records
-from lmforge.rl.grpo_loss import (
+from lmforge.objectives.grpo import (
     GRPOLoss, PolicyBatch, STD_EPS, aggregate, aggregation_weight, group_advantages, k3_kl, loss_normalizer,
 )
 from lmforge.rl.rewards import BUILTIN_REWARDS, load_rewards, resolve_reward, score_completions
@@ -114,7 +114,7 @@ def test_loss_matches_hand_computation_for_each_aggregation(mode):
         normalizer = aggregation_weight(batch.mask, mode, 6)
         want = _hand_loss(logits, batch, mode, 0.2, 0.28, beta, 6, temperature)
         assert float(objective.detach() / normalizer) == pytest.approx(want, rel=1e-5, abs=1e-7)
-        assert float(stats["loss_sum"] / stats["total_weights"]) == pytest.approx(want, rel=1e-5, abs=1e-7)
+        assert float(stats.loss_sum / stats.loss_weight) == pytest.approx(want, rel=1e-5, abs=1e-7)
 
 
 @pytest.mark.parametrize("mode", ["grpo", "dapo", "dr_grpo"])
@@ -152,7 +152,7 @@ def test_clip_fractions_and_clipped_tokens_get_no_gradient():
         model = FixedLogits(logits)
         objective, stats = GRPOLoss(eps_low=0.2, eps_high=0.2, beta=0.0, aggregation="dapo", max_new_tokens=4,
                                     temperature=1.0)(model, batch)
-        assert float(stats["clip_low_count"]) == low and float(stats["clip_high_count"]) == high
+        assert float(stats.sums["clip_low_count"]) == low and float(stats.sums["clip_high_count"]) == high
         objective.backward()
         for t in range(4):
             moved = model.logits.grad[0, t].abs().sum() > 0
@@ -216,7 +216,9 @@ def test_module_function_rewards_none_and_errors(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- config and refusal
 def test_top_level_reward_flags_and_group_size_refusal(tmp_path):
     from lmforge.config import load_config
-    from lmforge.trainers.grpo import GRPOConfig, run
+    from lmforge.recipes import get_recipe
+    from lmforge.recipes.grpo import GRPOConfig
+    from lmforge.recipes.skeleton import run_recipe
 
     cfg = load_config(GRPOConfig, None, ["--rewards=mod:a,format", "--rewards_weights=1,0.2", "--grpo.beta=0.1"])
     assert cfg.grpo.rewards == ["mod:a", "format"] and cfg.grpo.rewards_weights == [1.0, 0.2]
@@ -224,7 +226,7 @@ def test_top_level_reward_flags_and_group_size_refusal(tmp_path):
     bad = load_config(GRPOConfig, None, ["--training.global_batch_size=12", "--grpo.num_generations=8",
                                          f"--run.dir={tmp_path / 'r'}"])
     with pytest.raises(UserError, match=r"training.global_batch_size \(12\).*grpo.num_generations \(8\)"):
-        run(bad)
+        run_recipe(get_recipe("grpo"), bad)
     assert not (tmp_path / "r").exists()  # refused before anything was built
 
 
@@ -313,16 +315,17 @@ def test_resume_continues_exactly_with_reference_and_dynamic_sampling(tiny_task)
 
 def test_prompt_records_for_a_task_subset_and_a_jsonl_file(tmp_path):
     from lmforge.config import load_config
-    from lmforge.trainers.grpo import GRPOConfig, prompt_records
+    from lmforge.data.prompts import prompt_records
+    from lmforge.recipes.grpo import GRPOConfig
 
     cfg = load_config(GRPOConfig, None, ["--tasks.names=add", "--tasks.eval_examples=300"])
-    train, test = prompt_records(cfg, "train"), prompt_records(cfg, "test")
+    train, test = (prompt_records(cfg.data, cfg.tasks, split) for split in ("train", "test"))
     assert {r["task"] for r in train} == {"add"} and len(test) == 200  # add's share of the 600 held-out problems
     assert not {r["prompt"] for r in test} & {r["prompt"] for r in train}
     (tmp_path / "p.jsonl").write_text('{"prompt": "hi", "answer": "1"}\n{"question": "no prompt"}\n')
     cfg = load_config(GRPOConfig, None, [f"--data.train={tmp_path / 'p.jsonl'}"])
     with pytest.raises(UserError, match="record 2 has no string `prompt` column"):
-        prompt_records(cfg, "train")
+        prompt_records(cfg.data, cfg.tasks, "train")
 
 
 def test_resume_at_every_position_within_a_rollout_is_exact(tiny_task):

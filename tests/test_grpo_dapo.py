@@ -12,7 +12,7 @@ import torch
 from _helpers import tiny_run_args
 from lmforge.errors import UserError
 from lmforge.metrics.records import read_records
-from lmforge.rl.grpo_loss import GRPOLoss, PolicyBatch, tis_weights
+from lmforge.objectives.grpo import GRPOLoss, PolicyBatch, tis_weights
 from lmforge.rl.rewards import load_rewards, score_completions
 
 # ---------------------------------------------------------------- overlong penalty
@@ -64,8 +64,8 @@ def test_tis_weights_and_loss_by_hand():
         want += -min(ratio * 1.5, min(max(ratio, 1 - eps), 1 + eps) * 1.5) * w
     assert float(objective.detach()) == pytest.approx(want, rel=1e-5)
     gap = sum(abs(float(o - r)) for o, r in zip(old[0], rollout[0]))
-    assert float(stats["rollout_gap_sum"]) == pytest.approx(gap, rel=1e-5)
-    assert float(stats["tis_weight_sum"]) == pytest.approx(5.0, rel=1e-6)
+    assert float(stats.sums["rollout_gap_sum"]) == pytest.approx(gap, rel=1e-5)
+    assert float(stats.sums["tis_weight_sum"]) == pytest.approx(5.0, rel=1e-6)
     off, _ = GRPOLoss(eps_low=eps, eps_high=eps, beta=0.0, aggregation="dapo", max_new_tokens=3,
                       temperature=1.0)(Logits(), batch)  # tis_cap 0: the rollout log-probs are ignored
     plain = sum(-min(r * 1.5, min(max(r, 1 - eps), 1 + eps) * 1.5)
@@ -103,14 +103,15 @@ def _source(path: Path, reward: str, **overrides):
     """A RolloutSource on a real single-process runtime, built as ``lmforge grpo`` builds it."""
     from lmforge.config import load_config
     from lmforge.rl.rollout_source import RolloutSource
-    from lmforge.trainers.grpo import GRPOConfig, prompt_records
+    from lmforge.data.prompts import prompt_records
+    from lmforge.recipes.grpo import GRPOConfig
 
     args = tiny_run_args("prompts.jsonl", data_seq_len=None, **(COMMON | overrides))
     cfg = load_config(GRPOConfig, None, [*args, f"--rewards={reward}", f"--run.dir={path / 'run'}"])
     from lmforge.training.runtime import build_runtime
 
     rt = build_runtime(cfg, "grpo")
-    return RolloutSource(rt, load_rewards(cfg.grpo.rewards), prompt_records(cfg, "train"))
+    return RolloutSource(rt, cfg.grpo, load_rewards(cfg.grpo.rewards), prompt_records(cfg.data, cfg.tasks, "train"))
 
 
 def test_dynamic_sampling_drops_zero_spread_groups_and_respects_the_cap(dapo_task):
@@ -145,7 +146,7 @@ def test_dynamic_sampling_drops_zero_spread_groups_and_respects_the_cap(dapo_tas
 def test_tis_with_a_bfloat16_sampler_logs_the_gap(dapo_task):
     """Sampling in bfloat16 while training in float32: the rollout's log-probs differ a little from the
     training forward's, the weights stay near 1 and both are logged."""
-    from lmforge.rl.grpo_loss import GRPOObjective
+    from lmforge.objectives.grpo import GRPOObjective
     from lmforge.training.train_step import compute_global_loss, gradient_computation
 
     source = _source(dapo_task, "dapo_rewards:half_flat", grpo_tis_cap=2.0, grpo_rollout_dtype="bfloat16")

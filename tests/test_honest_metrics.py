@@ -154,7 +154,7 @@ def test_no_checkpoint_of_a_diverged_step_between_log_steps(tmp_path, monkeypatc
     from lmforge.training.guard import Guard, NonFiniteLoss
     from lmforge.training.next_token import NextTokenObjective
     from lmforge.training.runtime import build_runtime
-    from lmforge.training.train_step import cross_entropy_loss
+    from lmforge.objectives.next_token import cross_entropy_loss
 
     class LogStepsOnly(Guard):  # what a GPU run does: no per-step read
         def __init__(self, *args, **kwargs) -> None:

@@ -17,7 +17,7 @@ from lmforge.data.packing import Sample
 from lmforge.data.prepare import prepare
 from lmforge.errors import UserError
 from lmforge.models.tokenizer import ByteTokenizer, load_tokenizer
-from lmforge.trainers.pretrain import build_datasets, read_corpora
+from lmforge.data.corpora import build_datasets, read_corpora
 
 QWEN = REPO / "tests" / "fixtures" / "tokenizers" / "qwen2.5-instruct"
 

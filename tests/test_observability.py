@@ -6,6 +6,8 @@ the CLI with eval and checkpoints, once per test session.
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import io
 import re
@@ -164,7 +166,7 @@ def _loss_with(changes: dict[int, str | float]):
     A number multiplies the loss (nan, inf, 20.0); ``"nan_grad"`` keeps the loss value but makes
     its gradient NaN (d/dx sqrt(x) at 0 is inf, and the unselected branch of where() gets 0 * inf).
     """
-    from lmforge.training.train_step import cross_entropy_loss
+    from lmforge.objectives.next_token import cross_entropy_loss
 
     calls = {"n": 0}
 
@@ -177,7 +179,7 @@ def _loss_with(changes: dict[int, str | float]):
             objective = objective + torch.where(torch.tensor(True), torch.zeros(()), torch.sqrt(w.sum() * 0))
         elif change is not None:
             objective = objective * change
-            stats = {**stats, "loss_sum": stats["loss_sum"] * change}
+            stats = dataclasses.replace(stats, loss_sum=stats.loss_sum * change)
         return objective, stats
     return loss_fn
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import lmforge.models.model as model_module
-from lmforge.models.attention import PackedLayout, packed_layout, sliding_window_mask
-from lmforge.models.model import ModelArgs, Transformer, document_mask
+import lmforge.models.layers.masks as masks_module
+from lmforge.models.layers.masks import document_mask, sliding_window_mask
+from lmforge.models.layers.packed_attention import PackedLayout, packed_layout
+from lmforge.models.model import ModelArgs, Transformer
 
 VOCAB = 61
 
@@ -128,7 +129,7 @@ def test_packed_batch_allocates_no_sequence_squared_tensor(monkeypatch):
     def refuse(*_a, **_k):
         raise AssertionError("document_mask called for a packed batch")
 
-    monkeypatch.setattr(model_module, "document_mask", refuse)
+    monkeypatch.setattr(masks_module, "document_mask", refuse)
     seen = []
     hook = model.layers[0].attention.register_forward_pre_hook(lambda _m, a: seen.append(a[3]))
     with LargestTensor() as probe:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lmforge.models.model import Transformer, model_args_for
-from lmforge.training.runtime import _apply_activation_checkpointing
+from lmforge.parallel.plans import apply_activation_checkpointing
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -27,7 +27,7 @@ def test_activation_checkpointing_gives_identical_gradients():
     plain.init_weights(seed=0)
     wrapped = Transformer(args)
     wrapped.load_state_dict(plain.state_dict())
-    _apply_activation_checkpointing(wrapped)
+    apply_activation_checkpointing(wrapped)
     assert all("checkpoint" in type(b).__name__.lower() for b in wrapped.layers)
     tokens = torch.randint(0, 320, (2, 33), generator=torch.Generator().manual_seed(0))
     loss_a, grads_a = _loss_and_grads(plain, tokens)

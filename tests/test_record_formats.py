@@ -14,7 +14,7 @@ from lmforge.data.sft_data import read_sft_records, tokenize_records
 from lmforge.errors import UserError
 from lmforge.metrics.records import read_records
 from lmforge.models.tokenizer import ByteTokenizer
-from lmforge.trainers.sft import SFTConfig
+from lmforge.recipes.sft import SFTConfig
 
 SYSTEM, Q, A = "You are terse.", "Name a prime.", "Seven."
 

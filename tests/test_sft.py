@@ -16,7 +16,7 @@ from lmforge.errors import UserError
 from lmforge.metrics.records import read_records
 from lmforge.models.model import ModelArgs, Transformer
 from lmforge.models.tokenizer import ByteTokenizer
-from lmforge.training.train_step import cross_entropy_loss
+from lmforge.objectives.next_token import cross_entropy_loss
 
 SFT_RUN = {"data_seq_len": 64, "training_global_batch_size": 4, "data_prefetch": 0, "schedule_warmup_steps": None}
 """Overrides of tiny_run_args common to the SFT runs (the warm-up left at its default)."""
@@ -51,8 +51,8 @@ def summed_loss(model, dataset, batch_size=4):
         with torch.no_grad():
             loss, stats = cross_entropy_loss(model, batch)
         total += float(loss)
-        weights += int(stats["total_weights"])
-        correct += int(stats["correct"])
+        weights += int(stats.target_tokens)
+        correct += int(stats.sums["correct"])
     return total, weights, correct
 
 

@@ -11,8 +11,10 @@ from _helpers import STEP_MODEL_ARGS, make_batch, split_batch
 from lmforge.data.packing import IGNORE_INDEX, Batch
 from lmforge.models.model import Transformer
 from lmforge.training.state import TrainState
+from lmforge.objectives.next_token import NextTokenObjective, cross_entropy_loss
+from lmforge.training.stats import LossStats
 from lmforge.training.train_step import (
-    compute_global_loss, cross_entropy_loss, global_target_count, gradient_computation,
+    compute_global_loss, global_target_count, gradient_computation,
     learning_rate, should_continue_training,
 )
 
@@ -33,19 +35,33 @@ def test_accumulation_equals_one_big_batch(parts):
     for a, b in zip(ref_grads, grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert got["total_weights"].item() == ref["total_weights"].item() == (batch.labels != IGNORE_INDEX).sum()
+    assert got["loss_weight"].item() == got["total_weights"].item()
     torch.testing.assert_close(got["loss"], ref["loss"])
 
 
 def test_loss_is_token_weighted_not_mean_of_means():
     batch = make_batch()
     _, stats = cross_entropy_loss(Transformer(STEP_MODEL_ARGS), batch)
+    assert isinstance(stats, LossStats) and set(stats.sums) == {"correct"}
+    assert int(stats.loss_weight) == int(stats.target_tokens) == int((batch.labels != IGNORE_INDEX).sum())
     # two microbatches with different token counts: the global loss is sum/sum
-    a = {"loss_sum": torch.tensor(10.0), "total_weights": torch.tensor(10.0), "correct": torch.tensor(1.0)}
-    b = {"loss_sum": torch.tensor(2.0), "total_weights": torch.tensor(1.0), "correct": torch.tensor(1.0)}
-    out = compute_global_loss({k: a[k] + b[k] for k in a})
+    t = torch.tensor
+    a = LossStats(t(10.0), t(10.0), t(10.0), {"correct": t(1.0)})
+    b = LossStats(t(2.0), t(1.0), t(1.0), {"correct": t(1.0)})
+    out = NextTokenObjective().log_values(compute_global_loss(a + b))
     assert out["loss"].item() == pytest.approx(12.0 / 11.0)
     assert out["accuracy"].item() == pytest.approx(2.0 / 11.0)
-    assert set(stats) == {"loss_sum", "total_weights", "correct"}
+    assert set(out) == {"loss", "total_weights", "accuracy"}
+
+
+def test_loss_weight_and_target_tokens_stay_apart():
+    """A loss averaged over something else than tokens (DPO's pairs) still reports its target tokens as
+    total_weights, and its loss over its own weight: no objective renames keys back."""
+    t = torch.tensor
+    pairs = LossStats(t(3.0), t(2.0), t(40.0), {"x_sum": t(5.0)})
+    out = compute_global_loss(pairs + pairs)
+    assert out["loss"].item() == pytest.approx(6.0 / 4.0)
+    assert out["total_weights"].item() == 80.0 and out["loss_weight"].item() == 4.0 and out["x_sum"].item() == 10.0
 
 
 def test_two_ranks_equal_one_big_batch(tmp_path):

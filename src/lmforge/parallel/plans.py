@@ -83,3 +83,15 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, mesh: Any, device:
     if dims.shards:
         return apply_fsdp(model, data_mesh(mesh, dims), device, bf16=options.bf16)
     return apply_ddp(model, data_mesh(mesh, dims), device)
+
+
+def data_parallel(model: nn.Module, mode: str, device: torch.device) -> nn.Module:
+    """``model`` laid out by the decoder plan with every rank in one data dimension (``mode`` ``ddp`` or
+    ``fsdp``): what ``parallel.mode`` alone configures, for scripts that build their own model."""
+    import torch.distributed as dist
+
+    from lmforge.config import ParallelSection
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dims = ParallelDims.from_config(ParallelSection(mode=mode), world)
+    return parallelize_decoder(model, dims, dims.build_mesh(device.type), device, ParallelOptions())

@@ -112,7 +112,7 @@ class DPO(Recipe):
     def build(self, rt: Runtime, cfg: DPOConfig, inputs: None) -> Job:
         train_set, val_set = build_datasets(cfg, rt)
         d = cfg.dpo
-        reference = FrozenReference(rt)
+        reference = FrozenReference.for_run(rt)
         objective = DPOObjective(reference, beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing,
                                  nll_weight=d.nll_weight, chunk_tokens=cfg.training.loss_chunk_tokens)
         tasks = TaskEval(held_out_examples(cfg.tasks) if d.task_eval else [], cfg.tasks.eval_max_new_tokens)

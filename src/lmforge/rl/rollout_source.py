@@ -59,7 +59,7 @@ class RolloutSource:
         self.stop_ids = stop_token_ids(rt.tokenizer)
         names = [rt.tokenizer.decode([i], skip_special=False) for i in self.stop_ids]
         self.truncation_warning = AllTruncatedWarning(names, g.max_new_tokens, g.mask_truncated)
-        self.reference = FrozenReference(rt) if g.beta > 0 else None
+        self.reference = FrozenReference.for_run(rt) if g.beta > 0 else None
         """The frozen KL reference (only with beta > 0)."""
         self.rollout: Rollout | None = None
         self.uses_left = 0

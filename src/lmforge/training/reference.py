@@ -10,7 +10,7 @@ if the configured start changed since (the recorded one wins, and says so in one
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 
@@ -20,17 +20,25 @@ from lmforge.training.runtime import Runtime
 
 
 class FrozenReference:
-    def __init__(self, rt: Runtime, source: ModelSource | None = None) -> None:
-        self.rt = rt
-        self.source = source or rt.model_source
-        self.frozen = self._load(self.source)
+    """``frozen``: the reference's own copy, or None to use the policy with its adapters off. ``reload``
+    rebuilds a copy from another source (on resume); :meth:`for_run` gives both for a run."""
 
-    def _load(self, source: ModelSource) -> nn.Module | None:
-        rt = self.rt
-        if has_adapters(rt.raw_model):
-            return None
-        ref = load_model(source, args=rt.model_args, tokenizer=rt.model_description["tokenizer"]).model
-        return ref.to(rt.dist.device).eval().requires_grad_(False)
+    def __init__(self, frozen: nn.Module | None, source: ModelSource,
+                 reload: Callable[[ModelSource], nn.Module | None] | None = None,
+                 record_event: Callable[[str], None] | None = None) -> None:
+        self.frozen, self.source = frozen, source
+        self.reload, self.record_event = reload, record_event
+
+    @classmethod
+    def for_run(cls, rt: Runtime) -> "FrozenReference":
+        def load(source: ModelSource) -> nn.Module | None:
+            if has_adapters(rt.raw_model):
+                return None
+            ref = load_model(source, args=rt.model_args, tokenizer=rt.model_description["tokenizer"]).model
+            return ref.to(rt.dist.device).eval().requires_grad_(False)
+
+        return cls(load(rt.model_source), rt.model_source, load,
+                   lambda line: rt.metrics.record_event("reference", 0, line))
 
     def model_for(self, policy: nn.Module) -> Any:
         """What to call for reference scores: the frozen copy, or ``policy`` with its adapters off."""
@@ -45,6 +53,7 @@ class FrozenReference:
         if saved == self.source:
             return
         self.source = saved
-        if self.frozen is not None:
-            self.frozen = self._load(saved)
-            self.rt.metrics.record_event("reference", 0, f"reference model: {saved} (recorded in the checkpoint)")
+        if self.frozen is not None and self.reload is not None:
+            self.frozen = self.reload(saved)
+            if self.record_event:
+                self.record_event(f"reference model: {saved} (recorded in the checkpoint)")

@@ -1,0 +1,151 @@
+"""The model-family registry: every spec's config and tensor names round-trip, lookups refuse in one
+line, and the registered families are exactly the ones ``test_families.py`` compares to transformers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import lmforge.models.spec as spec_module
+from lmforge.errors import UserError
+from lmforge.models.args import ModelArgs
+from lmforge.models.decode_step import supports
+from lmforge.models.generate import generate
+from lmforge.models.hf import hf_module_name
+from lmforge.models.hf_config import args_from_hf_config, hf_config_from_args
+from lmforge.models.spec import (
+    ModelSpec, get_spec, register_spec, registered_model_types, registered_specs, spec_for_args, spec_for_hf_config,
+)
+
+SPECS = registered_specs()
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+# Settings that differ from every family's defaults, so a key an export forgets cannot come back by luck.
+VARIANTS = {
+    "plain": {},
+    "tied": {"tie_word_embeddings": True},
+    "llama3_rope": {"rope_scaling": LLAMA3_ROPE},
+    "linear_rope": {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+    "no_window": {"sliding_window": None},
+}
+
+
+def family_config(spec: ModelSpec, **changes) -> dict:
+    cfg = {
+        "model_type": spec.hf_model_type, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24, "vocab_size": 50,
+        "max_position_embeddings": 96, "rms_norm_eps": 1e-5, "rope_theta": 20000.0, "sliding_window": 8,
+        "tie_word_embeddings": False,
+    }
+    return {**cfg, **changes}
+
+
+def family_args(spec: ModelSpec, **changes) -> ModelArgs:
+    return spec.args_from_hf(family_config(spec, **changes), "config.json")
+
+
+def test_registry_holds_exactly_the_families_test_families_covers():
+    """A new family must also get transformers comparisons: add it to test_families.FAMILIES."""
+    pytest.importorskip("transformers")
+    import test_families
+
+    tested = {test_families.hf_config(f).model_type for f in test_families.FAMILIES}
+    assert set(registered_model_types()) == tested
+    assert len(registered_model_types()) == len(SPECS)
+    assert {s.name for s in SPECS} == tested  # built-in specs are named after their model_type
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_config_round_trips(spec, variant):
+    args = family_args(spec, **VARIANTS[variant])
+    assert spec_for_args(args) is spec
+    written = json.loads(json.dumps(spec.hf_config(args, torch_dtype="float32", eos_token_id=[1, 2])))
+    assert written["model_type"] == spec.hf_model_type and written["architectures"] == [spec.hf_architecture]
+    assert spec.args_from_hf(written, "config.json") == args
+    # ...and the same through the dispatching functions the loaders use.
+    assert args_from_hf_config(written, "config.json") == args
+    assert hf_config_from_args(args, torch_dtype="float32", eos_token_id=[1, 2]) == written
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_state_dict_adapter_round_trips_names(spec):
+    for tied in (False, True):
+        args = family_args(spec, tie_word_embeddings=tied)
+        model = spec.build(args)
+        state = model.state_dict()
+        hf = spec.state_dict_adapter.to_hf(state, args)
+        assert ("lm_head.weight" in hf) is not tied
+        assert len(hf) == len(state) - tied  # one name each, distinct
+        back = spec.state_dict_adapter.from_hf(hf, args)
+        assert back.keys() == state.keys()
+        assert all(back[k] is state[k] for k in state if not (tied and k == "output.weight"))
+        assert back["output.weight"] is (back["tok_embeddings.weight"] if tied else state["output.weight"])
+        # torch.compile's prefix is dropped
+        assert spec.state_dict_adapter.to_hf({f"_orig_mod.{k}": v for k, v in state.items()}, args).keys() == hf.keys()
+    assert hf_module_name("layers.1.feed_forward.w2", args) == "model.layers.1.mlp.down_proj"
+
+
+def test_an_adapter_refuses_tensors_its_family_lacks():
+    qwen2, llama = get_spec("qwen2"), get_spec("llama")
+    args = family_args(qwen2)
+    hf = qwen2.state_dict_adapter.to_hf(qwen2.build(args).state_dict(), args)
+    with pytest.raises(UserError, match=r"self_attn\.q_proj\.bias"):
+        llama.state_dict_adapter.from_hf(hf, family_args(llama))
+
+
+@pytest.mark.parametrize("cfg", [{"model_type": "gpt2"}, {"model_type": "qwen2_moe"}, {}, {"model_type": 3}])
+def test_unknown_model_type_is_refused_in_one_line_naming_the_file(cfg):
+    with pytest.raises(UserError) as err:
+        spec_for_hf_config(cfg, "/models/x/config.json")
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("/models/x/config.json: model_type")
+    assert repr(cfg.get("model_type")) in msg and all(t in msg for t in registered_model_types())
+
+
+def test_lookups_by_name_and_model_type_refuse_unknowns():
+    with pytest.raises(UserError, match="unknown model family 'gpt2'.*llama"):
+        get_spec("gpt2")
+    with pytest.raises(UserError, match="unknown hf_model_type 'gpt2'.*qwen3"):
+        ModelArgs(hf_model_type="gpt2")
+    args = ModelArgs()
+    args.hf_model_type = "gpt2"
+    with pytest.raises(UserError, match="unknown hf_model_type 'gpt2'"):
+        spec_for_args(args)
+
+
+def test_names_and_model_types_are_unique():
+    llama = get_spec("llama")
+    with pytest.raises(ValueError, match="already registered"):
+        register_spec(llama)
+    with pytest.raises(ValueError, match="already belongs to spec 'llama'"):
+        register_spec(dataclasses.replace(llama, name="llama-again"))
+    assert registered_specs() == SPECS
+
+
+def test_generation_uses_the_fused_step_only_where_the_spec_allows(monkeypatch):
+    llama = get_spec("llama")
+    model = llama.build(family_args(llama)).eval()
+    prompts = [[3, 4, 5], [6, 7]]
+    assert supports(model)
+    fused = generate(model, prompts, 6, eos_id=None, pad_id=0, temperature=0.0)
+    monkeypatch.setitem(spec_module._BY_MODEL_TYPE, "llama", dataclasses.replace(llama, fused_decode=False))
+    assert not supports(model)
+    assert generate(model, prompts, 6, eos_id=None, pad_id=0, temperature=0.0) == fused
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_flops_hooks_count_the_built_model(spec):
+    """The hooks see the same shapes as the model: the weight part is 6 x its matmul parameters."""
+    args = family_args(spec)
+    model = spec.build(args)
+    matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "tok_embeddings" not in n)
+    per_token = spec.flops_per_token(args, 16, None)
+    attention = per_token - 6 * matmul
+    assert 0 < attention < per_token
+    assert spec.training_flops(args, [16, 16], None) == pytest.approx(32 * per_token)
+    with torch.device("meta"):
+        assert isinstance(spec.build(args), torch.nn.Module)
