@@ -78,10 +78,14 @@ class ParallelDims:
         shape, names = self.mesh_shape()
         return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
-    def describe(self) -> str:
-        """One line for the setup record: ``none``, ``ddp``, ``fsdp``, ``hsdp`` plus the degrees used."""
+    @property
+    def kind(self) -> str:
+        """``none`` (one process), ``ddp``, ``fsdp`` or ``hsdp``: the setup record's ``parallel``."""
         if self.world_size == 1:
             return "none"
-        kind = "hsdp" if self.shards and self.dp_replicate > 1 else "fsdp" if self.shards else "ddp"
+        return "hsdp" if self.shards and self.dp_replicate > 1 else "fsdp" if self.shards else "ddp"
+
+    def describe_mesh(self) -> str:
+        """The mesh's dimensions, e.g. ``dp_replicate=2 x dp_shard=4`` (empty for one process)."""
         shape, names = self.mesh_shape()
-        return f"{kind} ({' x '.join(f'{n}={s}' for s, n in zip(shape, names))})"
+        return " x ".join(f"{n}={s}" for s, n in zip(shape, names))

@@ -243,7 +243,7 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
         model.num_params(exclude_embeddings=True), "trainable_parameters": trainable,
         "trainable_share": round(trainable / total, 6), "flops_per_token": fpt,
         "peak_tflops_per_device": peak / 1e12, "peak_source": peak_src,
-        "world_size": info.world_size, "device": str(info.device), "parallel": dims.describe(), "dtype": dtype,
+        "world_size": info.world_size, "device": str(info.device), "parallel": dims.kind, "mesh": dims.describe_mesh(), "dtype": dtype,
         "dtype_reason": dtype_why, "threads": torch.get_num_threads(), "run_dir": str(run.root),
     }, cfg.to_toml())
     return Runtime(cfg=cfg, dist=info, dims=dims, mesh=mesh, tokenizer=loaded.tokenizer, model_args=args,
