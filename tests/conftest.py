@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import atexit
 import os
+import random
 import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from _helpers import (Reference, losses, lmforge_cmd, run_in_terminal, run_lmforge, small_corpus, tail,
                       tiny_run_args, write_corpus, write_fault_runner)
@@ -21,6 +24,66 @@ from _helpers import (Reference, losses, lmforge_cmd, run_in_terminal, run_lmfor
 if "LMFORGE_CACHE" not in os.environ:
     os.environ["LMFORGE_CACHE"] = tempfile.mkdtemp(prefix="lmforge-test-cache-")
     atexit.register(shutil.rmtree, os.environ["LMFORGE_CACHE"], ignore_errors=True)
+
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+class _ProcessState:
+    """What an in-process run (``lmforge.cli.main``, a trainer's ``run``) changes in this process for
+    every later test: torch's intra-op thread count (``training.threads``), the global RNG states of
+    torch, numpy and ``random`` (``torch.manual_seed``, a resume restoring saved RNG states) and the
+    process-group environment variables. Taken once, when the test session starts; :meth:`restore`
+    puts it back after every test, so each test starts from the same state whatever ran before it
+    (a module or session fixture's in-process run included).
+
+    It runs after every test, so it must cost microseconds: the torch and ``random`` states are set
+    back unconditionally (one copy each); numpy's legacy global RandomState is compared through its
+    MT19937 state's raw bytes (about a microsecond) and set back only when they differ (a
+    ``np.random.set_state`` costs tens of microseconds)."""
+
+    def __init__(self) -> None:
+        self.threads = torch.get_num_threads()
+        self.torch_rng = torch.get_rng_state()
+        self.numpy_rng = np.random.get_state()
+        self.python_rng = random.getstate()
+        self.env = {k: os.environ.get(k) for k in _DIST_ENV}
+        self._numpy_raw = self._numpy_state_bytes
+        try:  # numpy's global MT19937 in place: its 624 uint32 key and its position
+            import ctypes
+
+            address = np.random.mtrand._rand._bit_generator.ctypes.state_address
+            self._numpy_raw = lambda: ctypes.string_at(address, 624 * 4 + 4)
+        except (AttributeError, TypeError):  # another numpy layout: compare the whole state instead
+            pass
+        self.numpy_raw = self._numpy_raw()
+
+    @staticmethod
+    def _numpy_state_bytes() -> tuple:
+        state = np.random.get_state()
+        return state[0], state[1].tobytes(), *state[2:]
+
+    def restore(self) -> None:
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        torch.set_rng_state(self.torch_rng)
+        if self._numpy_raw() != self.numpy_raw:
+            np.random.set_state(self.numpy_rng)
+        random.setstate(self.python_rng)
+        for k, v in self.env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            elif os.environ.get(k) != v:
+                os.environ[k] = v
+
+
+_PROCESS_STATE = _ProcessState()
+
+
+@pytest.fixture(autouse=True)
+def _restore_process_state():
+    """After every test, the process state of :class:`_ProcessState` as the session started."""
+    yield
+    _PROCESS_STATE.restore()
 
 
 @pytest.fixture(scope="session")

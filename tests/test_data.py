@@ -40,14 +40,19 @@ def test_corpus_deterministic_and_disjoint():
 
 
 def test_corpus_stories_reuse_the_name_and_sums_are_right():
+    checked = {"sums": 0, "equations": 0, "named stories": 0}
     for doc in embedded_corpus("validation", 200):
         if doc.startswith(("Math practice:", "Some sums:", "Numbers:")):
+            checked["sums"] += 1
             for line in doc.splitlines()[1:]:
                 lhs, rhs = line.rstrip(".").split(" = ")
                 assert eval(lhs) == int(rhs)
-        elif " named " in doc:
-            name = doc.split(" named ", 1)[1].split(".", 1)[0]
-            assert doc.count(name) >= 3
+                checked["equations"] += 1
+        elif " named " in doc or " called " in doc:  # "... a cat named Gus." / "... a cat called Gus."
+            checked["named stories"] += 1
+            name = doc.split(" named " if " named " in doc else " called ", 1)[1].split(".", 1)[0]
+            assert doc.count(name) >= 3, (name, doc)
+    assert all(n > 0 for n in checked.values()), checked
 
 
 # -- sources ------------------------------------------------------------------------------------

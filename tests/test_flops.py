@@ -1,5 +1,6 @@
 """FLOP accounting against a hand count and against PyTorch's own FLOP counter."""
 
+import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
@@ -40,10 +41,58 @@ def test_flops_per_token_matches_torch_flop_counter():
     assert attention == 2 * ours_attention
 
 
-def test_measured_peak_is_best_over_shapes():
-    small = measure_matmul_peak("cpu", torch.float32, shapes=[(64, 64, 64)], iters=3)
-    both = measure_matmul_peak("cpu", torch.float32, shapes=[(64, 64, 64), (256, 256, 256)], iters=3)
-    assert small > 0 and both > 0
+class _ScriptedMatmuls:
+    """``torch`` for ``lmforge.models.flops``, except that a matmul computes nothing and takes the next
+    of its shape's scripted seconds on a fake clock (the module's ``time``): the timing is exact."""
+
+    def __init__(self, seconds: dict[tuple[int, int, int], list[float]]) -> None:
+        self.seconds = {shape: list(s) for shape, s in seconds.items()}
+        self.calls = {shape: 0 for shape in seconds}
+        self.now = 0.0
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def matmul(self, a, b):
+        shape = (a.shape[0], a.shape[1], b.shape[1])
+        self.now += self.seconds[shape][self.calls[shape]]
+        self.calls[shape] += 1
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_measured_peak_is_best_over_shapes(monkeypatch):
+    """The peak over several shapes is the best single timed call of any of them, in FLOP/s (not the
+    shortest call): warm-up calls and calls after a shape's time budget is spent do not count."""
+    from lmforge.models import flops
+
+    warmup = [1e-9, 1e-9]  # either would be the best call by far, were warm-ups timed
+    seconds = {  # iters=4, budget 10 us per shape
+        (64, 64, 64): warmup + [4e-6, 2e-6, 3e-6, 3e-6],  # the shortest call; all 4 timed (the 4th ends at 12 us)
+        (128, 32, 256): warmup + [5e-6, 4e-6, 6e-6, 1e-8],  # the best FLOP/s; budget spent after 3 calls
+        (32, 256, 32): warmup + [11e-6, 1e-9],  # budget spent after 1 call
+    }
+    calls = {(64, 64, 64): 6, (128, 32, 256): 5, (32, 256, 32): 3}  # warm-ups + timed calls
+    flop = {shape: 2.0 * shape[0] * shape[1] * shape[2] for shape in seconds}
+
+    def measure(*shapes):
+        fake = _ScriptedMatmuls(seconds)
+        monkeypatch.setattr(flops, "torch", fake)
+        monkeypatch.setattr(flops, "time", fake)
+        peak = measure_matmul_peak("cpu", torch.float32, shapes=list(shapes), iters=4, budget_s=10e-6)
+        assert fake.calls == {shape: calls[shape] if shape in shapes else 0 for shape in seconds}
+        return peak
+
+    a, b, c = seconds
+    per_shape = {shape: measure(shape) for shape in seconds}
+    assert per_shape[a] == pytest.approx(flop[a] / 2e-6, rel=1e-9)
+    assert per_shape[b] == pytest.approx(flop[b] / 4e-6, rel=1e-9)
+    assert per_shape[c] == pytest.approx(flop[c] / 11e-6, rel=1e-9)
+    best = max(per_shape.values())
+    assert best == per_shape[b] > per_shape[a]  # not the shape of the shortest call
+    assert measure(a, b, c) == best and measure(c, b, a) == best and measure(a, c) == per_shape[a]
+    monkeypatch.undo()
     peak, source = peak_flops_per_device("cpu", torch.float32, configured=123e12)
     assert (peak, source) == (123e12, "configured")
     peak, source = peak_flops_per_device("cpu", torch.float32)

@@ -20,7 +20,6 @@ from lmforge.data.preference_data import PreferenceDataset, build_preference_dat
 from lmforge.errors import UserError
 from lmforge.evaluation.loss import validation_eval
 from lmforge.evaluation.tasks import TaskEval, held_out_examples
-from lmforge.models.flops import training_flops
 from lmforge.objectives.dpo import DPOObjective, LossType
 from lmforge.recipes.base import Recipe, register
 from lmforge.training.loop import Job, StepBatch
@@ -71,7 +70,7 @@ class PreferenceSource(LoaderSource):
         # plus the reference's forward pass: a third of full training FLOPs (2 of 6 per parameter and
         # token, 4 of 12 for attention), whatever the policy's backward costs (LoRA's is cheaper)
         lengths = [n for mb in batch.microbatches for n in mb.real_document_lengths()]
-        batch.flops += training_flops(self.rt.model_args, lengths) / 3
+        batch.flops += self.rt.spec.training_flops(self.rt.model_args, lengths) / 3
         return batch
 
     def state_dict(self) -> dict[str, Any]:

@@ -28,10 +28,12 @@ from lmforge.errors import UserError
 from lmforge.metrics import MetricLogger
 from lmforge.metrics.progress import progress_bar
 from lmforge.metrics.sinks import WandbSink
-from lmforge.models.flops import flops_per_token, peak_flops_per_device, training_flops
+from lmforge.models.flops import peak_flops_per_device
 from lmforge.models.load import LoadedModel, ModelSource, load_model
 from lmforge.models.lora import apply_lora, trainable_parameters
-from lmforge.models.model import ModelArgs, Transformer
+from lmforge.models.args import ModelArgs
+from lmforge.models.model import Transformer
+from lmforge.models.spec import ModelSpec, spec_for_args
 from lmforge.models.tokenizer import Tokenizer
 from lmforge.parallel import ParallelDims, ParallelOptions, parallelize_decoder
 from lmforge.training.precision import choose_dtype
@@ -67,6 +69,8 @@ class Runtime:
     """The ``DeviceMesh`` of ``dims`` (None for one process)."""
     tokenizer: Tokenizer
     model_args: ModelArgs
+    spec: ModelSpec
+    """The model family's spec: its plan over the mesh, its FLOP counts, Hugging Face in and out."""
     raw_model: Transformer
     """The unwrapped model (for generation, export and state dicts)."""
     model: nn.Module
@@ -89,7 +93,7 @@ class Runtime:
 
     def training_flops(self, document_lengths: list[int]) -> float:
         """Training FLOPs of a batch's real documents for this run's model (LoRA counted as such)."""
-        return training_flops(self.model_args, document_lengths, self.adapter_params)
+        return self.spec.training_flops(self.model_args, document_lengths, self.adapter_params)
 
     def open_run_dir(self) -> None:
         """Write the run's config, model description and metrics: called once every start-up check
@@ -167,13 +171,11 @@ def build_model(cfg: Config) -> LoadedModel:
     return loaded
 
 
-def parallelize(model: Transformer, cfg: Config, dims: ParallelDims, mesh: Any, device: torch.device,
-                bf16: bool) -> nn.Module:
+def parallelize(model: Transformer, spec: ModelSpec, cfg: Config, dims: ParallelDims, mesh: Any,
+                device: torch.device, bf16: bool) -> nn.Module:
     """Lay the model out over the mesh with its family's plan (the decoder plan unless the family
     brings its own)."""
-    from lmforge.models.spec import spec_for_args
-
-    plan = spec_for_args(model.args).parallelize or parallelize_decoder
+    plan = spec.parallelize or parallelize_decoder
     t = cfg.training
     return plan(model, dims, mesh, device, ParallelOptions(t.activation_checkpointing, t.compile, bf16))
 
@@ -229,13 +231,14 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
     model.to(info.device)
     dtype, dtype_why = choose_dtype(cfg.training.dtype, info.device, model.num_params(exclude_embeddings=True))
     mesh = dims.build_mesh(info.device.type)
-    wrapped = parallelize(model, cfg, dims, mesh, info.device, bf16=dtype == "bfloat16")
+    spec = spec_for_args(args)
+    wrapped = parallelize(model, spec, cfg, dims, mesh, info.device, bf16=dtype == "bfloat16")
     o = cfg.optimizer
     optimizer = build_optimizer(wrapped, o.lr, o.weight_decay, (o.beta1, o.beta2), o.eps)
     peak, peak_src = peak_flops_per_device(  # MFU is measured against the peak of the dtype in use
         info.device, torch.bfloat16 if dtype == "bfloat16" else torch.float32,
         cfg.metrics.peak_tflops * 1e12 if cfg.metrics.peak_tflops else None)
-    fpt = flops_per_token(args, cfg.data.seq_len, adapter_params)
+    fpt = spec.flops_per_token(args, cfg.data.seq_len, adapter_params)
     metrics = build_metrics(cfg, info, run, fpt, peak, services.process_start)
     trainable, total = trainable_parameters(model)
     metrics.log_setup({
@@ -247,7 +250,7 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
         "dtype_reason": dtype_why, "threads": torch.get_num_threads(), "run_dir": str(run.root),
     }, cfg.to_toml())
     return Runtime(cfg=cfg, dist=info, dims=dims, mesh=mesh, tokenizer=loaded.tokenizer, model_args=args,
-                   raw_model=model, model=wrapped, optimizer=optimizer, metrics=metrics,
+                   spec=spec, raw_model=model, model=wrapped, optimizer=optimizer, metrics=metrics,
                    checkpoints=build_checkpoints(cfg, info, run, metrics, trainer, services), run_dir=run.root,
                    model_source=loaded.source, model_description=description, step_hooks=services.step_hooks,
                    dtype=dtype, adapter_params=adapter_params)

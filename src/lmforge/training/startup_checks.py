@@ -15,7 +15,7 @@ from typing import Any
 from lmforge.checkpoint import STATE_FILE, RunDir, list_checkpoints
 from lmforge.config import Config
 from lmforge.errors import UserError
-from lmforge.models.model import ModelArgs
+from lmforge.models.args import ModelArgs
 
 
 def check_fresh_start(cfg: Config, run: RunDir) -> None:
