@@ -27,6 +27,10 @@ excluded, and everything inside the loop, logging included, is counted).
   implementation lmforge builds), zero_grad: nothing else, batches built before the clock starts.
 * hf: ``transformers.Trainer`` with ``LlamaForCausalLM`` of the same configuration (SDPA
   attention), its default optimizer, no saving, no eval, logging every 10 steps.
+
+MFU: each row against the peak of the dtype it ran in (``--dtype`` for bare and hf; an lmforge row's
+own setup record, so a ``--variant bf16:training.dtype=bfloat16`` row is quoted against the bf16
+peak), as the trainer's own MFU is.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from lmforge.models.model import ModelArgs, Transformer, model_args_for  # noqa:
 from lmforge.models.tokenizer import load_tokenizer  # noqa: E402
 
 LOG_EVERY = 10
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LR, WD, BETAS = 3e-3, 0.1, (0.9, 0.95)
 
 
@@ -91,8 +96,9 @@ def merge(base: dict, extra: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- systems
-def run_lmforge(s: Setup, overrides: list[str]) -> tuple[float, float]:
-    """(tokens/s over the window from JSONL wall-clock stamps, the trainer's own median tokens/s)."""
+def run_lmforge(s: Setup, overrides: list[str]) -> tuple[float, float, str]:
+    """(tokens/s over the window from JSONL wall-clock stamps, the trainer's own median tokens/s, the
+    dtype it trained in: its setup record's, which an override such as ``training.dtype`` may change)."""
     from lmforge.recipes import get_recipe
     from lmforge.recipes.skeleton import run_recipe
 
@@ -114,9 +120,10 @@ def run_lmforge(s: Setup, overrides: list[str]) -> tuple[float, float]:
         with contextlib.redirect_stdout(io.StringIO()):
             run_recipe(get_recipe("pretrain"), cfg)
         train = {r["step"]: r for r in read_records(run_dir, "train")}
+        dtype = read_records(run_dir, "setup")[-1]["dtype"]
     t0, t1 = train[s.warmup]["time"], train[s.steps]["time"]
     own = [r["tokens_per_sec_per_device"] for k, r in train.items() if k > s.warmup]
-    return s.window_tokens / (t1 - t0), median(own)
+    return s.window_tokens / (t1 - t0), median(own), dtype
 
 
 def run_bare(s: Setup) -> float:
@@ -252,41 +259,49 @@ def main(argv: list[str] | None = None) -> None:
     variants = dict(v.split(":", 1) for v in a.variant)
     systems = [x for x in a.systems.split(",") if x] + [f"lmforge[{n}]" for n in variants]
     load_before = loadavg()
-    peak_dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
-    peak = measure_peak(device, peak_dtype, setups)
-    print(f"matmul peak ({peak_dtype}, {device}, {torch.get_num_threads()} threads): {peak / 1e12:.3f} TFLOP/s",
-          flush=True)
+    peaks = {a.dtype: measure_peak(device, DTYPES[a.dtype], setups)}  # other dtypes once a row has run in them
+    print(f"matmul peak ({a.dtype}, {device}, {torch.get_num_threads()} threads): {peaks[a.dtype] / 1e12:.3f} "
+          f"TFLOP/s", flush=True)
 
     results: dict[tuple[str, str], list[float]] = {}
     self_reported: dict[tuple[str, str], list[float]] = {}
+    row_dtype: dict[tuple[str, str], str] = {}  # bare and hf run in --dtype; an lmforge row in its setup's dtype
     for s in setups:
         for r in range(a.repeats):
             order = systems[r % len(systems):] + systems[: r % len(systems)]
             for name in order:
                 t0 = time.perf_counter()
+                dtype = a.dtype
                 if name == "bare":
                     tps = run_bare(s)
                 elif name == "hf":
                     tps = run_hf(s)
                 else:
                     over = a.lmforge_set + ([] if name == "lmforge" else variants[name[8:-1]].split(","))
-                    tps, own = run_lmforge(s, over)
+                    tps, own, dtype = run_lmforge(s, over)
                     self_reported.setdefault((s.size, name), []).append(own)
+                if row_dtype.setdefault((s.size, name), dtype) != dtype:
+                    raise SystemExit(f"{s.size} {name}: ran in {row_dtype[(s.size, name)]}, then in {dtype}")
                 results.setdefault((s.size, name), []).append(tps)
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 print(f"  {s.size:>6} repeat {r + 1}/{a.repeats} {name:<18} {tps:>10,.0f} tokens/s "
                       f"({time.perf_counter() - t0:.0f}s, load {loadavg()})", flush=True)
-    peak = max(peak, measure_peak(device, peak_dtype, setups))  # a second chance at a quiet moment
-    peak_source = f"measured {peak_dtype} matmul peak {peak / 1e12:.3f} TFLOP/s"
-    if device.type == "cuda":  # MFU is quoted against the vendor's dense peak where it is known
-        table_peak, src = peak_flops_per_device(device, peak_dtype)
-        if src.startswith("spec"):
-            peak_source = f"{src} {table_peak / 1e12:.0f} TFLOP/s (measured matmul peak {peak / 1e12:.0f})"
-            peak = table_peak
+    # Each row's MFU is against the peak of the dtype it ran in (a bf16 row against an fp32 peak would
+    # read several times too high). Measured again now: a second chance at a quiet moment for --dtype.
+    peak_sources = []
+    for dtype in sorted(set(row_dtype.values()) | {a.dtype}, key=lambda d: d != a.dtype):
+        peaks[dtype] = max(peaks.get(dtype, 0.0), measure_peak(device, DTYPES[dtype], setups))
+        peak_sources.append(f"measured {dtype} matmul peak {peaks[dtype] / 1e12:.3f} TFLOP/s")
+        if device.type == "cuda":  # MFU is quoted against the vendor's dense peak where it is known
+            table_peak, src = peak_flops_per_device(device, DTYPES[dtype])
+            if src.startswith("spec"):
+                peak_sources[-1] = f"{src} {table_peak / 1e12:.0f} TFLOP/s (measured matmul peak {peaks[dtype] / 1e12:.0f})"
+                peaks[dtype] = table_peak
+    peak_source = "; ".join(peak_sources)
 
-    header = ["size", "params", "system", "tokens/s (median)", "repeats range", "vs bare", "vs hf", "MFU",
+    header = ["size", "params", "system", "dtype", "tokens/s (median)", "repeats range", "vs bare", "vs hf", "MFU",
               "trainer-reported tokens/s"]
     rows = []
     for s in setups:
@@ -298,9 +313,10 @@ def main(argv: list[str] | None = None) -> None:
             bare = median(results.get((s.size, "bare"), []))
             hf = median(results.get((s.size, "hf"), []))
             own = self_reported.get((s.size, name))
-            rows.append([s.size, f"{params / 1e6:.1f}M", name, f"{m:,.0f}", spread(xs),
+            dtype = row_dtype[(s.size, name)]
+            rows.append([s.size, f"{params / 1e6:.1f}M", name, dtype, f"{m:,.0f}", spread(xs),
                          f"{m / bare:.3f}" if bare == bare else "-", f"{m / hf:.2f}" if hf == hf else "-",
-                         f"{100 * m * fpt / peak:.1f}%", f"{median(own):,.0f}" if own else "-"])
+                         f"{100 * m * fpt / peaks[dtype]:.1f}%", f"{median(own):,.0f}" if own else "-"])
     table = markdown_table(header, rows)
     print()
     print(table)

@@ -2,7 +2,8 @@
 
 * tiny runs through the real CLI: their arguments (:func:`tiny_run_args`), the command and
   environment (:func:`lmforge_cmd`, :func:`cli_env`), running one to the end (:func:`run_lmforge`,
-  :func:`torchrun`) or starting one to watch or kill it (:func:`start_lmforge`, :func:`finish`);
+  :func:`torchrun`; :func:`lmforge_in_process` for one that stops at a config or start-up check)
+  or starting one to watch or kill it (:func:`start_lmforge`, :func:`finish`);
 * the fault runner, which injects faults into a CLI run, and the finished reliability run;
 * what the runs train on, and what their losses must be;
 * the model and batches of the train-step gradient tests (also run under torchrun by _ddp_grad_check.py).
@@ -99,12 +100,16 @@ def write_corpus(path: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------- running the CLI
+FAULT_ENVS = ("LMFORGE_FAULT", "LMFORGE_TEST_FAULT")
+"""Fault injection (the trainer's drills, the fault runner's): never inherited by a test's CLI run."""
+
+
 def cli_env(extra_env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of every CLI run: this checkout's src/ first on PYTHONPATH (the code under
     test, in the subprocess too), one OpenMP thread (several processes share a few cores),
     unbuffered output (a killed run's lines still arrive), no fault injection unless ``extra_env``
     asks for it."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LMFORGE_FAULT", "LMFORGE_TEST_FAULT")}
+    env = {k: v for k, v in os.environ.items() if k not in FAULT_ENVS}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p)
     env |= {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return env | (extra_env or {})
@@ -121,6 +126,30 @@ def run_lmforge(*args: str | Path, timeout: float = 240, cwd: Path = REPO,
     """Run ``lmforge ARGS`` to the end in the repository root (text output captured)."""
     return subprocess.run(lmforge_cmd(*args), capture_output=True, text=True, timeout=timeout, cwd=cwd,
                           env=cli_env(extra_env))
+
+
+def lmforge_in_process(*args: str | Path, cwd: Path = REPO) -> int:
+    """Run ``lmforge ARGS`` in this process (``lmforge.cli.main``) as :func:`run_lmforge` would in a
+    subprocess: in ``cwd``, without fault injection; the exit status is returned and what it prints
+    is read with pytest's ``capfd``. For runs that stop in config loading or start-up checks (a
+    subprocess costs seconds of imports): the run locks the call took are released on return, as
+    the end of a process releases them. The test's autouse fixture restores the thread count and RNG
+    states the run set (conftest.py)."""
+    from lmforge.checkpoint import runlock
+    from lmforge.cli import main
+
+    held, faults = set(runlock._HELD), {k: os.environ.pop(k) for k in FAULT_ENVS if k in os.environ}
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        return main([str(a) for a in args])
+    except SystemExit as e:  # argparse, or `raise SystemExit` somewhere: what `python -m lmforge` exits with
+        return e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        os.chdir(here)
+        os.environ.update(faults)
+        for run_dir in set(runlock._HELD) - held:
+            runlock.release_run_lock(run_dir)
 
 
 def start_lmforge(*args: str | Path, runner: Path | None = None, fault: str | None = None, cwd: Path = REPO,
@@ -248,10 +277,14 @@ def write_fault_runner(directory: Path) -> Path:
     return path
 
 
+def reliable_run_args(run_dir: Path, *extra: str, **overrides: Any) -> list[str]:
+    """The command line of a :data:`RELIABLE_RUN` pretraining (with ``overrides``) into ``run_dir``."""
+    return ["pretrain", *tiny_run_args(**{**RELIABLE_RUN, **overrides}), f"--run.dir={run_dir}", *extra]
+
+
 def start_reliable_run(runner: Path, run_dir: Path, *extra: str, fault: str = "", **overrides: Any) -> subprocess.Popen:
     """A :data:`RELIABLE_RUN` pretraining (with ``overrides``) through the fault runner."""
-    return start_lmforge("pretrain", *tiny_run_args(**{**RELIABLE_RUN, **overrides}), f"--run.dir={run_dir}", *extra,
-                         runner=runner, fault=fault)
+    return start_lmforge(*reliable_run_args(run_dir, *extra, **overrides), runner=runner, fault=fault)
 
 
 class Reference:

@@ -13,6 +13,7 @@ from lmforge.evaluation.tasks import task_accuracy
 from lmforge.models.args import model_args_for
 from lmforge.models.model import Transformer
 from lmforge.models.tokenizer import ByteTokenizer
+from lmforge.parallel.plans import data_parallel
 
 mode, examples_file, out = sys.argv[1], sys.argv[2], sys.argv[3]
 info = dist_utils.init_distributed("cpu")

@@ -2,7 +2,12 @@
 
 Each case runs the real CLI against its own copy of a finished run directory and checks: exit code
 2, exactly one ``error:`` line on stderr naming the problem, no traceback, and every file the earlier
-run saved byte-identical afterwards. The cases run concurrently to keep the suite short.
+run saved byte-identical afterwards.
+
+A case refused by config loading or a start-up check runs the CLI's entry point, ``lmforge.cli.main``,
+in the test's own process (a subprocess would spend seconds importing torch for a millisecond's
+check). The cases a real process matters to run as subprocesses, concurrently with the others: a
+fault injected by the fault runner, a run directory held by another live process.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Callable
 
 import pytest
 
-from _helpers import RELIABLE_STEPS as STEPS, finish, start_reliable_run
+from _helpers import RELIABLE_STEPS as STEPS, finish, lmforge_in_process, reliable_run_args, start_reliable_run
 from lmforge.errors import UserError
 from lmforge.checkpoint.runlock import hold_run_lock, release_run_lock
 
@@ -39,6 +44,8 @@ class Case:
     """What must be unchanged: the whole run directory, or a part of it (a run that trained a little)."""
     files: dict[str, bytes] = field(default_factory=dict)
     """Input files to create in the scratch dir."""
+    process: bool = False
+    """Needs a CLI process of its own (a fault injected, another live process): else run in-process."""
 
 
 def _tokenizer_dir(scratch: Path) -> Path:
@@ -131,8 +138,9 @@ CASES: dict[str, Case] = {
     "disk_full_during_checkpoint": Case(lambda r, s: [f"--training.steps={STEPS + 2}"],
                                         [f"checkpoint save at step {STEPS + 2} failed", "No space left on device",
                                          f"step_{STEPS:08d} is intact"],
-                                        fault="disk_full:20000", guarded=lambda run: run / "checkpoints"),
-    "run_dir_held_by_live_run": Case(lambda r, s: [], ["is in use by another live run", "pid "]),
+                                        fault="disk_full:20000", guarded=lambda run: run / "checkpoints",
+                                        process=True),
+    "run_dir_held_by_live_run": Case(lambda r, s: [], ["is in use by another live run", "pid "], process=True),
     # Refused before anything is written: the run directory stays byte-identical.
     "resume_never_onto_checkpoints": Case(lambda r, s: ["--checkpoint.resume=never"],
                                           ["checkpoint.resume=never", "already holds checkpoints"]),
@@ -188,43 +196,60 @@ def wait_until_paused(proc: subprocess.Popen, run_dir: Path) -> None:
         time.sleep(0.05)
 
 
+HELD = "run_dir_held_by_live_run"
+IN_PROCESS = [name for name, case in CASES.items() if not case.process]
+IN_PROCESSES = [name for name, case in CASES.items() if case.process]
+
+
+def prepare(base: Path, saved: Path, name: str) -> tuple[Path, list[str]]:
+    """A copy of the saved run and the case's input files: (run dir, the case's extra CLI arguments)."""
+    case = CASES[name]
+    run, scratch = base / name / "run", base / name / "inputs"
+    shutil.copytree(saved, run)
+    scratch.mkdir()
+    for fname, data in case.files.items():
+        (scratch / fname).write_bytes(data)
+    return run, case.args(run, scratch)
+
+
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory, fault_runner, reference_run):
+def subprocess_outcomes(tmp_path_factory, fault_runner, reference_run):
+    """The cases that need a process of their own, started at once in the background (the in-process
+    cases run meanwhile): name -> future of (exit code, stdout, stderr, digest before, digest after, run)."""
     base = tmp_path_factory.mktemp("bad_inputs")
     saved = reference_run.path()
-    prepared = {}
-    for name, case in CASES.items():
-        run, scratch = base / name / "run", base / name / "inputs"
-        shutil.copytree(saved, run)
-        scratch.mkdir()
-        for fname, data in case.files.items():
-            (scratch / fname).write_bytes(data)
-        prepared[name] = (run, case.args(run, scratch))
-    before = {name: digest(case.guarded(prepared[name][0])) for name, case in CASES.items()}
-    held = "run_dir_held_by_live_run"
-    holder = cli(fault_runner, prepared[held][0], ["--checkpoint.interval=1"], fault="pause_before_commit:600",
+    prepared = {name: prepare(base, saved, name) for name in IN_PROCESSES}
+    before = {name: digest(CASES[name].guarded(prepared[name][0])) for name in IN_PROCESSES}
+    holder = cli(fault_runner, prepared[HELD][0], ["--checkpoint.interval=1"], fault="pause_before_commit:600",
                  steps=STEPS * 10, wait=False)  # a live run on that directory, paused inside a save
 
     def attempt(name: str):
         run, extra = prepared[name]
-        if name == held:
-            wait_until_paused(holder, run)
-            before[name] = digest(run)  # the holder changed it before pausing; nothing may change now
-        return cli(fault_runner, run, extra, fault=CASES[name].fault)
+        if name == HELD:
+            try:
+                wait_until_paused(holder, run)
+                before[name] = digest(run)  # the holder changed it before pausing; nothing may change now
+                result = cli(fault_runner, run, extra, fault=CASES[name].fault)
+                after = digest(run)
+            finally:
+                holder.send_signal(signal.SIGKILL)
+                holder.communicate()
+        else:
+            result = cli(fault_runner, run, extra, fault=CASES[name].fault)
+            after = digest(CASES[name].guarded(run))
+        return (*result, before[name], after, run)
 
+    pool = ThreadPoolExecutor(max_workers=len(IN_PROCESSES))
     try:
-        with ThreadPoolExecutor(max_workers=len(CASES)) as pool:  # the holder's case last: the others overlap its start
-            results = dict(zip(CASES, pool.map(attempt, CASES)))
-        after = {name: digest(case.guarded(prepared[name][0])) for name, case in CASES.items()}
+        yield {name: pool.submit(attempt, name) for name in IN_PROCESSES}
     finally:
-        holder.send_signal(signal.SIGKILL)
-        holder.communicate()
-    return {name: (*results[name], before[name], after[name], prepared[name][0]) for name in CASES}
+        pool.shutdown(wait=True)
+        if holder.poll() is None:
+            holder.send_signal(signal.SIGKILL)
+            holder.communicate()
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_bad_input_fails_in_one_line_and_harms_nothing(outcomes, name):
-    rc, out, err, before, after, run = outcomes[name]
+def check(name: str, rc: int, out: str, err: str, before: dict, after: dict, run: Path) -> None:
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert rc == 2, (rc, out[-2000:], err[-3000:])
     assert len(errors) == 1, err[-3000:]
@@ -232,7 +257,25 @@ def test_bad_input_fails_in_one_line_and_harms_nothing(outcomes, name):
         assert words in errors[0], (words, errors[0])
     assert "Traceback" not in err, err[-3000:]
     assert before == after, "saved files changed"
-    assert not list(run.glob("checkpoints/*.partial")) or name == "run_dir_held_by_live_run"
+    assert not list(run.glob("checkpoints/*.partial")) or name == HELD
+    assert not (run.parent / "code_ran").exists(), "a checkpoint's pickle ran code"
+
+
+@pytest.mark.parametrize("name", IN_PROCESS + IN_PROCESSES)  # the subprocesses' results last: they run meanwhile
+def test_bad_input_fails_in_one_line_and_harms_nothing(request, reference_run, tmp_path, capfd, name):
+    if CASES[name].process:
+        check(name, *request.getfixturevalue("subprocess_outcomes")[name].result(timeout=600))
+        return
+    selected = {item.callspec.params.get("name") for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")}
+    if selected & set(IN_PROCESSES):  # start them now, to run while the in-process cases do
+        request.getfixturevalue("subprocess_outcomes")
+    run, extra = prepare(tmp_path, reference_run.path(), name)
+    before = digest(CASES[name].guarded(run))
+    capfd.readouterr()
+    rc = lmforge_in_process(*reliable_run_args(run, *extra, training_steps=STEPS))
+    out, err = capfd.readouterr()
+    check(name, rc, out, err, before, digest(CASES[name].guarded(run)), run)
 
 
 def test_lock_of_a_killed_run_does_not_block(tmp_path):

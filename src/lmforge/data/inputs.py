@@ -13,9 +13,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal, TypeVar
 
 InputKind = Literal["none", "embedded", "path"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -51,3 +52,11 @@ def validation_spec(data: Any) -> tuple[DataSpec, str]:
             "data.validation=embedded is the embedded training data's held-out split, and data.train is not "
             "embedded: no validation set (name one with data.validation=PATH)")
     return spec, ""
+
+
+def train_and_validation(data: Any, build: Callable[[DataSpec, str], T],
+                         validation_split: str = "validation") -> tuple[T, T | None]:
+    """``build(spec, split)`` for ``data.train`` and ``data.validation``; None for a validation value that
+    means no data. ``validation_split`` names the held-out split of embedded data (``test`` for tasks)."""
+    val, _ = validation_spec(data)
+    return build(train_spec(data), "train"), None if val.kind == "none" else build(val, validation_split)

@@ -15,7 +15,7 @@ from pydantic import Field, model_validator
 
 from lmforge.config import Config, RunSection, Section, StartEvalSection, TasksSection
 from lmforge.data.chat import training_chat_format
-from lmforge.data.inputs import train_spec, validation_spec
+from lmforge.data.inputs import DataSpec, train_and_validation, train_spec
 from lmforge.data.preference_data import PreferenceDataset, build_preference_dataset, read_preference_records
 from lmforge.errors import UserError
 from lmforge.evaluation.loss import validation_eval
@@ -85,16 +85,14 @@ def build_datasets(cfg: DPOConfig, rt: Runtime) -> tuple[PreferenceDataset, Pref
     """Train and validation pairs; each summary (pairs kept, skipped) is logged."""
     d = cfg.data
     chat = training_chat_format(rt.tokenizer, rt.model_args.vocab_size, cfg.dpo.chat_template)
-    sets: list[PreferenceDataset | None] = []
-    for spec, split in ((train_spec(d), "train"), (validation_spec(d)[0], "validation")):
-        if spec.kind == "none":
-            sets.append(None)
-            continue
+
+    def build(spec: DataSpec, split: str) -> PreferenceDataset:
         dataset, summary = build_preference_dataset(read_preference_records(spec.path), spec.path, rt.tokenizer,
                                                     chat, seq_len=d.seq_len, packing=cfg.dpo.packing)
         rt.metrics.record_event("dpo_data", 0, summary.line(), split=split, **summary.counts())
-        sets.append(dataset)
-    return sets[0], sets[1]  # type: ignore[return-value]
+        return dataset
+
+    return train_and_validation(d, build)
 
 
 @register

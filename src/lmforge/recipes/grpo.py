@@ -115,16 +115,6 @@ def check_batch_shape(cfg: GRPOConfig, world_size: int) -> None:
             "prompt's group of completions must sit whole on one rank")
 
 
-def check_batch_shape(cfg: GRPOConfig, world_size: int) -> None:
-    """Refuse batches that cannot hold whole groups before any work is done."""
-    t, g = cfg.training, cfg.grpo
-    if t.global_batch_size % (g.num_generations * world_size):
-        raise UserError(
-            f"training.global_batch_size ({t.global_batch_size}) must be a multiple of grpo.num_generations "
-            f"({g.num_generations}) x world size ({world_size}): batch sizes count completions, and every "
-            "prompt's group of completions must sit whole on one rank")
-
-
 @dataclass
 class GRPOInputs:
     rewards: list[WeightedReward]

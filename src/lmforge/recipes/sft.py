@@ -13,7 +13,7 @@ from typing import Literal
 
 from lmforge.config import Config, RunSection, Section, StartEvalSection, TasksSection
 from lmforge.data.chat import ChatFormat, training_chat_format
-from lmforge.data.inputs import DataSpec, train_spec, validation_spec
+from lmforge.data.inputs import DataSpec, train_and_validation, train_spec
 from lmforge.data.sft_data import Record, SFTDataset, build_sft_dataset, read_sft_records, task_records
 from lmforge.data.tasks import task_examples
 from lmforge.errors import UserError
@@ -54,17 +54,15 @@ def _records(spec: DataSpec, split: str, cfg: SFTConfig) -> tuple[list[Record], 
 def build_datasets(cfg: SFTConfig, rt: Runtime, chat: ChatFormat | None) -> tuple[SFTDataset, SFTDataset | None]:
     """Train and validation sets; each summary (counts of skipped/truncated examples) is logged."""
     d, s = cfg.data, cfg.sft
-    sets: list[SFTDataset | None] = []
-    for spec, split in ((train_spec(d), "train"), (validation_spec(d)[0], "test")):
-        if spec.kind == "none":
-            sets.append(None)
-            continue
+
+    def build(spec: DataSpec, split: str) -> SFTDataset:
         records, source = _records(spec, split, cfg)
         dataset, summary = build_sft_dataset(records, source, rt.tokenizer, chat, seq_len=d.seq_len,
                                              loss_on=s.loss_on, too_long=s.too_long, packing=s.packing)
         rt.metrics.record_event("sft_data", 0, summary.line(), split=split, **summary.counts())
-        sets.append(dataset)
-    return sets[0], sets[1]  # type: ignore[return-value]
+        return dataset
+
+    return train_and_validation(d, build, validation_split="test")
 
 
 @register
