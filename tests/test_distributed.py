@@ -60,6 +60,17 @@ def test_fsdp2_two_ranks_match_one_process(fsdp, reference_losses):
     assert read_records(fsdp, "setup")[0]["parallel"] == "fsdp"
 
 
+def test_hsdp_on_a_two_by_two_mesh_matches_one_process(tmp_path, corpus, reference_losses):
+    """4 ranks: 2 replicas of a model sharded over 2 ranks each (FSDP2 on the 2-D mesh)."""
+    run = tmp_path / "hsdp"
+    first_half(run, corpus, nproc=4, training_micro_batch_size=2, parallel_dp_replicate=2, parallel_dp_shard=2)
+    got = losses(run)
+    assert sorted(got) == list(range(1, HALF + 1))
+    assert_losses_match(got, reference_losses, range(1, HALF + 1))
+    setup = read_records(run, "setup")[0]
+    assert (setup["parallel"], setup["mesh"]) == ("hsdp", "dp_replicate=2 x dp_shard=2")
+
+
 def test_ddp_two_ranks_continue_a_one_process_checkpoint(accumulated, corpus, reference_losses):
     """Saved by 1 process with accumulation, resumed by 2 DDP ranks without: same global batches."""
     proc = torchrun("pretrain", *tiny_run_args(corpus, training_micro_batch_size=4, parallel_mode="ddp"),
