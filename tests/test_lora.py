@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from _helpers import (  # noqa: I001
-    assert_losses_match, finish, losses, run_lmforge, start_lmforge, tail, tiny_run_args, torchrun, write_corpus,
+    assert_losses_match, finish, lmforge_in_process, losses, run_lmforge, start_lmforge, tail, tiny_run_args, torchrun,
+    write_corpus,
 )
 
 peft = pytest.importorskip("peft")
@@ -135,7 +136,7 @@ def test_resume_continues_exactly(tmp_path, straight, corpus):
     assert_losses_match(losses(run), losses(straight), range(1, 9))
 
 
-def test_resume_with_other_adapters_or_none_is_refused_in_one_line(tmp_path, straight, corpus):
+def test_resume_with_other_adapters_or_none_is_refused_in_one_line(tmp_path, straight, corpus, capfd):
     import shutil
 
     run = tmp_path / "run"
@@ -144,9 +145,10 @@ def test_resume_with_other_adapters_or_none_is_refused_in_one_line(tmp_path, str
     before = files()
     for extra, words in ((["--lora.rank=8"], "lora.rank=4"), (["--lora.enabled=false"], "LoRA adapters")):
         args = tiny_run_args(corpus, training_steps=10, **LORA_RUN) + extra
-        proc = run_lmforge("pretrain", *args, f"--run.dir={run}")
-        assert proc.returncode == 2, tail(proc)
-        assert proc.stderr.count("error:") == 1 and words in proc.stderr and "Traceback" not in proc.stderr
+        rc = lmforge_in_process("pretrain", *args, f"--run.dir={run}")
+        out, err = capfd.readouterr()
+        assert rc == 2, (out[-2000:], err[-2000:])
+        assert err.count("error:") == 1 and words in err and "Traceback" not in err, err[-2000:]
     assert files() == before
 
 
@@ -221,9 +223,10 @@ def test_merged_export_equals_the_adapted_model(qwen_lora):
         torch.testing.assert_close(merged(x).logits, ours(x), atol=1e-4, rtol=1e-4)
 
 
-def test_adapter_export_of_a_full_run_or_without_a_base_is_one_line(straight, tmp_path):
-    proc = run_lmforge("export", straight, "--adapter", tmp_path / "a")  # base init: not a HF directory
-    assert proc.returncode == 2 and "add --base DIR" in proc.stderr and "Traceback" not in proc.stderr
+def test_adapter_export_of_a_full_run_or_without_a_base_is_one_line(straight, tmp_path, capfd):
+    rc = lmforge_in_process("export", straight, "--adapter", tmp_path / "a")  # base init: not a HF directory
+    err = capfd.readouterr().err
+    assert rc == 2 and "add --base DIR" in err and "Traceback" not in err, err[-2000:]
     proc = run_lmforge("export", straight, "--adapter", tmp_path / "a", "--base", tmp_path / "b")
     assert proc.returncode == 0, tail(proc)
     assert (tmp_path / "a" / "adapter_model.safetensors").is_file() and (tmp_path / "b" / "config.json").is_file()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import REPO, losses, run_lmforge, tiny_run_args
+from _helpers import REPO, lmforge_in_process, losses, run_lmforge, tiny_run_args
 from lmforge.config import Config, load_config
 from lmforge.data.corpus import embedded_corpus
 from lmforge.data.loader import StepLoader
@@ -112,7 +112,7 @@ def _cfg(*overrides: str) -> Config:
     return load_config(Config, None, list(overrides))
 
 
-def test_mixture_config_is_checked_in_one_line(sources, tmp_path):
+def test_mixture_config_is_checked_in_one_line(sources, tmp_path, capfd):
     stories, other = sources["stories"], sources["other"]
     with pytest.raises(UserError, match=r"config key `data.sources.1.weight`: Input should be greater than 0"):
         _cfg(f'--data.sources=[{{path="{stories}"}}, {{path="{other}", weight=0}}]')
@@ -128,7 +128,7 @@ def test_mixture_config_is_checked_in_one_line(sources, tmp_path):
     cfg = _cfg(f'--data.sources=[{{path="{stories}"}}, {{path="{qwen}"}}]', f"--data.validation={other}")
     with pytest.raises(UserError, match=rf"data.sources\[1\].path={qwen}: prepared with tokenizer"):
         build_datasets(cfg, ByteTokenizer())
-    proc = run_lmforge("pretrain", *tiny_run_args(), f'--data.sources=[{{path="{stories}", weight=-1}}]',
-                       f"--run.dir={tmp_path / 'run'}")
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+    rc = lmforge_in_process("pretrain", *tiny_run_args(), f'--data.sources=[{{path="{stories}", weight=-1}}]',
+                            f"--run.dir={tmp_path / 'run'}")
+    assert rc == 2 and capfd.readouterr().err.strip().splitlines() == [
         "error: command line: config key `data.sources.0.weight`: Input should be greater than 0 (got -1)"]

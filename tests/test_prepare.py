@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _helpers import REPO, run_lmforge, tiny_run_args
+from _helpers import REPO, lmforge_in_process, run_lmforge, tiny_run_args
 from lmforge.data import chunks
 from lmforge.data import prepare as prepare_mod
 from lmforge.data.corpus import embedded_corpus
@@ -96,13 +96,14 @@ def test_two_workers_write_the_same_bytes_and_a_rerun_is_a_no_op(tmp_path):
     assert PreparedTokens(one).index["num_documents"] == 3001
 
 
-def test_another_tokenizer_on_an_existing_directory_is_refused(tmp_path):
+def test_another_tokenizer_on_an_existing_directory_is_refused(tmp_path, capfd):
     src = tmp_path / "docs.txt"
     src.write_text("a first document\n\na second one")
     prepare([src], tmp_path / "out", ByteTokenizer(), log=_quiet)
-    proc = run_lmforge("prepare", src, "--out", tmp_path / "out", "--tokenizer", QWEN)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().count("\n") == 0 and "was prepared with tokenizer byte" in proc.stderr, proc.stderr
+    rc = lmforge_in_process("prepare", src, "--out", tmp_path / "out", "--tokenizer", QWEN)
+    err = capfd.readouterr().err
+    assert rc == 2
+    assert err.strip().count("\n") == 0 and "was prepared with tokenizer byte" in err, err
     assert PreparedTokens(tmp_path / "out").index["tokenizer_name"] == "byte"
 
 
@@ -140,7 +141,7 @@ def test_an_interrupted_prepare_leaves_nothing_and_keeps_the_earlier_directory(t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.txt", "out"]
 
 
-def test_a_changed_or_damaged_shard_is_detected(tmp_path):
+def test_a_changed_or_damaged_shard_is_detected(tmp_path, capfd):
     src = tmp_path / "docs.txt"
     src.write_text("\n\n".join(embedded_corpus("train", 3000)))  # ~1.9 MB of tokens: 64 x 4 KiB is a sample
     out = tmp_path / "out"
@@ -158,16 +159,16 @@ def test_a_changed_or_damaged_shard_is_detected(tmp_path):
     data[6000] ^= 1  # between the first two sampled blocks: only the full check (--verify) sees it
     shard.write_bytes(data)
     assert PreparedTokens(out).verify() == [f"{shard}: content differs from its checksum in index.json"]
-    proc = run_lmforge("prepare", "--out", out, "--verify")
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+    rc = lmforge_in_process("prepare", "--out", out, "--verify")
+    assert rc == 2 and capfd.readouterr().err.strip().splitlines() == [
         f"error: {out} is damaged: {shard}: content differs from its checksum in index.json"]
     shard.unlink()
-    run = run_lmforge("pretrain", *tiny_run_args(out), f"--run.dir={tmp_path / 'run2'}")
-    assert run.returncode == 2 and run.stderr.strip().splitlines() == [
+    rc = lmforge_in_process("pretrain", *tiny_run_args(out), f"--run.dir={tmp_path / 'run2'}")
+    assert rc == 2 and capfd.readouterr().err.strip().splitlines() == [
         f"error: data.train={out}: {shard}: shard missing since it was prepared; run lmforge prepare again"]
 
 
-def test_bad_rows_are_named_with_their_line_across_chunks(tmp_path, monkeypatch):
+def test_bad_rows_are_named_with_their_line_across_chunks(tmp_path, monkeypatch, capfd):
     monkeypatch.setattr(chunks, "CHUNK_BYTES", 300)
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(200)) + '{"text": 5}\n')
@@ -178,10 +179,13 @@ def test_bad_rows_are_named_with_their_line_across_chunks(tmp_path, monkeypatch)
     with pytest.raises(UserError, match=r"latin\.txt:201: not valid UTF-8 \(byte 0xe9\)"):
         prepare([latin], tmp_path / "out", ByteTokenizer(), log=_quiet)
     assert not (tmp_path / "out").exists()
-    proc = run_lmforge("prepare", bad, "--out", tmp_path / "out", "--text-field", "body")
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"error: {bad}:1: missing field 'body'"]
-    proc = run_lmforge("prepare", tmp_path / "nope.jsonl", "--out", tmp_path / "out")
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"error: data file not found: {tmp_path / 'nope.jsonl'}"]
+    monkeypatch.undo()  # the CLI runs with the real chunk size
+    capfd.readouterr()
+    rc = lmforge_in_process("prepare", bad, "--out", tmp_path / "out", "--text-field", "body")
+    assert rc == 2 and capfd.readouterr().err.strip().splitlines() == [f"error: {bad}:1: missing field 'body'"]
+    rc = lmforge_in_process("prepare", tmp_path / "nope.jsonl", "--out", tmp_path / "out")
+    assert rc == 2 and capfd.readouterr().err.strip().splitlines() == [
+        f"error: data file not found: {tmp_path / 'nope.jsonl'}"]
 
 
 def test_records_of_every_format_for_sft_and_grpo(tmp_path):
@@ -199,7 +203,7 @@ def test_records_of_every_format_for_sft_and_grpo(tmp_path):
         read_records(tmp_path / "dd")
 
 
-def test_a_prepared_directory_packs_like_the_in_memory_corpus(tmp_path):
+def test_a_prepared_directory_packs_like_the_in_memory_corpus(tmp_path, capfd):
     """The embedded corpus packed in memory and the same documents prepared into shards give the same
     samples (so the same fingerprint and the same losses); a directory prepared with another tokenizer
     is refused by a run with one line."""
@@ -214,6 +218,8 @@ def test_a_prepared_directory_packs_like_the_in_memory_corpus(tmp_path):
         assert shards[i].input_ids.tolist() == memory[i].input_ids.tolist()
     text.write_text("\n\n".join(docs[:300]))
     prepare([text], tmp_path / "qwen", load_tokenizer(str(QWEN)), log=_quiet)
-    proc = run_lmforge("pretrain", *tiny_run_args(data_train=tmp_path / "qwen"), f"--run.dir={tmp_path / 'q'}")
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
-    assert f"data.train={tmp_path / 'qwen'}: prepared with tokenizer {QWEN}" in proc.stderr
+    capfd.readouterr()
+    rc = lmforge_in_process("pretrain", *tiny_run_args(data_train=tmp_path / "qwen"), f"--run.dir={tmp_path / 'q'}")
+    err = capfd.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err[-2000:]
+    assert f"data.train={tmp_path / 'qwen'}: prepared with tokenizer {QWEN}" in err

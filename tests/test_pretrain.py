@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from _helpers import run_lmforge, tiny_run_args
+from _helpers import lmforge_in_process, run_lmforge, tiny_run_args
 from lmforge.metrics.records import read_records
 from lmforge.checkpoint.checkpointer import Checkpointer, load_model_weights
 from lmforge.models.model import ModelArgs, Transformer
@@ -68,9 +68,9 @@ def test_resume_continues_exactly(straight, tmp_path):
         assert torch.equal(a, b), k
 
 
-def test_user_error_is_one_line(tmp_path):
-    proc = run_lmforge("pretrain", "--config", "configs/debug.toml", "--training.stepz=3", f"--run.dir={tmp_path}/r")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
+def test_user_error_is_one_line(tmp_path, capfd):
+    rc = lmforge_in_process("pretrain", "--config", "configs/debug.toml", "--training.stepz=3", f"--run.dir={tmp_path}/r")
+    assert rc == 2
+    assert capfd.readouterr().err.strip().splitlines() == [
         "error: configs/debug.toml: unknown config key `training.stepz` (did you mean `training.steps`?)"]
     assert not (tmp_path / "r").exists()

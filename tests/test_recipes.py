@@ -55,6 +55,18 @@ def test_one_rule_for_data_values():
     assert validation_spec(cfg.data) == (data_spec("data.validation", "val.jsonl"), "")
 
 
+def test_embedded_validation_next_to_file_data_is_no_validation_and_says_so(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"Document {i}: " + "words and more words. " * 20 for i in range(60)))
+    run = tmp_path / "run"
+    rc = main(["pretrain", *tiny_run_args(training_steps=1, eval_interval=1), f"--data.train={corpus}",
+               f"--run.dir={run}", "--checkpoint.enabled=false"])
+    assert rc == 0, capsys.readouterr().err[-2000:]
+    assert "data.validation=embedded is the embedded training data's held-out split" in capsys.readouterr().out
+    assert len(read_records(run, "no_validation")) == 1
+    assert not [r for r in read_records(run, "eval") if "loss" in r]
+
+
 def _pairs(path: Path) -> Path:
     rows = [{"prompt": f"What is {i} plus 3?", "chosen": f" {i + 3}", "rejected": " no"} for i in range(16)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
 
-from _helpers import run_lmforge, tail, tiny_run_args
+from _helpers import lmforge_in_process, run_lmforge, tail, tiny_run_args
 from lmforge.errors import UserError
 from lmforge.metrics.records import read_records
 from lmforge.rl.math_answers import final_answer
@@ -138,12 +139,19 @@ def test_reward_module_that_fails_to_import(tmp_path, monkeypatch):
         load_rewards(["broken_reward:reward"])
 
 
-def test_grpo_with_a_failing_reward_writes_nothing(tmp_path):
+def test_grpo_with_a_failing_reward_writes_nothing(tmp_path, monkeypatch, capfd):
+    """Refused at start-up by the reward probe (in this process: ``python -m lmforge`` in tmp_path would
+    import my_rewards from its working directory, the first entry of sys.path)."""
     (tmp_path / "my_rewards.py").write_text("def score(prompts, completions, **fields):\n    return ['high'] * len(completions)\n")
     run = tmp_path / "run"
-    proc = run_lmforge("grpo", *tiny_run_args(GSM8K_TRAIN, data_seq_len=None), "--rewards=my_rewards:score",
-                       f"--run.dir={run}", cwd=tmp_path)
-    rc, err = proc.returncode, proc.stderr
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)
+    try:
+        rc = lmforge_in_process("grpo", *tiny_run_args(GSM8K_TRAIN, data_seq_len=None), "--rewards=my_rewards:score",
+                                f"--run.dir={run}", cwd=tmp_path)
+    finally:
+        sys.modules.pop("my_rewards", None)  # another test's my_rewards is another file
+    err = capfd.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert rc == 2 and len(errors) == 1 and "Traceback" not in err, err[-2000:]
     assert "reward `my_rewards:score` returned str 'high'" in errors[0]

@@ -61,7 +61,7 @@ class DownstreamEval:
         return bool(self.tasks) and (not self.interval or step % self.interval == 0 or step >= self.total_steps)
 
     def __call__(self, rt: Any, step: int) -> dict[str, float]:
-        if not self.due(step) or (rt.cfg.parallel.mode == "fsdp" and rt.dist.world_size > 1):
+        if not self.due(step) or rt.dims.shards:
             return {}  # generation needs the whole model; FSDP shards it
         # Every rank scores the same examples (identical results), so no collective is needed.
         from lmforge.evaluation.harness import evaluate_tasks, flat_scores

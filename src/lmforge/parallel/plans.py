@@ -30,7 +30,9 @@ class ParallelOptions:
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute every block's activations in backward instead of keeping them."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
 
     for i, block in enumerate(model.layers):
         model.layers[i] = checkpoint_wrapper(block)

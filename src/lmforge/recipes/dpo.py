@@ -16,7 +16,11 @@ from pydantic import Field, model_validator
 from lmforge.config import Config, RunSection, Section, StartEvalSection, TasksSection
 from lmforge.data.chat import training_chat_format
 from lmforge.data.inputs import DataSpec, train_and_validation, train_spec
-from lmforge.data.preference_data import PreferenceDataset, build_preference_dataset, read_preference_records
+from lmforge.data.preference_data import (
+    PreferenceDataset,
+    build_preference_dataset,
+    read_preference_records,
+)
 from lmforge.errors import UserError
 from lmforge.evaluation.loss import validation_eval
 from lmforge.evaluation.tasks import TaskEval, held_out_examples

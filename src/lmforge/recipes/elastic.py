@@ -31,11 +31,11 @@ from lmforge import distributed as dist_utils
 from lmforge.checkpoint import RunDir
 from lmforge.checkpoint.layout import write_text
 from lmforge.config import Config, Section
+from lmforge.data.corpora import Corpora, read_corpora
 from lmforge.distributed import DistInfo
 from lmforge.errors import UserError
 from lmforge.metrics import PROCESS_START
 from lmforge.metrics.records import last_record_time
-from lmforge.data.corpora import Corpora, read_corpora
 from lmforge.recipes.base import Recipe, register
 from lmforge.training import faults
 from lmforge.training.checkpointing import save

@@ -15,7 +15,13 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from lmforge.config import Config, Section, StartEvalSection, TasksSection, comma_separated
+from lmforge.config import (
+    Config,
+    Section,
+    StartEvalSection,
+    TasksSection,
+    comma_separated,
+)
 from lmforge.data.prompts import prompt_records
 from lmforge.data.tasks import TaskExample
 from lmforge.errors import UserError

@@ -14,7 +14,13 @@ from typing import Literal
 from lmforge.config import Config, RunSection, Section, StartEvalSection, TasksSection
 from lmforge.data.chat import ChatFormat, training_chat_format
 from lmforge.data.inputs import DataSpec, train_and_validation, train_spec
-from lmforge.data.sft_data import Record, SFTDataset, build_sft_dataset, read_sft_records, task_records
+from lmforge.data.sft_data import (
+    Record,
+    SFTDataset,
+    build_sft_dataset,
+    read_sft_records,
+    task_records,
+)
 from lmforge.data.tasks import task_examples
 from lmforge.errors import UserError
 from lmforge.evaluation.loss import validation_eval

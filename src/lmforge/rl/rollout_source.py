@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -1,6 +1,6 @@
-"""Training: the one loop, its train step, typed state, runtime, checkpoints and process groups.
+"""Training: the one loop, its train step, typed statistics and state, the runtime and checkpointing.
 
-``loop.train`` is the only training loop. A trainer hands it a step source (what yields each step's
-microbatches) and an objective (loss, global normalizer, logged values); everything else here is
-shared by every trainer.
+``loop.train`` is the only training loop. A recipe (:mod:`lmforge.recipes`) hands it a step source
+(what yields each step's microbatches) and an objective (:mod:`lmforge.objectives`: loss, global
+normalizer, logged values); everything else here is shared by every recipe.
 """
