@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
              "       lmforge eval RUN_OR_MODEL_DIR --tasks T1,T2 [--limit N] [--apply-chat-template]\n"
              "       lmforge prepare INPUT... --out DIR [--tokenizer T] [--workers N] [--text-field F] | --out DIR --verify")
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage)
+        width = max(map(len, trainers))
+        print(usage + "\n\ntrainers:\n" + "\n".join(f"  {n:<{width}}  {r.summary}" for n, r in trainers.items()))
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     try:
