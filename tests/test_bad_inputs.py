@@ -45,7 +45,8 @@ class Case:
     files: dict[str, bytes] = field(default_factory=dict)
     """Input files to create in the scratch dir."""
     process: bool = False
-    """Needs a CLI process of its own (a fault injected, another live process): else run in-process."""
+    """Needs a CLI process of its own (another live process...); a case with a ``fault`` always does
+    (the fault runner injects it). Else the case runs in-process."""
 
 
 def _tokenizer_dir(scratch: Path) -> Path:
@@ -138,8 +139,7 @@ CASES: dict[str, Case] = {
     "disk_full_during_checkpoint": Case(lambda r, s: [f"--training.steps={STEPS + 2}"],
                                         [f"checkpoint save at step {STEPS + 2} failed", "No space left on device",
                                          f"step_{STEPS:08d} is intact"],
-                                        fault="disk_full:20000", guarded=lambda run: run / "checkpoints",
-                                        process=True),
+                                        fault="disk_full:20000", guarded=lambda run: run / "checkpoints"),
     "run_dir_held_by_live_run": Case(lambda r, s: [], ["is in use by another live run", "pid "], process=True),
     # Refused before anything is written: the run directory stays byte-identical.
     "resume_never_onto_checkpoints": Case(lambda r, s: ["--checkpoint.resume=never"],
@@ -197,8 +197,8 @@ def wait_until_paused(proc: subprocess.Popen, run_dir: Path) -> None:
 
 
 HELD = "run_dir_held_by_live_run"
-IN_PROCESS = [name for name, case in CASES.items() if not case.process]
-IN_PROCESSES = [name for name, case in CASES.items() if case.process]
+IN_PROCESSES = [name for name, case in CASES.items() if case.process or case.fault]
+IN_PROCESS = [name for name in CASES if name not in IN_PROCESSES]
 
 
 def prepare(base: Path, saved: Path, name: str) -> tuple[Path, list[str]]:
@@ -263,7 +263,7 @@ def check(name: str, rc: int, out: str, err: str, before: dict, after: dict, run
 
 @pytest.mark.parametrize("name", IN_PROCESS + IN_PROCESSES)  # the subprocesses' results last: they run meanwhile
 def test_bad_input_fails_in_one_line_and_harms_nothing(request, reference_run, tmp_path, capfd, name):
-    if CASES[name].process:
+    if name in IN_PROCESSES:
         check(name, *request.getfixturevalue("subprocess_outcomes")[name].result(timeout=600))
         return
     selected = {item.callspec.params.get("name") for item in request.session.items

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import finish, run_lmforge, start_lmforge, tail, tiny_run_args, torchrun
+from _helpers import lmforge_in_process, run_lmforge, tail, tiny_run_args, torchrun
 from lmforge.data.chat import ByteChatFormat, chat_format_for
 from lmforge.data.packing import IGNORE_INDEX, Sample, collate
 from lmforge.data.preference_data import build_preference_dataset, pairs_in, read_preference_records
@@ -303,15 +303,13 @@ def picked(run: Path) -> dict[int, list[float]]:
 
 
 def test_cli_run_logs_dpo_metrics_and_resume_equals_uninterrupted(tmp_path, pairs_file):
+    """Through the CLI's entry point in this process (test_two_ddp_ranks_equal_one_process runs the
+    real CLI, under torchrun too)."""
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
-    procs = [start_lmforge(*dpo_args(pairs_file, straight, training_steps=4, eval_interval=2, eval_steps=2,
-                                     eval_batch_size=4)),
-             start_lmforge(*dpo_args(pairs_file, interrupted, training_steps=2, checkpoint_interval=2))]
-    for proc in procs:
-        rc, out, err = finish(proc, timeout=240)
-        assert rc == 0, out[-2000:] + err[-3000:]
-    resumed = run_lmforge(*dpo_args(pairs_file, interrupted, training_steps=4, checkpoint_interval=2))
-    assert resumed.returncode == 0, tail(resumed)
+    for args in (dpo_args(pairs_file, straight, training_steps=4, eval_interval=2, eval_steps=2, eval_batch_size=4),
+                 dpo_args(pairs_file, interrupted, training_steps=2, checkpoint_interval=2),
+                 dpo_args(pairs_file, interrupted, training_steps=4, checkpoint_interval=2)):  # the resume
+        assert lmforge_in_process(*args) == 0, args[-1]  # what it printed is in the captured output
     assert [r["step"] for r in read_records(interrupted, "resume")] == [2]
     a, b = picked(straight), picked(interrupted)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from _helpers import finish, start_lmforge, tiny_run_args
+from _helpers import lmforge_in_process, tiny_run_args
 from lmforge.errors import UserError
 from lmforge.metrics.records import read_records
 from lmforge.objectives.grpo import (
@@ -258,14 +260,23 @@ def _grpo_args(run_dir: str, rewards: str = "tiny_rewards:lowercase", **override
 
 
 def _grpo(cwd: Path, runs: dict[str, dict]) -> list[list[dict]]:
-    """Run the CLI in ``cwd`` once per run directory with its overrides (concurrently), return each
-    run's metrics records."""
-    procs = [start_lmforge(*_grpo_args(run_dir, **overrides), cwd=cwd) for run_dir, overrides in runs.items()]
+    """Run the CLI's entry point in this process in ``cwd`` once per run directory with its overrides
+    (one after the other; ``cwd`` first on sys.path, as ``python -m lmforge`` started there has it, so
+    ``tiny_rewards`` is this test's), return each run's metrics records. In-process, not a subprocess
+    per run: the same code path without seconds of imports per run (test_grpo_distributed.py runs the
+    real CLI under torchrun)."""
+    sys.path.insert(0, str(cwd))
+    sys.modules.pop("tiny_rewards", None)  # an earlier test's tiny_rewards is another directory's file
+    importlib.invalidate_caches()
     out = []
-    for run_dir, proc in zip(runs, procs):
-        rc, stdout, stderr = finish(proc, timeout=240)
-        assert rc == 0, stdout[-2000:] + stderr[-3000:]
-        out.append(read_records(cwd / run_dir))
+    try:
+        for run_dir, overrides in runs.items():
+            rc = lmforge_in_process(*_grpo_args(run_dir, **overrides), cwd=cwd)
+            assert rc == 0, f"{run_dir}: exit {rc} (its output is in the captured stdout/stderr)"
+            out.append(read_records(cwd / run_dir))
+    finally:
+        sys.path.remove(str(cwd))
+        sys.modules.pop("tiny_rewards", None)
     return out
 
 

@@ -125,14 +125,17 @@ def test_checkpoints_hold_only_the_adapters_and_the_setup_line_says_how_many_tra
     assert setup["trainable_share"] == round(setup["trainable_parameters"] / setup["parameters"], 6)
 
 
-def test_resume_continues_exactly(tmp_path, straight, corpus):
+def test_resume_continues_exactly(tmp_path, straight, corpus, capfd):
+    """Interrupted and resumed through the CLI's entry point in this process; ``straight`` is the real CLI's."""
     run = tmp_path / "run"  # the same 8-step schedule, stopped by a token budget after step 4
-    first = run_lmforge("pretrain", *tiny_run_args(corpus, training_steps=8, training_max_tokens=4 * 8 * 32,
-                                                   **LORA_RUN), f"--run.dir={run}")
-    assert first.returncode == 0, tail(first)
-    second = run_lmforge("pretrain", *tiny_run_args(corpus, training_steps=8, **LORA_RUN), f"--run.dir={run}")
-    assert second.returncode == 0, tail(second)
-    assert "resumed from" in second.stdout + second.stderr
+    rc = lmforge_in_process("pretrain", *tiny_run_args(corpus, training_steps=8, training_max_tokens=4 * 8 * 32,
+                                                       **LORA_RUN), f"--run.dir={run}")
+    assert rc == 0, capfd.readouterr().err[-3000:]
+    capfd.readouterr()
+    rc = lmforge_in_process("pretrain", *tiny_run_args(corpus, training_steps=8, **LORA_RUN), f"--run.dir={run}")
+    out, err = capfd.readouterr()
+    assert rc == 0, err[-3000:]
+    assert "resumed from" in out + err
     assert_losses_match(losses(run), losses(straight), range(1, 9))
 
 
@@ -227,8 +230,9 @@ def test_adapter_export_of_a_full_run_or_without_a_base_is_one_line(straight, tm
     rc = lmforge_in_process("export", straight, "--adapter", tmp_path / "a")  # base init: not a HF directory
     err = capfd.readouterr().err
     assert rc == 2 and "add --base DIR" in err and "Traceback" not in err, err[-2000:]
-    proc = run_lmforge("export", straight, "--adapter", tmp_path / "a", "--base", tmp_path / "b")
-    assert proc.returncode == 0, tail(proc)
+    rc = lmforge_in_process("export", straight, "--adapter", tmp_path / "a", "--base", tmp_path / "b")
+    out, err = capfd.readouterr()
+    assert rc == 0, (out[-2000:], err[-2000:])
     assert (tmp_path / "a" / "adapter_model.safetensors").is_file() and (tmp_path / "b" / "config.json").is_file()
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import REPO, lmforge_in_process, losses, run_lmforge, tiny_run_args
+from _helpers import REPO, finish, lmforge_in_process, losses, start_lmforge, tiny_run_args
 from lmforge.config import Config, load_config
 from lmforge.data.corpus import embedded_corpus
 from lmforge.data.loader import StepLoader
@@ -93,17 +93,22 @@ def _mixture_args(sources: dict[str, Path], **overrides) -> list[str]:
                            elastic_snapshot_interval=0, **overrides), f"--data.sources={spec}"]
 
 
-def test_a_killed_mixture_run_resumes_with_identical_losses(sources, tmp_path):
+def test_a_killed_mixture_run_resumes_with_identical_losses(sources, tmp_path, capfd):
     """SIGKILLed at step 5 (checkpoint at step 4), the rerun continues from the shards' global sample
-    index: every loss equals the uninterrupted run's."""
-    straight = run_lmforge("elastic", *_mixture_args(sources), f"--run.dir={tmp_path / 'straight'}")
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    index: every loss equals the uninterrupted run's. The killed run is a real CLI process; the
+    uninterrupted and the resumed runs go through the CLI's entry point in this process."""
     run = tmp_path / "killed"
-    killed = run_lmforge("elastic", *_mixture_args(sources), f"--run.dir={run}",
-                         extra_env={"LMFORGE_FAULT": "rank=0,step=5,mode=kill"})
-    assert killed.returncode == -9, killed.stderr[-3000:]
-    resumed = run_lmforge("elastic", *_mixture_args(sources), f"--run.dir={run}")
-    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+    killed = start_lmforge("elastic", *_mixture_args(sources), f"--run.dir={run}",
+                           extra_env={"LMFORGE_FAULT": "rank=0,step=5,mode=kill"})
+    try:  # the uninterrupted run meanwhile
+        assert lmforge_in_process("elastic", *_mixture_args(sources), f"--run.dir={tmp_path / 'straight'}") == 0
+    finally:
+        rc, _, err = finish(killed)
+    assert rc == -9, err[-3000:]
+    capfd.readouterr()
+    rc = lmforge_in_process("elastic", *_mixture_args(sources), f"--run.dir={run}")
+    out, err = capfd.readouterr()
+    assert rc == 0 and "resumed from" in out, err[-3000:]
     want = losses(tmp_path / "straight")
     assert losses(run) == want and sorted(want) == list(range(1, 9))
 

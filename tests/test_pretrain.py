@@ -52,15 +52,19 @@ def test_eval_sums_start_from_zero_every_eval(straight):
     assert len({e["total_weights"] for e in evals}) == 1 and evals[0]["total_weights"] == 3 * 4 * 64
 
 
-def test_resume_continues_exactly(straight, tmp_path):
+def test_resume_continues_exactly(straight, tmp_path, capfd):
+    """The interrupted and resumed runs go through the CLI's entry point in this process; the
+    uninterrupted one they must equal bit for bit is the real CLI's (``straight``)."""
     run, _ = straight
     resumed = tmp_path / "resumed"
-    first = run_lmforge("pretrain", *TINY, f"--run.dir={resumed}", "--training.max_tokens=3072")
-    assert first.returncode == 0, first.stderr[-3000:]
+    rc = lmforge_in_process("pretrain", *TINY, f"--run.dir={resumed}", "--training.max_tokens=3072")
+    assert rc == 0, capfd.readouterr().err[-3000:]
     assert Checkpointer(resumed).latest().name == "step_00000006"  # stopped by the token budget
-    second = run_lmforge("pretrain", *TINY, f"--run.dir={resumed}")
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from" in second.stdout
+    capfd.readouterr()
+    rc = lmforge_in_process("pretrain", *TINY, f"--run.dir={resumed}")
+    out, err = capfd.readouterr()
+    assert rc == 0, err[-3000:]
+    assert "resumed from" in out
     ref = {r["step"]: r["loss"] for r in read_records(run, "train")}
     got = {r["step"]: r["loss"] for r in read_records(resumed, "train")}
     assert got == ref  # identical loss lines, bit for bit

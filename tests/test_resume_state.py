@@ -1,6 +1,8 @@
 """What a resume reads back besides tensors: token counts, the metrics file, the run's own files.
 
-Each test runs the real CLI on a tiny model; what it checks is named in the test.
+Each test runs the CLI's entry point (``lmforge.cli.main``, in this process: the same code path as
+``lmforge``, without seconds of imports per run) on a tiny model; what it checks is named in the test.
+A failed run's output is in the test's captured stdout/stderr.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from _helpers import TOKENS_PER_STEP, run_lmforge, tiny_run_args
+from _helpers import TOKENS_PER_STEP, lmforge_in_process, tiny_run_args
 from lmforge.checkpoint.layout import STATE_FILE
 from lmforge.metrics.records import read_records
 
@@ -20,8 +22,7 @@ def _digest(root: Path) -> dict[str, str]:
 
 
 def _pretrain(run: Path, **overrides) -> None:
-    proc = run_lmforge("pretrain", *tiny_run_args(**overrides), f"--run.dir={run}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert lmforge_in_process("pretrain", *tiny_run_args(**overrides), f"--run.dir={run}") == 0
 
 
 def test_token_count_survives_resume_between_log_steps_and_a_damaged_metrics_line(tmp_path):
@@ -47,8 +48,7 @@ def test_a_run_with_a_torn_model_args_file_resumes_and_exports(tmp_path):
     _pretrain(run, training_steps=6)
     assert json.loads((run / "model_args.json").read_text())["model_args"]["n_layers"] == 2  # rewritten whole
     (run / "model_args.json").write_text("{")
-    proc = run_lmforge("export", str(run), "--hf", str(tmp_path / "hf"))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert lmforge_in_process("export", str(run), "--hf", str(tmp_path / "hf")) == 0
     assert (tmp_path / "hf" / "config.json").is_file()
 
 
@@ -60,8 +60,7 @@ def test_starting_from_another_run_only_reads_it(tmp_path):
     newest = source / "checkpoints" / "step_00000004"
     newest.rename(newest.with_name(newest.name + ".old"))
     before = _digest(source)
-    proc = run_lmforge("sft", *tiny_run_args(training_steps=2, data_seq_len=64), f"--model.from_checkpoint={source}",
-                       f"--run.dir={tmp_path / 'sft'}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert lmforge_in_process("sft", *tiny_run_args(training_steps=2, data_seq_len=64),
+                              f"--model.from_checkpoint={source}", f"--run.dir={tmp_path / 'sft'}") == 0
     assert _digest(source) == before
     assert (source / "checkpoints" / "step_00000004.old").is_dir()

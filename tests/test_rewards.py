@@ -140,8 +140,8 @@ def test_reward_module_that_fails_to_import(tmp_path, monkeypatch):
 
 
 def test_grpo_with_a_failing_reward_writes_nothing(tmp_path, monkeypatch, capfd):
-    """Refused at start-up by the reward probe (in this process: ``python -m lmforge`` in tmp_path would
-    import my_rewards from its working directory, the first entry of sys.path)."""
+    """Refused by the start-up probe of the rewards, before the run directory is made. Run in this
+    process with tmp_path first on sys.path, as ``python -m lmforge`` started in tmp_path has it."""
     (tmp_path / "my_rewards.py").write_text("def score(prompts, completions, **fields):\n    return ['high'] * len(completions)\n")
     run = tmp_path / "run"
     monkeypatch.syspath_prepend(str(tmp_path))
