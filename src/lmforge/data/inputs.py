@@ -26,11 +26,8 @@ class DataSpec:
     key: str
     """The config key that named it (``data.train``, ``data.validation``), for messages."""
     value: str
+    """As given: for ``path`` inputs, the path."""
     kind: InputKind
-
-    @property
-    def path(self) -> str:
-        return self.value
 
 
 def data_spec(key: str, value: str) -> DataSpec:

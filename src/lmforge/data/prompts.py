@@ -57,5 +57,5 @@ def prompt_records(data: Any, tasks: Any, split: Literal["train", "test"], promp
         n = share if split == "train" else min(tasks.eval_examples, share)
         return [{"prompt": e.prompt, "task": e.task, "answer": e.answer}
                 for e in task_examples(split, n, tasks=tasks.names)]
-    records = read_prompt_records(spec.path, prompt_field, answer_field)
+    records = read_prompt_records(spec.value, prompt_field, answer_field)
     return records if split == "train" else records[: tasks.eval_examples]

@@ -91,7 +91,7 @@ def build_datasets(cfg: DPOConfig, rt: Runtime) -> tuple[PreferenceDataset, Pref
     chat = training_chat_format(rt.tokenizer, rt.model_args.vocab_size, cfg.dpo.chat_template)
 
     def build(spec: DataSpec, split: str) -> PreferenceDataset:
-        dataset, summary = build_preference_dataset(read_preference_records(spec.path), spec.path, rt.tokenizer,
+        dataset, summary = build_preference_dataset(read_preference_records(spec.value), spec.value, rt.tokenizer,
                                                     chat, seq_len=d.seq_len, packing=cfg.dpo.packing)
         rt.metrics.record_event("dpo_data", 0, summary.line(), split=split, **summary.counts())
         return dataset

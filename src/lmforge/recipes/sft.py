@@ -54,7 +54,7 @@ def _records(spec: DataSpec, split: str, cfg: SFTConfig) -> tuple[list[Record], 
     if spec.kind == "embedded":
         n = (cfg.tasks.train_examples or None) if split == "train" else None
         return task_records(task_examples(split, n, cfg.tasks.names), split), f"embedded tasks ({split})"
-    return read_sft_records(spec.path, cfg.data.format), spec.path
+    return read_sft_records(spec.value, cfg.data.format), spec.value
 
 
 def build_datasets(cfg: SFTConfig, rt: Runtime, chat: ChatFormat | None) -> tuple[SFTDataset, SFTDataset | None]:

@@ -26,12 +26,16 @@ class Guard:
         self.mode = rt.cfg.training.nonfinite
         self.spike_factor = spike_factor
         self.every_step = rt.dist.device.type == "cpu" or self.mode == "skip"
-        self.skips_nonfinite = self.mode == "skip"
         self.mean: float | None = None
         self.skipped = 0
         self.latest: tuple[int, dict[str, Any], dict[str, Any] | None] | None = None
         """(step, values, logged record) of the last finished step: what :meth:`before_save` checks."""
         self._checked = 0
+
+    @property
+    def skips_nonfinite(self) -> bool:
+        """The optimizer step must drop updates with a non-finite grad norm (``training.nonfinite=skip``)."""
+        return self.mode == "skip"
 
     def after_step(self, step: int, values: dict[str, Any], record: dict[str, Any] | None) -> None:
         self.latest = (step, values, record)

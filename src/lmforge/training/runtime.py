@@ -185,11 +185,10 @@ def build_metrics(cfg: Config, info: dist_utils.DistInfo, run: RunDir, fpt: floa
     """The MetricLogger, with the model's FLOPs per token and the device's peak for MFU."""
     bar = progress_bar(cfg.metrics.progress, cfg.training.steps, cfg.training.max_tokens, is_main=info.is_main)
     sinks = [WandbSink.start(run.root, cfg.to_dict())] if cfg.metrics.wandb and info.is_main else []
-    metrics = MetricLogger(run.root, rank=info.rank, world_size=info.world_size, log_every=cfg.metrics.log_every,
-                           flops_per_token=fpt, peak_flops=peak, tensorboard=cfg.metrics.tensorboard,
-                           console=bar.write if bar else None, process_start=process_start, sinks=sinks,
-                           progress=bar, defer=True, device=info.device)
-    return metrics
+    return MetricLogger(run.root, rank=info.rank, world_size=info.world_size, log_every=cfg.metrics.log_every,
+                        flops_per_token=fpt, peak_flops=peak, tensorboard=cfg.metrics.tensorboard,
+                        console=bar.write if bar else None, process_start=process_start, sinks=sinks,
+                        progress=bar, defer=True, device=info.device)
 
 
 def build_checkpoints(cfg: Config, info: dist_utils.DistInfo, run: RunDir, metrics: MetricLogger,
@@ -246,8 +245,8 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
         model.num_params(exclude_embeddings=True), "trainable_parameters": trainable,
         "trainable_share": round(trainable / total, 6), "flops_per_token": fpt,
         "peak_tflops_per_device": peak / 1e12, "peak_source": peak_src,
-        "world_size": info.world_size, "device": str(info.device), "parallel": dims.kind, "mesh": dims.describe_mesh(), "dtype": dtype,
-        "dtype_reason": dtype_why, "threads": torch.get_num_threads(), "run_dir": str(run.root),
+        "world_size": info.world_size, "device": str(info.device), "parallel": dims.kind,
+        "mesh": dims.describe_mesh(), "dtype": dtype, "dtype_reason": dtype_why, "threads": torch.get_num_threads(), "run_dir": str(run.root),
     }, cfg.to_toml())
     return Runtime(cfg=cfg, dist=info, dims=dims, mesh=mesh, tokenizer=loaded.tokenizer, model_args=args,
                    spec=spec, raw_model=model, model=wrapped, optimizer=optimizer, metrics=metrics,
