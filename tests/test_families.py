@@ -53,10 +53,29 @@ def hf_config(family: str) -> "transformers.PretrainedConfig":
     if family == "mistral":
         return transformers.MistralConfig(**COMMON, sliding_window=WINDOW,
                                           rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+    if family == "gemma3":  # local/global layers with their own RoPE, scaled global RoPE, non-default scale
+        cfg = {k: v for k, v in COMMON.items() if k != "rms_norm_eps"}
+        return transformers.Gemma3TextConfig(
+            **cfg, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e6),
+                             "sliding_attention": dict(rope_type="default", rope_theta=1e4)})
+    if family == "qwen3_moe":  # layer 1 keeps a dense MLP
+        return transformers.Qwen3MoeConfig(**COMMON, head_dim=24, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+                                           rope_parameters=dict(rope_type="default", rope_theta=1e6))
+    if family == "mixtral":
+        return transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+                                          rope_parameters=dict(rope_type="default", rope_theta=1e6))
+    if family == "olmoe":  # top-k not renormalised, q/k norms over the whole projection
+        return transformers.OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2,
+                                        rope_parameters=dict(rope_type="default", rope_theta=1e4))
     raise AssertionError(family)
 
 
-FAMILIES = ["llama", "llama3", "llama_linear", "smollm2", "qwen2", "qwen3", "mistral"]
+FAMILIES = ["llama", "llama3", "llama_linear", "smollm2", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_moe",
+            "mixtral", "olmoe"]
+MOE_FAMILIES = ["qwen3_moe", "mixtral", "olmoe"]
 
 
 def tiny_hf(family: str, seed: int = 0) -> "transformers.PreTrainedModel":
@@ -68,6 +87,8 @@ def tiny_hf(family: str, seed: int = 0) -> "transformers.PreTrainedModel":
                 p.normal_(1.0, 0.2)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.5)
+            elif name.endswith(".gate.weight"):  # decisive routers: no near-ties for rounding to flip
+                p.normal_(0.0, 1.0)
     return model
 
 
@@ -141,7 +162,7 @@ def test_export_round_trip_through_transformers(tmp_path, family):
     assert load_hf_config(tmp_path / "out") == model.args
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2", "gemma3", "qwen3_moe", "mixtral", "olmoe"])
 def test_greedy_generation_matches_transformers(tmp_path, family):
     hf = tiny_hf(family, seed=1)
     hf.save_pretrained(tmp_path)
@@ -182,7 +203,7 @@ BASE_LLAMA = {
     ("change", "named"),
     [
         ({"model_type": "gpt2"}, "model_type"),
-        ({"model_type": "mixtral"}, "mixtral"),
+        ({"model_type": "gemma3"}, "gemma3"),  # the multimodal checkpoints (vision tower)
         ({"model_type": "qwen2_moe"}, "qwen2_moe"),
         ({"model_type": "qwen2", "num_experts": 8}, "num_experts"),
         ({"num_local_experts": 8}, "num_local_experts"),

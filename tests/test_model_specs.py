@@ -33,13 +33,22 @@ VARIANTS = {
 }
 
 
+FAMILY_KEYS = {  # what a family's config.json must add to the shared keys
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [0]},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+}
+
+
 def family_config(spec: ModelSpec, **changes) -> dict:
     cfg = {
         "model_type": spec.hf_model_type, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24, "vocab_size": 50,
         "max_position_embeddings": 96, "rms_norm_eps": 1e-5, "rope_theta": 20000.0, "sliding_window": 8,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": False, **FAMILY_KEYS.get(spec.hf_model_type, {}),
     }
+    if spec.hf_model_type == "gemma3_text" and changes.get("sliding_window", 8) is None:
+        cfg["layer_types"] = ["full_attention"] * 2  # no window: no local layers either
     return {**cfg, **changes}
 
 
@@ -79,14 +88,18 @@ def test_state_dict_adapter_round_trips_names(spec):
         state = model.state_dict()
         hf = spec.state_dict_adapter.to_hf(state, args)
         assert ("lm_head.weight" in hf) is not tied
-        assert len(hf) == len(state) - tied  # one name each, distinct
+        stacked = [k for k in state if ".experts." in k]  # one Hugging Face tensor per expert
+        assert len(hf) == len(state) - tied + (args.n_experts - 1) * len(stacked)  # distinct names
         back = spec.state_dict_adapter.from_hf(hf, args)
         assert back.keys() == state.keys()
-        assert all(back[k] is state[k] for k in state if not (tied and k == "output.weight"))
+        assert all(back[k] is state[k] for k in state if not (tied and k == "output.weight") and k not in stacked)
+        assert all(torch.equal(back[k], state[k]) for k in stacked)
         assert back["output.weight"] is (back["tok_embeddings.weight"] if tied else state["output.weight"])
         # torch.compile's prefix is dropped
         assert spec.state_dict_adapter.to_hf({f"_orig_mod.{k}": v for k, v in state.items()}, args).keys() == hf.keys()
-    assert hf_module_name("layers.1.feed_forward.w2", args) == "model.layers.1.mlp.down_proj"
+    assert hf_module_name("layers.1.attention.wo", args) == "model.layers.1.self_attn.o_proj"
+    if not args.is_moe_layer(1):
+        assert hf_module_name("layers.1.feed_forward.w2", args) == "model.layers.1.mlp.down_proj"
 
 
 def test_an_adapter_refuses_tensors_its_family_lacks():

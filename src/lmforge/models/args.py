@@ -2,7 +2,9 @@
 
 One ``ModelArgs`` describes every family lmforge runs: Llama 2/3/3.x, SmolLM2 (Llama-shaped),
 Qwen2/2.5 (bias on the q/k/v projections), Qwen3 (RMSNorm on q and k per head, explicit
-``head_dim``) and Mistral (sliding-window attention). ``hf_model_type`` records which Hugging Face
+``head_dim``), Mistral (sliding-window attention), Gemma 3 (GeGLU, (1 + w) norms around both
+sublayers, scaled embeddings, interleaved local/global layers with their own RoPE bases) and the
+mixtures of experts Qwen3-MoE, Mixtral and OLMoE (``n_experts`` > 0). ``hf_model_type`` records which Hugging Face
 family the weights belong to: it selects the family's :class:`~lmforge.models.spec.ModelSpec`
 (``spec_for_args``), so exporting writes the same ``model_type`` back.
 
@@ -19,6 +21,9 @@ from lmforge.errors import UserError
 
 # RoPE frequency schemes that are computed once from the config (no run-time state).
 ROPE_TYPES = ("default", "llama3", "linear")
+ACTIVATIONS = ("silu", "gelu_tanh")
+"""The MLP gate's activation: SwiGLU's SiLU, or GeGLU's tanh-approximated GELU (Gemma)."""
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass
@@ -46,6 +51,24 @@ class ModelArgs:
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
     # Each query attends to itself and the previous sliding_window - 1 positions (Mistral).
     sliding_window: int | None = None
+    # Per layer: "full_attention" or "sliding_attention" (Gemma 3's 5 local : 1 global). None: every
+    # layer is sliding when sliding_window is set (Mistral), else full.
+    layer_types: list[str] | None = None
+    # RoPE base of the sliding layers (Gemma 3's rope_local_base_freq, plain RoPE); None: rope_theta.
+    local_rope_theta: float | None = None
+    hidden_act: str = "silu"
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), in fp32 (Gemma)
+    embed_scale: bool = False  # embeddings multiplied by sqrt(dim) in the activation dtype (Gemma)
+    sandwich_norm: bool = False  # extra RMSNorms on the attention and MLP outputs (Gemma)
+    attn_scale: float | None = None  # softmax scale; None: 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar^-0.5)
+    qk_norm_per_head: bool = True  # qk_norm over each head (Qwen3, Gemma) or the whole projection (OLMoE)
+    # Mixture of experts: n_experts > 0 replaces the MLP of the layers in moe_layers (None: all).
+    n_experts: int = 0
+    n_experts_per_token: int = 0
+    moe_ffn_dim: int | None = None  # each expert's hidden size; None: ffn_dim
+    moe_norm_topk: bool = True  # renormalise the top-k router probabilities to sum to 1 (Mixtral, Qwen3-MoE)
+    moe_layers: list[int] | None = None
+    router_aux_loss_coef: float = 0.0  # the family's load-balancing loss weight (training.router_aux_loss_coef overrides)
     hf_model_type: str = "llama"
 
     def __post_init__(self) -> None:
@@ -63,6 +86,22 @@ class ModelArgs:
                 raise UserError(f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise UserError(f"sliding_window must be a positive number of tokens, got {self.sliding_window}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise UserError(f"unsupported hidden_act {self.hidden_act!r} (supported: {', '.join(ACTIVATIONS)})")
+        if self.layer_types is not None:
+            self.layer_types = list(self.layer_types)
+            if len(self.layer_types) != self.n_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+                raise UserError(f"layer_types must name {self.n_layers} layers, each one of {', '.join(LAYER_TYPES)}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise UserError("layer_types has sliding_attention layers but sliding_window is not set")
+        if self.n_experts:
+            if not 1 <= self.n_experts_per_token <= self.n_experts:
+                raise UserError(f"n_experts_per_token must be in [1, n_experts={self.n_experts}], "
+                                f"got {self.n_experts_per_token}")
+            if self.moe_layers is not None:
+                self.moe_layers = sorted(int(i) for i in self.moe_layers)
+                if any(not 0 <= i < self.n_layers for i in self.moe_layers):
+                    raise UserError(f"moe_layers must be layer indices in [0, {self.n_layers})")
         # Imported here: the registry's family modules build models, and models import this module.
         from lmforge.models.spec import registered_model_types
 
@@ -74,6 +113,23 @@ class ModelArgs:
     def kv_heads(self) -> int:
         """Number of key/value heads (``n_kv_heads`` resolved; < n_heads means GQA)."""
         return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (None: full causal attention)."""
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    def layer_uses_local_rope(self, layer: int) -> bool:
+        """Whether ``layer`` rotates with ``local_rope_theta`` (Gemma 3's sliding layers)."""
+        return self.local_rope_theta is not None and self.layer_window(layer) is not None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.n_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        return self.moe_ffn_dim if self.moe_ffn_dim is not None else self.ffn_dim
 
     @property
     def ffn_dim(self) -> int:

@@ -164,7 +164,7 @@ def decode_step(w: DecodeWeights, tok: Tensor, cos: Tensor, sin: Tensor, cache: 
     slot = cache.pos
     end = slot + 1
     if end > cache.max_len:
-        cache.attn_mask(1)  # raises the cache-full error
+        cache.attn_mask(1, None)  # raises the cache-full error
     lo = max(0, end - w.sliding_window) if w.sliding_window is not None else 0
 
     def write(i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

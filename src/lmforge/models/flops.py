@@ -20,13 +20,20 @@ def matmul_params(args: ModelArgs) -> int:
 
     The embedding lookup is a gather, not a matmul, so it is excluded even when tied
     (the tied matrix is then counted once, as the output projection). Norm weights (incl.
-    Qwen3's q/k norms) and projection biases (Qwen2) are elementwise and negligible.
-    ``head_dim`` is taken as configured, which need not be ``dim / n_heads`` (Qwen3).
+    q/k norms) and projection biases (Qwen2) are elementwise and negligible.
+    ``head_dim`` is taken as configured, which need not be ``dim / n_heads`` (Qwen3, Gemma).
+    A mixture-of-experts layer counts its *active* parameters: the router plus the
+    ``n_experts_per_token`` experts each token runs through, not all ``n_experts``.
     """
     d, hd = args.dim, args.head_dim
     attn = d * args.n_heads * hd + 2 * d * args.kv_heads * hd + args.n_heads * hd * d
-    mlp = 3 * d * args.ffn_dim
-    return args.n_layers * (attn + mlp) + d * args.vocab_size
+    mlp = 0
+    for layer in range(args.n_layers):
+        if args.is_moe_layer(layer):
+            mlp += d * args.n_experts + args.n_experts_per_token * 3 * d * args.expert_ffn_dim
+        else:
+            mlp += 3 * d * args.ffn_dim
+    return args.n_layers * attn + mlp + d * args.vocab_size
 
 
 def weight_flops_per_token(args: ModelArgs, adapter_params: int | None = None) -> float:
@@ -55,20 +62,24 @@ def flops_per_token(args: ModelArgs, seq_len: int, adapter_params: int | None = 
       kernels really do skip the masked tiles, so we count the causal half:
       ``6 * n_layers * T * d``. Counting the full square would credit the run with work
       the kernel never performs and inflate MFU.
-    * A sliding window (Mistral) shrinks what a query needs further once ``T`` exceeds the
-      window ``W``: the band's area per query is ``T/2 - (T - W)^2 / (2T)`` keys instead of
-      ``T/2`` (the same continuous count as the causal half, and equal to it at ``T = W``).
+    * A sliding window (Mistral; Gemma 3's local layers) shrinks what a query needs further once
+      ``T`` exceeds the window ``W``: the band's area per query is ``T/2 - (T - W)^2 / (2T)`` keys
+      instead of ``T/2`` (the same continuous count as the causal half, and equal to it at ``T = W``).
+      Each layer counts with its own window.
     """
     attn_d = args.n_heads * args.head_dim
     return weight_flops_per_token(args, adapter_params) + 12.0 * args.n_layers * attended_keys(args, seq_len) * attn_d
 
 
 def attended_keys(args: ModelArgs, seq_len: int) -> float:
-    """Average number of keys a query needs at sequence length ``seq_len`` (see ``flops_per_token``)."""
-    T, W = float(seq_len), args.sliding_window
-    if W is None or T <= W:
-        return T / 2
-    return T / 2 - (T - W) ** 2 / (2 * T)
+    """Average number of keys a query needs at sequence length ``seq_len``, averaged over the layers
+    (see ``flops_per_token``)."""
+    T = float(seq_len)
+    total = 0.0
+    for layer in range(args.n_layers):
+        W = args.layer_window(layer)
+        total += T / 2 if W is None or T <= W else T / 2 - (T - W) ** 2 / (2 * T)
+    return total / args.n_layers
 
 
 def training_flops(args: ModelArgs, document_lengths: Iterable[int], adapter_params: int | None = None) -> float:

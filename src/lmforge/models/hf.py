@@ -114,7 +114,7 @@ def load_hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> 
     except RuntimeError as e:
         raise UserError(f"{model_dir}: weights do not match config.json: {e}") from None
     model.tie_weights()
-    model.rope.rebuild("cpu")
+    model.rebuild_rope("cpu")
     return model
 
 

@@ -1,17 +1,19 @@
-"""The dense decoder-only transformer (``Transformer``) that every built-in family builds.
+"""The decoder-only transformer (``Transformer``) that every built-in family builds.
 
 Its blocks come from :mod:`lmforge.models.layers`: RMSNorm, rotary embeddings in the Hugging Face
-``rotate_half`` convention, grouped-query attention and a SwiGLU MLP, laid out exactly as Llama
-so that Hugging Face checkpoints map onto it tensor-for-tensor with no permutation (each
-family's :class:`~lmforge.models.spec.ModelSpec` holds the renaming). The ``ModelArgs`` switches
-``qkv_bias``, ``qk_norm``, an explicit ``head_dim`` and ``sliding_window`` cover Qwen2/2.5, Qwen3
-and Mistral with the same modules.
+``rotate_half`` convention, grouped-query attention and a gated MLP (or a mixture of experts),
+laid out exactly as Llama so that Hugging Face checkpoints map onto it tensor-for-tensor with no
+permutation (each family's :class:`~lmforge.models.spec.ModelSpec` holds the renaming). The
+``ModelArgs`` switches cover the families with the same modules: ``qkv_bias`` (Qwen2),
+``qk_norm`` and an explicit ``head_dim`` (Qwen3), ``sliding_window`` (Mistral), Gemma 3's GeGLU,
+(1 + w) norms before and after each sublayer, scaled embeddings, softmax scale and per-layer
+local/global attention with two RoPE bases, and ``n_experts`` (Qwen3-MoE, Mixtral, OLMoE).
 
-The forward decides the attention pattern once for all layers: plain causal (``is_causal=True``,
-no mask tensor: the fast path on GPUs); a banded mask only once a sliding-window sequence is
-longer than the window; per-document causal SDPA for packed batches (``document_ids``), never a
-T x T mask. Reading the document boundaries is the forward's only host sync (once per batch,
-outside any compiled block).
+The forward decides the attention pattern once per distinct window (at most two: Gemma 3's local
+and global layers): plain causal (``is_causal=True``, no mask tensor: the fast path on GPUs); a
+banded mask only once a sliding-window sequence is longer than the window; per-document causal
+SDPA for packed batches (``document_ids``), never a T x T mask. Reading the document boundaries is
+the forward's only host sync (once per batch, outside any compiled block).
 
 The layer names are re-exported here because code across lmforge imports them from this module.
 """
@@ -29,6 +31,7 @@ from lmforge.models.args import MODEL_SIZES, ModelArgs, model_args_for
 from lmforge.models.layers.attention import Attention
 from lmforge.models.layers.masks import document_mask, sliding_window_mask
 from lmforge.models.layers.mlp import FeedForward
+from lmforge.models.layers.moe import MoEFeedForward
 from lmforge.models.layers.norm import RMSNorm, rms_norm
 from lmforge.models.layers.packed_attention import PackedLayout, packed_layout
 from lmforge.models.layers.rope import RotaryEmbedding, apply_rope
@@ -46,22 +49,35 @@ OutputHead = Callable[[Tensor, Tensor], Any]
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block: ``h = x + attention(norm(x))``, then ``h + feed_forward(norm(h))``."""
+    """Pre-norm residual block: ``h = x + attention(norm(x))``, then ``h + feed_forward(norm(h))``.
+
+    With ``sandwich_norm`` (Gemma) each sublayer's output is normalised too before it joins the
+    residual stream: ``h = x + post_attention_norm(attention(norm(x)))``, and likewise for the MLP.
+    """
 
     def __init__(self, layer_idx: int, args: ModelArgs) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward: nn.Module
+        if args.is_moe_layer(layer_idx):
+            self.feed_forward = MoEFeedForward(args.dim, args.expert_ffn_dim, args.n_experts, args.n_experts_per_token,
+                                               args.moe_norm_topk, args.hidden_act)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.hidden_act)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, args.norm_unit_offset)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_unit_offset)
+        self.post_attention_norm = RMSNorm(args.dim, args.norm_eps, args.norm_unit_offset) if args.sandwich_norm else None
+        self.post_ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_unit_offset) if args.sandwich_norm else None
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | PackedLayout | None = None, is_causal: bool = True,
         kv_cache: KVCache | None = None,
     ) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, is_causal, kv_cache, self.layer_idx)
-        return h + self.feed_forward(self.ffn_norm(h))
+        a = self.attention(self.attention_norm(x), cos, sin, mask, is_causal, kv_cache, self.layer_idx)
+        h = x + (a if self.post_attention_norm is None else self.post_attention_norm(a))
+        f = self.feed_forward(self.ffn_norm(h))
+        return h + (f if self.post_ffn_norm is None else self.post_ffn_norm(f))
 
 
 class Transformer(nn.Module):
@@ -72,9 +88,13 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_unit_offset)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.rope = RotaryEmbedding(args)
+        # Gemma 3's sliding layers rotate with their own base; None when every layer shares `rope`.
+        self.local_rope = RotaryEmbedding(args, local=True) if args.local_rope_theta is not None else None
+        # Per layer, decided once: (its sliding window, whether it uses the local RoPE).
+        self.layer_plan = [(args.layer_window(i), args.layer_uses_local_rope(i)) for i in range(args.n_layers)]
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -101,21 +121,34 @@ class Transformer(nn.Module):
         resid_std = std / math.sqrt(2 * self.args.n_layers)
         nn.init.normal_(self.tok_embeddings.weight, 0.0, std, generator=gen)
         for layer in self.layers:
-            for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv,
-                        layer.feed_forward.w1, layer.feed_forward.w3):
-                nn.init.normal_(lin.weight, 0.0, std, generator=gen)
-            for lin in (layer.attention.wo, layer.feed_forward.w2):
-                nn.init.normal_(lin.weight, 0.0, resid_std, generator=gen)
-            for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv):
+            at, ff = layer.attention, layer.feed_forward
+            if isinstance(ff, MoEFeedForward):
+                inputs, outputs = (at.wq.weight, at.wk.weight, at.wv.weight, ff.router.weight, ff.experts.w1,
+                                   ff.experts.w3), (at.wo.weight, ff.experts.w2)
+            else:
+                inputs, outputs = (at.wq.weight, at.wk.weight, at.wv.weight, ff.w1.weight, ff.w3.weight), \
+                    (at.wo.weight, ff.w2.weight)
+            for w in inputs:
+                nn.init.normal_(w, 0.0, std, generator=gen)
+            for w in outputs:
+                nn.init.normal_(w, 0.0, resid_std, generator=gen)
+            for lin in (at.wq, at.wk, at.wv):
                 if lin.bias is not None:
                     nn.init.zeros_(lin.bias)
-            for norm in (layer.attention_norm, layer.ffn_norm, layer.attention.q_norm, layer.attention.k_norm):
+            for norm in (layer.attention_norm, layer.ffn_norm, layer.post_attention_norm, layer.post_ffn_norm,
+                         at.q_norm, at.k_norm):
                 if norm is not None:
-                    nn.init.ones_(norm.weight)
-        nn.init.ones_(self.norm.weight)
+                    norm.reset_parameters()
+        self.norm.reset_parameters()
         if not self.args.tie_embeddings:
             nn.init.normal_(self.output.weight, 0.0, std, generator=gen)
-        self.rope.rebuild(device)
+        self.rebuild_rope(device)
+
+    def rebuild_rope(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the RoPE tables, e.g. after building on the meta device."""
+        for rope in (self.rope, self.local_rope):
+            if rope is not None:
+                rope.rebuild(device)
 
     def hidden_states(
         self, tokens: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None,
@@ -135,27 +168,35 @@ class Transformer(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(start, start + T, device=tokens.device).unsqueeze(0)
         h = self.tok_embeddings(tokens)
-        cos, sin = self.rope(position_ids, h.dtype)
+        if self.args.embed_scale:  # Gemma: the scale rounded to the activation dtype, as transformers does
+            h = h * torch.tensor(self.args.dim ** 0.5, dtype=h.dtype)
+        ropes = {False: self.rope(position_ids, h.dtype)}
+        if self.local_rope is not None:
+            ropes[True] = self.local_rope(position_ids, h.dtype)
+        if kv_cache is not None and document_ids is not None:
+            raise ValueError("document_ids cannot be combined with a kv_cache")
+        layout = packed_layout(document_ids) if document_ids is not None and kv_cache is None else None
+        attention = {window: self._attention_pattern(T, window, tokens.device, kv_cache, layout)
+                     for window in {w for w, _ in self.layer_plan}}
 
-        mask: Tensor | PackedLayout | None = None
-        is_causal = True
-        if kv_cache is not None:
-            if document_ids is not None:
-                raise ValueError("document_ids cannot be combined with a kv_cache")
-            mask = kv_cache.attn_mask(T)
-            is_causal = mask is None and T > 1
-        else:
-            window = self.args.sliding_window
-            if document_ids is not None:  # per-document causal attention, window applied inside
-                mask, is_causal = packed_layout(document_ids, window), False
-            elif window is not None and T > window:  # shorter sequences: the band is the causal mask
-                mask, is_causal = sliding_window_mask(T, window, tokens.device), False
-
-        for layer in self.layers:
-            h = layer(h, cos, sin, mask, is_causal, kv_cache)
+        for layer, (window, local) in zip(self.layers, self.layer_plan):
+            h = layer(h, *ropes[local], *attention[window], kv_cache)
         if kv_cache is not None:
             kv_cache.advance(T)
         return self.norm(h)
+
+    @staticmethod
+    def _attention_pattern(T: int, window: int | None, device: torch.device, kv_cache: KVCache | None,
+                           layout: PackedLayout | None) -> tuple[Tensor | PackedLayout | None, bool]:
+        """(mask, is_causal) for layers with sliding ``window`` (None: full attention)."""
+        if kv_cache is not None:
+            mask = kv_cache.attn_mask(T, window)
+            return mask, mask is None and T > 1
+        if layout is not None:  # per-document causal attention, window applied inside
+            return layout.windowed(window), False
+        if window is not None and T > window:  # shorter sequences: the band is the causal mask
+            return sliding_window_mask(T, window, device), False
+        return None, True
 
     def forward(
         self, tokens: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None,

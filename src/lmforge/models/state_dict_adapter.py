@@ -2,6 +2,9 @@
 
 lmforge's rotary embeddings use Hugging Face's ``rotate_half`` layout, so converting a checkpoint
 is a pure renaming of tensors: no q/k permutation in either direction, and no tensor is copied.
+The one exception is a mixture of experts: lmforge keeps each projection of all experts as one
+[E, out, in] tensor (what a grouped matmul reads), while Hugging Face checkpoints store one
+matrix per expert, so those are stacked on reading and split (as views) on writing.
 A :class:`StateDictAdapter` is that renaming for one family; each family's
 :class:`~lmforge.models.spec.ModelSpec` holds one (the Llama layout they share, plus their extras).
 """
@@ -13,6 +16,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
+import torch
 from torch import Tensor
 
 from lmforge.errors import UserError
@@ -49,22 +53,30 @@ class StateDictAdapter:
 
     layer_names: Mapping[str, str]
     global_names: Mapping[str, str]
+    expert_names: Mapping[str, str] = field(default_factory=dict)
+    """Stacked expert weights inside a block: lmforge suffix -> the Hugging Face per-expert suffix with
+    ``{e}`` for the expert index (``feed_forward.experts.w1`` -> ``mlp.experts.{e}.gate_proj.weight``)."""
     _hf_layer_names: Mapping[str, str] = field(init=False, repr=False, compare=False)
     _hf_global_names: Mapping[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("layer_names", "global_names"):
+        for name in ("layer_names", "global_names", "expert_names"):
             forward = dict(getattr(self, name))
             if len(set(forward.values())) != len(forward):
                 raise ValueError(f"StateDictAdapter.{name} maps two lmforge names to one Hugging Face name")
             object.__setattr__(self, name, MappingProxyType(forward))
             object.__setattr__(self, f"_hf_{name}", MappingProxyType({v: k for k, v in forward.items()}))
+        object.__setattr__(self, "_hf_expert_patterns", tuple(
+            (re.compile(re.escape(hf).replace(re.escape("{e}"), r"(\d+)")), lf) for lf, hf in self.expert_names.items()))
 
     def extend(self, layer_names: Mapping[str, str] | None = None,
-               global_names: Mapping[str, str] | None = None) -> StateDictAdapter:
-        """This renaming plus a family's extra names (e.g. Qwen2's q/k/v biases)."""
-        return StateDictAdapter({**self.layer_names, **(layer_names or {})},
-                                {**self.global_names, **(global_names or {})})
+               global_names: Mapping[str, str] | None = None,
+               expert_names: Mapping[str, str] | None = None, drop: tuple[str, ...] = ()) -> StateDictAdapter:
+        """This renaming plus a family's extra names (e.g. Qwen2's q/k/v biases), without the
+        lmforge layer names in ``drop`` (e.g. a dense MLP an MoE family replaces)."""
+        layers = {k: v for k, v in {**self.layer_names, **(layer_names or {})}.items() if k not in drop}
+        return StateDictAdapter(layers, {**self.global_names, **(global_names or {})},
+                                {**self.expert_names, **(expert_names or {})})
 
     def to_hf(self, model_state: Mapping[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
         """Hugging Face names for an lmforge state dict (wrapper prefixes such as torch.compile's dropped).
@@ -80,6 +92,10 @@ class StateDictAdapter:
                 out[self.global_names[name]] = t
                 continue
             m = _LF_LAYER.fullmatch(name)
+            if m is not None and m.group(2) in self.expert_names:
+                for e, w in enumerate(t.unbind(0)):
+                    out[f"model.layers.{m.group(1)}.{self.expert_names[m.group(2)].format(e=e)}"] = w
+                continue
             if m is None or m.group(2) not in self.layer_names:
                 raise ValueError(f"unexpected lmforge parameter {raw!r}")
             out[f"model.layers.{m.group(1)}.{self.layer_names[m.group(2)]}"] = t
@@ -92,6 +108,7 @@ class StateDictAdapter:
         Buffers HF may store (``rotary_emb.inv_freq``) are ignored: lmforge recomputes RoPE.
         """
         out: dict[str, Tensor] = {}
+        experts: dict[str, dict[int, Tensor]] = {}
         for name, t in hf_state.items():
             if name.endswith("rotary_emb.inv_freq"):
                 continue
@@ -99,9 +116,19 @@ class StateDictAdapter:
                 out[self._hf_global_names[name]] = t
                 continue
             m = _HF_LAYER.fullmatch(name)
+            expert = self._expert_slot(m.group(2)) if m is not None else None
+            if expert is not None:
+                lf, e = expert
+                experts.setdefault(f"layers.{m.group(1)}.{lf}", {})[e] = t  # type: ignore[union-attr]
+                continue
             if m is None or m.group(2) not in self._hf_layer_names:
                 raise UserError(f"unexpected tensor {name!r} in Hugging Face checkpoint (a feature lmforge lacks?)")
             out[f"layers.{m.group(1)}.{self._hf_layer_names[m.group(2)]}"] = t
+        for name, by_expert in experts.items():
+            if sorted(by_expert) != list(range(args.n_experts)):
+                raise UserError(f"Hugging Face checkpoint has {len(by_expert)} experts for {name}, "
+                                f"config.json says {args.n_experts}")
+            out[name] = torch.stack([by_expert[e] for e in range(args.n_experts)])
         if args.tie_embeddings:
             if "tok_embeddings.weight" not in out:
                 raise UserError("Hugging Face checkpoint has no model.embed_tokens.weight")
@@ -109,6 +136,14 @@ class StateDictAdapter:
         elif "output.weight" not in out:
             raise UserError("checkpoint has no lm_head.weight but config says tie_word_embeddings=false")
         return out
+
+    def _expert_slot(self, hf_suffix: str) -> tuple[str, int] | None:
+        """(lmforge stacked name, expert index) of a per-expert Hugging Face tensor, else None."""
+        for pattern, lf in self._hf_expert_patterns:  # type: ignore[attr-defined]
+            m = pattern.fullmatch(hf_suffix)
+            if m is not None:
+                return lf, int(m.group(1))
+        return None
 
     def hf_module_name(self, name: str) -> str:
         """The Hugging Face name of a projection inside a layer: ``layers.3.attention.wq`` ->

@@ -1,9 +1,10 @@
 """What the Llama-shaped families share: the tensor names and most of config.json.
 
-Llama, Qwen2/2.5, Qwen3 and Mistral are one decoder (:class:`~lmforge.models.model.Transformer`)
-with a few switches, and their Hugging Face checkpoints name tensors the same way. So a family
-module here only fills in a :class:`LlamaStyleConfig` (its defaults, what it refuses, which
-switches it sets) and, where it has extra tensors, extends :data:`LLAMA_LAYOUT`.
+Every built-in family is one decoder (:class:`~lmforge.models.model.Transformer`) with a few
+switches, and their Hugging Face checkpoints name tensors much the same way. So a family module
+here only fills in a :class:`LlamaStyleConfig` (its defaults, what it refuses, which switches it
+sets, and a hook for its own keys: Gemma 3's layer types, an MoE's experts) and, where it has other
+tensors, extends :data:`LLAMA_LAYOUT`.
 
 Reading refuses, with one line naming the file and the key, every setting lmforge cannot
 reproduce exactly (mixtures of experts, other activations, biases a family can switch on, RoPE
@@ -14,6 +15,7 @@ defaults transformers itself uses for that family, so a terse config means the s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import Any, Callable, Mapping
 
 from lmforge.errors import UserError
@@ -73,6 +75,22 @@ def _no_keys(args: ModelArgs) -> dict[str, Any]:
     return {}
 
 
+def _no_extra(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
+    return {}
+
+
+def _no_check(args: ModelArgs) -> str | None:
+    return None
+
+
+SWITCHES = ("norm_unit_offset", "embed_scale", "sandwich_norm", "qk_norm_per_head")
+"""Architecture switches a family fixes (see ``LlamaStyleConfig.switches``)."""
+_SWITCH_DEFAULTS = {f.name: f.default for f in dataclass_fields(ModelArgs) if f.name in SWITCHES}
+
+HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+"""Hugging Face activation names -> ``ModelArgs.hidden_act``."""
+
+
 @dataclass(frozen=True)
 class LlamaStyleConfig:
     """How one Llama-shaped family's ``config.json`` maps to ``ModelArgs`` and back.
@@ -99,21 +117,34 @@ class LlamaStyleConfig:
     """Reads and writes ``sliding_window`` (Mistral). Families without it refuse sliding ``layer_types``."""
     export_keys: Callable[[ModelArgs], dict[str, Any]] = field(default=_no_keys)
     """Family keys written after the shared ones (e.g. Llama's ``attention_bias=False``)."""
+    switches: Mapping[str, Any] = field(default_factory=dict)
+    """``ModelArgs`` fields among :data:`SWITCHES` that the family always sets (Gemma's norms, OLMoE's
+    projection-wide q/k norm); the others must keep their defaults to export as this family."""
+    activations: tuple[str, ...] = ("silu",)
+    """The Hugging Face ``hidden_act`` / ``hidden_activation`` values the family may have."""
+    moe: bool = False
+    """Whether the family is a mixture of experts (otherwise expert keys are refused)."""
+    read_extra: Callable[[Mapping[str, Any], str], dict[str, Any]] = field(default=_no_extra)
+    """(config.json, file name) -> ``ModelArgs`` fields of the family's own keys, over the shared ones;
+    UserError (naming the file and key) for what it cannot reproduce."""
+    export_check: Callable[[ModelArgs], str | None] = field(default=_no_check)
+    """What in ``args`` the family cannot express on export (None: nothing)."""
 
     def args_from_hf(self, cfg: Mapping[str, Any], where: str) -> ModelArgs:
         """``ModelArgs`` for a parsed ``config.json`` of this family; ``where`` names the file in errors."""
         if cfg.get("model_type") != self.model_type:
             raise UserError(f"{where}: model_type {cfg.get('model_type')!r} is not {self.model_type!r}")
         family = self.model_type
-        for key in MOE_KEYS:
+        for key in () if self.moe else MOE_KEYS:
             if cfg.get(key):
-                raise UserError(f"{where}: {key} is set: mixture-of-experts models are not supported")
+                raise UserError(f"{where}: {key} is set: model_type {family!r} has no mixture of experts")
         for key in self.refused_flags:
             if cfg.get(key):
                 raise UserError(f"{where}: {key}=true is not supported for model_type {family!r}")
-        act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-        if act != "silu":
-            raise UserError(f"{where}: hidden_act {act!r} is not supported (need silu)")
+        act = cfg.get("hidden_act", cfg.get("hidden_activation", self.activations[0]))
+        if act not in self.activations:
+            raise UserError(f"{where}: hidden_act {act!r} is not supported for model_type {family!r} "
+                            f"(need {' or '.join(self.activations)})")
         layer_types = cfg.get("layer_types") or []
         if not self.sliding_window and any(t != "full_attention" for t in layer_types):
             raise UserError(f"{where}: layer_types other than full_attention are not supported")
@@ -127,7 +158,7 @@ class LlamaStyleConfig:
             n_kv = get("num_key_value_heads")
             head_dim = get("head_dim")
             window = get("sliding_window") if self.sliding_window else None
-            return ModelArgs(
+            fields = dict(
                 dim=int(cfg["hidden_size"]),
                 n_layers=int(cfg["num_hidden_layers"]),
                 n_heads=n_heads,
@@ -143,8 +174,10 @@ class LlamaStyleConfig:
                 qkv_bias=self.qkv_bias,
                 qk_norm=self.qk_norm,
                 sliding_window=int(window) if window else None,
+                hidden_act=HF_ACTIVATIONS[act],
                 hf_model_type=family,
             )
+            return ModelArgs(**{**fields, **self.switches, **self.read_extra(cfg, where)})
         except KeyError as e:
             raise UserError(f"{where}: missing field {e.args[0]!r}") from None
         except UserError as e:
@@ -162,6 +195,20 @@ class LlamaStyleConfig:
             if have[key] != need:
                 state = "requires" if need else "cannot have"
                 raise UserError(f"cannot export as Hugging Face model_type {self.model_type!r}: it {state} {key}")
+        for key in SWITCHES:
+            need = self.switches.get(key, _SWITCH_DEFAULTS[key])
+            if getattr(args, key) != need and (key != "qk_norm_per_head" or args.qk_norm):
+                raise UserError(f"cannot export as Hugging Face model_type {self.model_type!r}: "
+                                f"it needs {key}={need}")
+        if {v: k for k, v in HF_ACTIVATIONS.items()}[args.hidden_act] not in self.activations:
+            raise UserError(f"cannot export as Hugging Face model_type {self.model_type!r}: "
+                            f"it has no {args.hidden_act} activation")
+        if (args.n_experts > 0) != self.moe:
+            state = "requires" if self.moe else "cannot have"
+            raise UserError(f"cannot export as Hugging Face model_type {self.model_type!r}: it {state} experts")
+        problem = self.export_check(args)
+        if problem:
+            raise UserError(f"cannot export as Hugging Face model_type {self.model_type!r}: {problem}")
 
     def hf_config(
         self, args: ModelArgs, *, torch_dtype: str, bos_token_id: int | None = None,
@@ -188,7 +235,7 @@ class LlamaStyleConfig:
             "rope_scaling": args.rope_scaling,
             "rope_parameters": rope,
             "tie_word_embeddings": args.tie_embeddings,
-            "hidden_act": "silu",
+            "hidden_act": {v: k for k, v in HF_ACTIVATIONS.items()}[args.hidden_act],
             "attention_dropout": 0.0,
             "initializer_range": 0.02,
             "use_cache": True,

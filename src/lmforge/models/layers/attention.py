@@ -26,46 +26,56 @@ __all__ = ["Attention", "attend"]
 
 
 class Attention(nn.Module):
-    """q/k/v/o projections (optional q/k/v bias: Qwen2), optional per-head q/k RMSNorm (Qwen3), RoPE, SDPA."""
+    """q/k/v/o projections (optional q/k/v bias: Qwen2), optional q/k RMSNorm (per head: Qwen3, Gemma;
+    over the whole projection: OLMoE), RoPE, SDPA with the family's softmax scale (Gemma's
+    ``query_pre_attn_scalar``)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
+        self.scale = args.attn_scale
         self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=args.qkv_bias)
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
-        # Qwen3: per-head RMSNorm of q and k (over head_dim, weights shared by all heads).
-        self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+        self.norm_per_head = args.qk_norm_per_head
+        q_dim, k_dim = (self.head_dim, self.head_dim) if self.norm_per_head else (
+            self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim)
+        self.q_norm = RMSNorm(q_dim, args.norm_eps, args.norm_unit_offset) if args.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, args.norm_eps, args.norm_unit_offset) if args.qk_norm else None
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | PackedLayout | None, is_causal: bool,
         kv_cache: KVCache | None = None, layer_idx: int = 0,
     ) -> Tensor:
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        q, k = self.wq(x), self.wk(x)
+        if self.q_norm is not None and self.k_norm is not None and not self.norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None and self.norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(layer_idx, k, v)
-        out = attend(q, k, v, mask, is_causal, enable_gqa=self.n_kv_heads != self.n_heads)
+        out = attend(q, k, v, mask, is_causal, enable_gqa=self.n_kv_heads != self.n_heads, scale=self.scale)
         return self.wo(out.reshape(B, T, self.n_heads * self.head_dim))
 
 
 def attend(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | PackedLayout | None, is_causal: bool, enable_gqa: bool,
+    scale: float | None = None,
 ) -> Tensor:
     """Attention of q [B, H, T, D] over k, v [B, Hkv, S, D] -> [B, T, H, D].
 
     ``mask`` is a boolean SDPA mask, a :class:`PackedLayout` (block-diagonal causal attention
-    per document), or None (``is_causal`` decides).
+    per document), or None (``is_causal`` decides). ``scale`` None is SDPA's 1/sqrt(D).
     """
     if isinstance(mask, PackedLayout):
-        return attend_packed(q, k, v, mask, enable_gqa)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=enable_gqa)
+        return attend_packed(q, k, v, mask, enable_gqa, scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=enable_gqa,
+                                         scale=scale)
     return out.transpose(1, 2)

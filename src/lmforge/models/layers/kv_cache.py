@@ -28,22 +28,21 @@ class KVCache:
     ``valid`` ([B, max_len] bool, optional) marks slots that hold real tokens; padded
     slots are never attended to. ``None`` means no padding, which keeps a mask-free path.
 
-    ``sliding_window`` (optional) limits each query to its own slot and the ``window - 1``
-    slots before it. Within a row real tokens occupy consecutive slots, so slot distance is
-    position distance and the band is the model's sliding window even for left-padded rows.
+    A sliding ``window`` (``attn_mask``'s argument: each layer's own, Gemma 3 mixes them) limits
+    each query to its own slot and the ``window - 1`` slots before it. Within a row real tokens
+    occupy consecutive slots, so slot distance is position distance and the band is the model's
+    sliding window even for left-padded rows.
     """
 
     def __init__(
         self, n_layers: int, batch_size: int, n_kv_heads: int, max_len: int, head_dim: int, *,
         device: torch.device | str, dtype: torch.dtype, valid: Tensor | None = None,
-        sliding_window: int | None = None,
     ) -> None:
         shape = (batch_size, n_kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.max_len = max_len
         self.pos = 0
-        self.sliding_window = sliding_window
         if valid is not None:
             full = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)
             full[:, : valid.shape[1]] = valid.to(device=device, dtype=torch.bool)
@@ -59,8 +58,7 @@ class KVCache:
     def for_model(cls, model: "Transformer", batch_size: int, max_len: int, valid: Tensor | None = None) -> KVCache:
         a = model.args
         w = model.tok_embeddings.weight
-        return cls(a.n_layers, batch_size, a.kv_heads, max_len, a.head_dim, device=w.device, dtype=w.dtype, valid=valid,
-                   sliding_window=a.sliding_window)
+        return cls(a.n_layers, batch_size, a.kv_heads, max_len, a.head_dim, device=w.device, dtype=w.dtype, valid=valid)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store new k/v [B, kv, T, hd] at the current slots; return all keys/values so far."""
@@ -69,8 +67,10 @@ class KVCache:
         self.v[layer][:, :, self.pos:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
-    def attn_mask(self, T: int) -> Tensor | None:
+    def attn_mask(self, T: int, window: int | None) -> Tensor | None:
         """Bool mask [B|1, 1, T, pos+T] for the next ``T`` queries, or None if plain causal works.
+
+        ``window``: the attending layer's sliding window (None: full attention).
 
         A query always sees its own slot, even when it is padding: a fully masked row would
         give NaN, which would then leak into later layers through the padded keys/values.
@@ -78,25 +78,26 @@ class KVCache:
         start, end = self.pos, self.pos + T
         if end > self.max_len:
             raise UserError(f"KV cache full: {end} tokens requested, capacity {self.max_len}")
-        w = self.sliding_window
+        w = window
         banded = w is not None and end > w  # otherwise the window covers every cached slot
         if self.valid is None:
             if not banded and (T == 1 or start == 0):
                 return None  # decode step attends everything; prefill from 0 is plain causal
             q = torch.arange(start, end, device=self.k[0].device).unsqueeze(1)
-            return self._causal(q, end)[None, None]
+            return self._causal(q, end, w)[None, None]
         if T == 1 and not banded:
             return self.bias[:, None, None, :end]
         q = torch.arange(start, end, device=self.valid.device).unsqueeze(1)
         j = torch.arange(end, device=q.device).unsqueeze(0)
-        return (self.valid[:, None, None, :end] & self._causal(q, end)) | (j == q)
+        return (self.valid[:, None, None, :end] & self._causal(q, end, w)) | (j == q)
 
-    def _causal(self, q: Tensor, end: int) -> Tensor:
+    @staticmethod
+    def _causal(q: Tensor, end: int, window: int | None) -> Tensor:
         """[T, end] bool: query slot q sees slot j iff j <= q (and within the sliding window)."""
         j = torch.arange(end, device=q.device).unsqueeze(0)
         allowed = j <= q
-        if self.sliding_window is not None:
-            allowed = allowed & (j > q - self.sliding_window)
+        if window is not None:
+            allowed = allowed & (j > q - window)
         return allowed
 
     def advance(self, T: int) -> None:

@@ -48,6 +48,13 @@ class PackedLayout:
     groups: tuple[LengthGroup, ...]
     unpack: Tensor
 
+    def windowed(self, window: int | None) -> PackedLayout:
+        """The same documents under a sliding ``window`` (None: plain causal): only the groups' band
+        masks change, so layers with different windows (Gemma 3) share one read of the ids."""
+        groups = tuple(LengthGroup(g.length, g.index, None if window is None or g.length <= window
+                                   else sliding_window_mask(g.length, window, g.index.device)) for g in self.groups)
+        return PackedLayout(self.batch, self.seq_len, groups, self.unpack)
+
 
 def _padded_length(n: int) -> int:
     """Round up to a quarter of the length's octave: at most 25% padding, and few groups."""
@@ -92,7 +99,8 @@ def packed_layout(document_ids: Tensor, window: int | None = None) -> PackedLayo
 
 
 @torch.compiler.disable
-def attend_packed(q: Tensor, k: Tensor, v: Tensor, layout: PackedLayout, enable_gqa: bool) -> Tensor:
+def attend_packed(q: Tensor, k: Tensor, v: Tensor, layout: PackedLayout, enable_gqa: bool,
+                  scale: float | None = None) -> Tensor:
     """Per-document causal attention of q [B, H, T, D] over k, v [B, Hkv, T, D] -> [B, T, H, D]."""
     B, _, T, _ = q.shape
     # [B, H, T, D] -> [B*T, H, D], so one index picks a document's tokens for every head.
@@ -101,7 +109,7 @@ def attend_packed(q: Tensor, k: Tensor, v: Tensor, layout: PackedLayout, enable_
     for g in layout.groups:
         qg, kg, vg = (x[g.index].transpose(1, 2) for x in (q, k, v))  # [n, H, length, D]
         out = F.scaled_dot_product_attention(
-            qg, kg, vg, attn_mask=g.mask, is_causal=g.mask is None, enable_gqa=enable_gqa
+            qg, kg, vg, attn_mask=g.mask, is_causal=g.mask is None, enable_gqa=enable_gqa, scale=scale
         )
         outs.append(out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2]))
     return torch.cat(outs).index_select(0, layout.unpack).view(B, T, q.shape[1], q.shape[2])

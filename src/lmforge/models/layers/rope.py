@@ -17,11 +17,15 @@ from lmforge.models.args import ModelArgs
 __all__ = ["RotaryEmbedding", "apply_rope", "rope_inv_freq"]
 
 
-def rope_inv_freq(args: ModelArgs, device: torch.device | str | None) -> Tensor:
-    """Inverse frequencies [head_dim / 2] of ``args``' RoPE, after its ``rope_scaling`` (if any)."""
+def rope_inv_freq(args: ModelArgs, device: torch.device | str | None, local: bool = False) -> Tensor:
+    """Inverse frequencies [head_dim / 2] of ``args``' RoPE, after its ``rope_scaling`` (if any).
+
+    ``local``: the sliding layers' RoPE (``local_rope_theta``, never scaled), as Gemma 3 has.
+    """
     hd = args.head_dim
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
-    sc = args.rope_scaling
+    theta = args.local_rope_theta if local and args.local_rope_theta is not None else args.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
+    sc = None if local else args.rope_scaling
     kind = None if sc is None else sc.get("rope_type", sc.get("type"))
     if kind is None or kind == "default":
         return inv
@@ -47,9 +51,10 @@ class RotaryEmbedding(nn.Module):
     that ``model.to(torch.bfloat16)`` does not round them: they are rebuilt in fp32 instead.
     """
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, local: bool = False) -> None:
         super().__init__()
         self.args = args
+        self.local = local
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.rebuild()
@@ -62,7 +67,7 @@ class RotaryEmbedding(nn.Module):
             self.cos = torch.empty(shape, device="meta")
             self.sin = torch.empty(shape, device="meta")
             return
-        inv = rope_inv_freq(self.args, device)
+        inv = rope_inv_freq(self.args, device, self.local)
         pos = torch.arange(self.args.max_seq_len, device=device, dtype=torch.float32)
         freqs = torch.outer(pos, inv)
         emb = torch.cat([freqs, freqs], dim=-1)

@@ -1,0 +1,153 @@
+"""Mixture-of-experts feed-forward: a top-k router over gated-MLP experts, run as grouped matmuls.
+
+Routing is dropless (every token reaches its ``k`` experts; no capacity limit, so no token is ever
+skipped and the result does not depend on the batch): router logits in the activation dtype,
+probabilities by a softmax in fp32, the top ``k`` kept and, where the family does (Mixtral,
+Qwen3-MoE with ``norm_topk_prob``), renormalised to sum to one (OLMoE keeps them as they are).
+
+Dispatch sorts the ``N * k`` (token, expert) slots by expert, so each expert's tokens form one
+contiguous run; one grouped matmul per projection (``torch.nn.functional.grouped_mm``) multiplies
+every run by its own expert's matrix, with no Python loop over experts and no host sync. The
+outputs are weighted by their router probability and summed back per token. The sorted runs are
+exactly what an expert-parallel all-to-all would exchange (each run goes to the rank that owns
+its expert), so that layout can be added around :meth:`GroupedExperts.forward` without changing it.
+
+Where the device has no grouped kernel (CUDA in fp32: torch's kernel wants bf16 on SM80+), the
+experts run in a loop over the runs instead (``impl="loop"``; it reads the run lengths on the host).
+
+Every forward leaves its routing statistics on the module (:attr:`MoEFeedForward.last_routing`):
+what the load-balancing loss and the router statistics on the metrics line are computed from,
+across all MoE layers at once (:func:`router_losses`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lmforge.models.layers.mlp import activation
+
+__all__ = ["GroupedExperts", "MoEFeedForward", "RouterLosses", "RoutingStats", "router_losses"]
+
+
+@dataclass
+class RoutingStats:
+    """One MoE layer's routing in its last forward (sums over its ``tokens`` tokens)."""
+
+    prob_sum: Tensor
+    """[E] fp32: router probabilities summed over tokens (differentiable: the aux loss's gradient path)."""
+    counts: Tensor
+    """[E] fp32: how many of the top-k slots each expert received."""
+    z_sum: Tensor
+    """fp32 scalar: ``logsumexp(logits)^2`` summed over tokens (the router z-loss, differentiable)."""
+    tokens: int
+
+
+def _contiguous_grad(t: Tensor) -> Tensor:
+    """Make the gradient flowing into ``t`` contiguous: the CPU grouped-matmul backward refuses the
+    stride-0 gradients that e.g. ``out.sum().backward()`` produces."""
+    if t.requires_grad:
+        t.register_hook(lambda g: g.contiguous())
+    return t
+
+
+class GroupedExperts(nn.Module):
+    """``E`` gated MLPs stored as 3-D weights: ``w1``/``w3`` [E, hidden, dim] (gate/up), ``w2`` [E, dim, hidden]."""
+
+    def __init__(self, n_experts: int, dim: int, hidden_dim: int, hidden_act: str = "silu") -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.act = activation(hidden_act)
+        self.reset_parameters()
+        self.impl = "auto"
+        """``grouped`` (one grouped matmul per projection), ``loop`` (one matmul per expert) or ``auto``."""
+
+    def reset_parameters(self) -> None:
+        """Each expert's matrices initialised as ``nn.Linear`` initialises its weight."""
+        for w in (self.w1, self.w2, self.w3):
+            for e in range(w.shape[0]):
+                nn.init.kaiming_uniform_(w[e], a=5 ** 0.5)
+
+    def uses_grouped_kernel(self, x: Tensor) -> bool:
+        if self.impl != "auto":
+            return self.impl == "grouped"
+        return x.device.type == "cpu" or x.dtype == torch.bfloat16
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        """Rows of ``x`` [S, dim] sorted by expert, ``counts`` [E] rows per expert -> [S, dim]."""
+        if self.uses_grouped_kernel(x):
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+
+            def mm(a: Tensor, w: Tensor) -> Tensor:
+                return _contiguous_grad(F.grouped_mm(a, w.transpose(-2, -1), offs=offs))
+
+            return mm(self.act(mm(x, self.w1)) * mm(x, self.w3), self.w2)
+        outs = []
+        for e, rows in enumerate(x.split(counts.tolist())):
+            if rows.shape[0]:
+                outs.append(F.linear(self.act(F.linear(rows, self.w1[e])) * F.linear(rows, self.w3[e]), self.w2[e]))
+        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[1])
+
+
+class MoEFeedForward(nn.Module):
+    """Router (``router.weight`` [E, dim]) plus :class:`GroupedExperts`; a drop-in for the dense MLP."""
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int, norm_topk: bool,
+                 hidden_act: str = "silu") -> None:
+        super().__init__()
+        self.n_experts, self.top_k, self.norm_topk = n_experts, top_k, norm_topk
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.experts = GroupedExperts(n_experts, dim, hidden_dim, hidden_act)
+        self.last_routing: RoutingStats | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        logits = self.router(flat)
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        slots = chosen.reshape(-1)
+        order = torch.argsort(slots, stable=True)
+        counts = torch.bincount(slots, minlength=self.n_experts)
+        token_of = order // self.top_k
+        out = self.experts(flat.index_select(0, token_of), counts)
+        out = out * weights.reshape(-1, 1).index_select(0, order).to(out.dtype)
+        combined = torch.zeros_like(flat).index_add_(0, token_of, out.to(flat.dtype))
+        self.last_routing = RoutingStats(probs.sum(0), counts.float(), torch.logsumexp(logits.float(), -1).pow(2).sum(),
+                                         flat.shape[0])
+        return combined.view(shape)
+
+
+@dataclass
+class RouterLosses:
+    """The load-balancing terms of a model's last forward, over all its MoE layers together."""
+
+    aux_loss: Tensor
+    """Switch-Transformer load balancing, as transformers computes it over the concatenated layers:
+    ``E * sum_e f_e * P_e`` with ``f_e`` the share of top-k slots and ``P_e`` the mean router probability
+    of expert ``e``. ``k`` (experts per token) under perfectly uniform routing; grows as routing collapses."""
+    z_loss: Tensor
+    """Router z-loss (ST-MoE): the mean over tokens and layers of ``logsumexp(logits)^2``."""
+    counts: Tensor
+    """[n_moe_layers, E] top-k slots each expert received, for the router statistics."""
+
+
+def router_losses(model: nn.Module) -> RouterLosses | None:
+    """The routing terms of ``model``'s last forward (None for a model without MoE layers)."""
+    stats = [m.last_routing for m in model.modules() if isinstance(m, MoEFeedForward) and m.last_routing is not None]
+    if not stats:
+        return None
+    n_experts = stats[0].prob_sum.shape[0]
+    tokens = sum(s.tokens for s in stats)
+    counts = torch.stack([s.counts for s in stats])
+    prob_sum = torch.stack([s.prob_sum for s in stats]).sum(0)
+    aux = n_experts * torch.sum((counts.sum(0) / tokens) * (prob_sum / tokens))
+    z = torch.stack([s.z_sum for s in stats]).sum() / tokens
+    return RouterLosses(aux, z, counts)
