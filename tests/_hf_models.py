@@ -19,6 +19,11 @@ FAMILIES = {  # name -> (tokenizer fixture, transformers config class, family-sp
     "qwen3": ("qwen2.5-instruct", "Qwen3Config", dict(head_dim=24, tie_word_embeddings=True)),
     "smollm2": ("smollm2-135m-instruct", "LlamaConfig", dict(tie_word_embeddings=True)),
     "mistral": ("mistral-7b-instruct-v0.1", "MistralConfig", dict(sliding_window=4096)),
+    "gemma3": ("gemma3-it", "Gemma3TextConfig", dict(head_dim=16, sliding_window=16, sliding_window_pattern=2,
+                                                     pad_token_id=0)),
+    "qwen3_moe": ("qwen2.5-instruct", "Qwen3MoeConfig", dict(head_dim=24, num_experts=4, num_experts_per_tok=2,
+                                                             moe_intermediate_size=64, norm_topk_prob=True)),
+    "mixtral": ("mistral-7b-instruct-v0.1", "MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
 }
 
 

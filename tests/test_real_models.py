@@ -79,7 +79,8 @@ def test_export_loads_in_transformers_with_equal_logits_tokens_and_stops(trained
     else:
         assert ours == theirs[:len(ours)] and len(ours) == 8
     assert stops == set(stop_token_ids(tok))
-    end_of_turn = {"qwen2.5": "<|im_end|>", "qwen3": "<|im_end|>", "smollm2": "<|im_end|>", "mistral": "</s>"}[family]
+    end_of_turn = {"qwen2.5": "<|im_end|>", "qwen3": "<|im_end|>", "smollm2": "<|im_end|>", "mistral": "</s>",
+                   "gemma3": "<end_of_turn>", "qwen3_moe": "<|im_end|>", "mixtral": "</s>"}[family]
     assert tok.token_id(end_of_turn) in stops
     start_eos = json.loads((start / "generation_config.json").read_text())["eos_token_id"]
     assert set(start_eos if isinstance(start_eos, list) else [start_eos]) <= stops  # nothing dropped on export

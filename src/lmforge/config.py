@@ -101,6 +101,11 @@ class TrainingSection(Section):
     loss_chunk_tokens: int = Field(1024, gt=0)
     """Target tokens whose logits the loss computes at once (forward and backward): bounds the loss's
     memory to chunk x vocab fp32 values (``lmforge.training.chunked_loss``)."""
+    router_aux_loss_coef: float | None = Field(None, ge=0)
+    """Mixture of experts: weight of the load-balancing loss (none: the model's own, config.json's
+    ``router_aux_loss_coef``; 0: off). Dense models ignore it."""
+    router_z_loss_coef: float = Field(0.0, ge=0)
+    """Mixture of experts: weight of the router z-loss (ST-MoE; 0: off)."""
     threads: int = Field(0, ge=0)
     """torch intra-op threads on CPU (0: leave torch's default)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from lmforge.models.args import ModelArgs
+
 from lmforge.data.packing import IGNORE_INDEX, Batch
+from lmforge.objectives.router import RouterLossWeights, add_router_terms, router_log_values
 from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobSumHead
 from lmforge.training.stats import LossStats
 from lmforge.training.train_step import global_target_count
 
+if TYPE_CHECKING:  # pragma: no cover
+    from lmforge.config import TrainingSection
 
-def cross_entropy_loss(model: nn.Module, batch: Batch,
-                       chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, LossStats]:
+
+def cross_entropy_loss(model: nn.Module, batch: Batch, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                       router: RouterLossWeights | None = None) -> tuple[torch.Tensor, LossStats]:
     """Summed next-token cross-entropy over target tokens (labels != IGNORE_INDEX).
 
     Statistics: the loss sum, the target tokens (both the loss's weight and ``target_tokens``) and
@@ -23,6 +30,9 @@ def cross_entropy_loss(model: nn.Module, batch: Batch,
     Logits exist only at target positions and only ``chunk_tokens`` rows at a time (fp32), in
     forward and backward (see :mod:`lmforge.training.chunked_loss`); the values equal the full
     ``F.cross_entropy`` over fp32 logits. Bind ``chunk_tokens`` with ``functools.partial``.
+
+    For a mixture of experts, ``router`` adds the load-balancing terms to the loss that is
+    differentiated (not to the logged loss; see :mod:`lmforge.objectives.router`).
     """
     mask = batch.labels != IGNORE_INDEX
     head = TargetLogprobSumHead(batch.labels, mask, chunk_tokens=chunk_tokens)
@@ -30,7 +40,8 @@ def cross_entropy_loss(model: nn.Module, batch: Batch,
                               head=head)
     loss_sum = -logprob_sum
     targets = mask.sum()
-    return loss_sum, LossStats(loss_sum.detach(), targets, targets, {"correct": hits.sum()})
+    stats = LossStats(loss_sum.detach(), targets, targets, {"correct": hits.sum()})
+    return add_router_terms(loss_sum, stats, model, router), stats
 
 
 class NextTokenObjective:
@@ -40,13 +51,20 @@ class NextTokenObjective:
     console_keys = ("accuracy",)
     watch_spikes = True
 
-    def __init__(self, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
-        self.loss_fn = functools.partial(cross_entropy_loss, chunk_tokens=chunk_tokens)
+    def __init__(self, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, router: RouterLossWeights | None = None) -> None:
+        self.loss_fn = functools.partial(cross_entropy_loss, chunk_tokens=chunk_tokens, router=router)
 
     def normalizer(self, microbatches: list[Batch]) -> torch.Tensor:
         return global_target_count(microbatches)
 
     def log_values(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``loss``, ``total_weights`` (target tokens) and ``accuracy`` (argmax hits per target)."""
+        """``loss``, ``total_weights`` (target tokens), ``accuracy`` (argmax hits per target) and, for a
+        mixture of experts, the router statistics."""
         return {"loss": totals["loss"], "total_weights": totals["total_weights"],
-                "accuracy": totals["correct"] / totals["total_weights"].clamp(min=1)}
+                "accuracy": totals["correct"] / totals["total_weights"].clamp(min=1), **router_log_values(totals)}
+
+    @classmethod
+    def for_run(cls, training: "TrainingSection", args: ModelArgs) -> "NextTokenObjective":
+        """The objective of a run: its loss chunking and, for an MoE model, its router loss weights."""
+        return cls(training.loss_chunk_tokens,
+                   RouterLossWeights.for_run(training.router_aux_loss_coef, training.router_z_loss_coef, args))

@@ -84,7 +84,7 @@ class SFT(Recipe):
     def build(self, rt: Runtime, cfg: SFTConfig, inputs: None) -> Job:
         chat = training_chat_format(rt.tokenizer, rt.model_args.vocab_size, cfg.sft.chat_template)
         train_set, val_set = build_datasets(cfg, rt, chat)
-        objective = NextTokenObjective(cfg.training.loss_chunk_tokens)
+        objective = NextTokenObjective.for_run(cfg.training, rt.model_args)
         tasks = TaskEval(held_out_examples(cfg.tasks) if cfg.data.train == "embedded" else [],
                          cfg.tasks.eval_max_new_tokens)
         return Job(LoaderSource(rt, train_set), objective, validation_eval(objective, val_set, tasks))

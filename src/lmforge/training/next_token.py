@@ -63,7 +63,7 @@ def next_token_job(rt: Runtime, corpora: Corpora) -> Job:
             eval_batches(val_set, e.batch_size, e.steps, rank, world)
         except UserError as err:
             raise UserError(f"data.validation={cfg.data.validation}: {err} (eval.batch_size)") from None
-    objective = NextTokenObjective(cfg.training.loss_chunk_tokens)
+    objective = NextTokenObjective.for_run(cfg.training, rt.model_args)
     evaluate = validation_eval(objective, val_set,
                                batches=lambda rt, ds: eval_batches(ds, e.batch_size, e.steps, rank, world))
     return Job(LoaderSource(rt, train_set), objective, evaluate)

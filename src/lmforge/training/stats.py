@@ -9,7 +9,8 @@ Two counts are easy to confuse and mean different things:
 
 For cross-entropy both are the same count. Everything else a loss measures goes in ``sums``: sums
 (never means), so they add up exactly over microbatches and ranks and objectives turn them into
-means over the global counts.
+means over the global counts. A sum may be a tensor of any fixed shape (an MoE's per-expert token
+counts); all of them travel in the one all-reduce.
 """
 
 from __future__ import annotations
@@ -43,12 +44,12 @@ class LossStats:
         """Every count summed over the data-parallel ranks in one all-reduce; ``loss`` is the global mean
         over ``loss_weight`` and ``total_weights`` the global target tokens."""
         keys = sorted(self.sums)
-        local = torch.stack([self.loss_sum.float(), self.loss_weight.float(), self.target_tokens.float(),
-                             *(self.sums[k].float() for k in keys)])
-        summed = dist_utils.all_reduce_sum(local).unbind()
-        loss_sum, weight, tokens = summed[:3]
+        parts = [self.loss_sum, self.loss_weight, self.target_tokens, *(self.sums[k] for k in keys)]
+        local = torch.cat([p.float().reshape(-1) for p in parts])
+        summed = dist_utils.all_reduce_sum(local).split([p.numel() for p in parts])
+        loss_sum, weight, tokens = (t.reshape(()) for t in summed[:3])
         return {"loss": loss_sum / weight.clamp(min=1), "total_weights": tokens, "loss_weight": weight,
-                **dict(zip(keys, summed[3:]))}
+                **{k: t.reshape(self.sums[k].shape) for k, t in zip(keys, summed[3:])}}
 
 
 def accumulate(total: LossStats | None, stats: LossStats) -> LossStats:
