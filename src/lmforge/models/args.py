@@ -156,9 +156,21 @@ class ModelArgs:
         return cls(**d)
 
 
+def _gemma3(n_layers: int, dim: int, ffn: int) -> dict[str, Any]:
+    """Gemma 3's text shape: 4 query heads, 1 kv head of 256, five local layers (window 512) per global one."""
+    return dict(
+        dim=dim, n_layers=n_layers, n_heads=4, n_kv_heads=1, head_dim=256, ffn_hidden_dim=ffn, norm_eps=1e-6,
+        rope_theta=1_000_000.0, local_rope_theta=10_000.0, max_seq_len=32768, tie_embeddings=True, qk_norm=True,
+        sliding_window=512, layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n_layers)],
+        hidden_act="gelu_tanh", norm_unit_offset=True, embed_scale=True, sandwich_norm=True, attn_scale=256 ** -0.5,
+        hf_model_type="gemma3_text",
+    )
+
+
 # The real shapes are copied from each model's published config.json on the Hugging Face Hub
 # (HuggingFaceTB/SmolLM2-135M, Qwen/Qwen2.5-0.5B, Qwen/Qwen3-0.6B, meta-llama/Llama-3.2-1B,
-# mistralai/Mistral-7B-v0.1); vocab_size still comes from the tokenizer.
+# mistralai/Mistral-7B-v0.1, google/gemma-3-270m, google/gemma-3-1b-pt, Qwen/Qwen3-30B-A3B,
+# mistralai/Mixtral-8x7B-v0.1, allenai/OLMoE-1B-7B-0924); vocab_size still comes from the tokenizer.
 MODEL_SIZES: dict[str, dict[str, Any]] = {
     "debug": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=1024),
     "small": dict(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, max_seq_len=2048),
@@ -193,6 +205,23 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336, norm_eps=1e-5,
         rope_theta=10000.0, max_seq_len=32768, tie_embeddings=False, sliding_window=4096, hf_model_type="mistral",
     ),
+    "gemma3-270m": _gemma3(18, 640, 2048),
+    "gemma3-1b": _gemma3(26, 1152, 6912),
+    "qwen3-30b-a3b": dict(
+        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, ffn_hidden_dim=6144, norm_eps=1e-6,
+        rope_theta=1000000.0, max_seq_len=40960, tie_embeddings=False, qk_norm=True, n_experts=128,
+        n_experts_per_token=8, moe_ffn_dim=768, moe_norm_topk=True, router_aux_loss_coef=0.001, hf_model_type="qwen3_moe",
+    ),
+    "mixtral-8x7b": dict(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336, norm_eps=1e-5, rope_theta=1000000.0,
+        max_seq_len=32768, tie_embeddings=False, n_experts=8, n_experts_per_token=2, moe_norm_topk=True,
+        router_aux_loss_coef=0.02, hf_model_type="mixtral",
+    ),
+    "olmoe-1b-7b": dict(
+        dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, ffn_hidden_dim=1024, norm_eps=1e-5, rope_theta=10000.0,
+        max_seq_len=4096, tie_embeddings=False, qk_norm=True, qk_norm_per_head=False, n_experts=64,
+        n_experts_per_token=8, moe_norm_topk=False, router_aux_loss_coef=0.01, hf_model_type="olmoe",
+    ),
 }
 
 
@@ -201,6 +230,7 @@ def model_args_for(size: str, vocab_size: int, **overrides: Any) -> ModelArgs:
     if size not in MODEL_SIZES:
         raise UserError(f"unknown model size {size!r}; known sizes: {', '.join(MODEL_SIZES)}")
     kwargs = {**MODEL_SIZES[size], "vocab_size": vocab_size, **overrides}
-    if "rope_scaling" in kwargs and kwargs["rope_scaling"] is not None:
-        kwargs["rope_scaling"] = dict(kwargs["rope_scaling"])  # never share the preset's dict
+    for key in ("rope_scaling", "layer_types"):
+        if kwargs.get(key) is not None:
+            kwargs[key] = type(kwargs[key])(kwargs[key])  # never share the preset's dict or list
     return ModelArgs.from_dict(kwargs)

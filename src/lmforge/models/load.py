@@ -1,7 +1,7 @@
-"""One way to get a model: from a :class:`ModelSource` (fresh, a Hugging Face directory, an lmforge
-run or checkpoint), used by the runtime, inference, generation, export and GRPO's reference model.
+"""One way to get a model: from a :class:`ModelSource` (fresh, a Hugging Face directory, a GGUF file,
+an lmforge run or checkpoint), used by the runtime, inference, generation, export and GRPO's reference model.
 
-A source has a one-line spelling, ``init:SEED``, ``hf:DIR`` or ``checkpoint:DIR``, which GRPO keeps in
+A source has a one-line spelling, ``init:SEED``, ``hf:DIR``, ``gguf:FILE`` or ``checkpoint:DIR``, which GRPO keeps in
 its checkpoints to rebuild the same reference model on resume. lmforge checkpoints describe their
 own model (``trainer_state.json`` holds the model shape and tokenizer), so a checkpoint directory is
 enough to rebuild it; older ones fall back to their run directory's ``model_args.json``.
@@ -21,14 +21,15 @@ from lmforge.models.model import Transformer
 from lmforge.models.spec import spec_for_args
 from lmforge.models.tokenizer import Tokenizer, load_tokenizer
 
-SourceKind = Literal["init", "hf", "checkpoint"]
+SourceKind = Literal["init", "hf", "gguf", "checkpoint"]
 
 
 @dataclass(frozen=True)
 class ModelSource:
     kind: SourceKind
     where: str
-    """The seed (``init``), a Hugging Face directory (``hf``) or a resolved checkpoint directory."""
+    """The seed (``init``), a Hugging Face directory (``hf``), a GGUF file (``gguf``) or a resolved
+    checkpoint directory."""
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.where}"
@@ -36,16 +37,19 @@ class ModelSource:
     @classmethod
     def parse(cls, spec: str) -> "ModelSource":
         kind, _, where = spec.partition(":")
-        if kind not in ("init", "hf", "checkpoint") or not where:
-            raise UserError(f"model source {spec!r}: expected init:SEED, hf:DIR or checkpoint:DIR")
+        if kind not in ("init", "hf", "gguf", "checkpoint") or not where:
+            raise UserError(f"model source {spec!r}: expected init:SEED, hf:DIR, gguf:FILE or checkpoint:DIR")
         return cls(kind, where)  # type: ignore[arg-type]
 
     @classmethod
     def at(cls, path: str | Path) -> "ModelSource":
-        """The model stored at ``path``: a Hugging Face directory, or an lmforge run / checkpoint directory."""
+        """The model stored at ``path``: a Hugging Face directory, a ``*.gguf`` file, or an lmforge run /
+        checkpoint directory."""
         p = Path(path).expanduser()
         if not p.exists():
             raise UserError(f"{p}: no such run, checkpoint or model directory")
+        if p.is_file() and p.suffix.lower() == ".gguf":
+            return cls("gguf", str(p.resolve()))
         if is_hf_dir(p):
             return cls("hf", str(p))
         return cls("checkpoint", str(resolve_checkpoint(p).resolve()))
@@ -92,7 +96,8 @@ def load_model(source: ModelSource, *, tokenizer: str = "byte", args: ModelArgs 
 
     ``init`` sources are new models: ``args`` if given, else the named ``size`` with ``overrides``
     and the vocabulary of ``tokenizer``. ``hf`` and ``checkpoint`` sources bring their own shape and
-    tokenizer (``tokenizer`` other than ``byte`` overrides a Hugging Face directory's own).
+    tokenizer (``tokenizer`` other than ``byte`` overrides a Hugging Face directory's own). A ``gguf``
+    file brings its shape but needs ``tokenizer``: lmforge cannot load the tokenizer GGUF embeds.
 
     A LoRA checkpoint holds only its adapters and names its base model: the base is loaded (the same
     way, recursively), the adapters put on it and, with ``merge_lora``, folded into its weights.
@@ -112,6 +117,15 @@ def load_model(source: ModelSource, *, tokenizer: str = "byte", args: ModelArgs 
         spec = _tokenizer_spec(tokenizer if tokenizer != "byte" else source.where)
         tok = load_tokenizer(spec)
         model = load_hf_model(source.where)
+    elif source.kind == "gguf":
+        from lmforge.models.gguf import load_gguf_model
+
+        if tokenizer == "byte":
+            raise UserError(f"{source}: a GGUF file's own tokenizer cannot be loaded; name the model's Hugging Face "
+                            "tokenizer files with model.tokenizer=DIR (lmforge generate: --tokenizer DIR)")
+        spec = _tokenizer_spec(tokenizer)
+        tok = load_tokenizer(spec)
+        model = load_gguf_model(source.where)
     else:
         ckpt = Path(source.where)
         described = checkpoint_description(ckpt)

