@@ -6,6 +6,10 @@ weights are frozen, so the optimizer, the gradient sync and the checkpoints hold
 The model stays an lmforge ``Transformer`` (no ``PeftModel`` wrapper), so the loop, the data-parallel
 wrappers, generation and the chunked loss work on it unchanged.
 
+In a mixture of experts the MLP projections ``w1 w2 w3`` are 3-D parameters of every expert at once
+(:class:`~lmforge.models.layers.moe.GroupedExperts`), not linear layers: the same target names put
+``peft``'s parameter adapters (``target_parameters``) on them, one low-rank update per expert.
+
 With the adapters switched off (:func:`adapters_disabled`) the model *is* its base: that is the
 reference model of GRPO's KL and of DPO, with no second copy of the weights.
 """
@@ -61,8 +65,15 @@ def apply_lora(model: nn.Module, lora: "LoraSection") -> nn.Module:
     unknown = sorted(set(lora.target_modules) - set(LORA_TARGETS))
     if unknown:
         raise UserError(f"lora.target_modules: unknown module(s) {unknown}; choose from {', '.join(LORA_TARGETS)}")
+    from lmforge.models.layers.moe import GroupedExperts
+
+    experts = [f"experts.{t}" for t in lora.target_modules if t in ("w1", "w2", "w3")]
+    if not any(isinstance(m, GroupedExperts) for m in model.modules()):
+        experts = []
+    elif lora.dropout:
+        raise UserError("lora.dropout must be 0 for a mixture of experts (peft's expert adapters have no dropout)")
     config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                             target_modules=list(lora.target_modules), bias="none")
+                             target_modules=list(lora.target_modules), target_parameters=experts or None, bias="none")
     model.requires_grad_(False)
     peft.inject_adapter_in_model(config, model)
     for layer in _tuner_layers(model):  # adapters train, everything else stays frozen
@@ -100,24 +111,54 @@ class BaseModelView:
 
 
 def merge_adapters(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its base weight and put the plain ``nn.Linear`` back (in place)."""
+    """Fold every adapter into its base weight and put the plain module back (in place)."""
+    from peft.tuners.lora.layer import ParamWrapper
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     for name, module in list(model.named_modules()):
-        if isinstance(module, BaseTunerLayer):
+        if not isinstance(module, BaseTunerLayer) or ".base_layer" in name:
+            continue  # wrappers nested in another (one per adapted parameter) are merged with it
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if isinstance(module, ParamWrapper):
+            setattr(parent, child, _merge_parameter_adapters(module))
+        else:
             module.merge()
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, module.get_base_layer())
     return model
+
+
+@torch.no_grad()
+def _merge_parameter_adapters(outer: nn.Module) -> nn.Module:
+    """The module under a chain of ``ParamWrapper`` s (one per adapted parameter, e.g. an MoE's expert
+    weights) with every low-rank update added to its parameter and peft's parametrizations removed."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    deltas: dict[str, torch.Tensor] = {}
+    wrapper = outer
+    while isinstance(wrapper, ParamWrapper):
+        (adapter,) = wrapper.active_adapters
+        deltas[wrapper.parameter_name] = wrapper.get_delta_weight(adapter)
+        wrapper = wrapper.base_layer
+    base = wrapper
+    for name in list(getattr(base, "parametrizations", {})):
+        nn.utils.parametrize.remove_parametrizations(base, name, leave_parametrized=False)
+    for name, delta in deltas.items():
+        getattr(base, name).add_(delta.to(getattr(base, name).dtype))
+    return base
 
 
 def adapter_weights(model: nn.Module) -> dict[str, tuple[Any, Any]]:
     """``{module name: (A [r, in], B [out, r])}`` of every adapted layer, wrapper prefixes removed."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
+    from peft.tuners.lora.layer import ParamWrapper
+
     out = {}
     for name, module in model.named_modules():
+        if isinstance(module, ParamWrapper):
+            raise UserError("a PEFT adapter export of expert weights is not supported; export the merged model "
+                            "(lmforge export --hf) instead")
         if isinstance(module, BaseTunerLayer):
             (adapter,) = module.active_adapters
             clean = name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
