@@ -163,3 +163,37 @@ def test_matches_transformers(gemma):
         assert hf_ids(prompt, add_generation_prompt=True) == fmt.prompt_ids(prompt)
     with pytest.raises(Exception, match="Conversation roles must alternate"):
         hf.apply_chat_template([CHAT[1]], tokenize=False)
+
+
+def test_an_extra_image_token_past_the_model_rows_is_allowed_until_the_template_writes_it(tmp_path):
+    """Gemma 3 tokenizers may add ``<image_soft_token>`` after the model's text rows."""
+    import shutil
+
+    from lmforge.models.load import check_vocabulary
+
+    d = tmp_path / "tok"
+    shutil.copytree(FIXTURE, d)
+    tok_json = json.loads((d / "tokenizer.json").read_text())
+    n = len(tok_json["model"]["vocab"])
+    tok_json["added_tokens"].append({"id": n, "content": "<image_soft_token>", "single_word": False, "lstrip": False,
+                                     "rstrip": False, "normalized": False, "special": True})
+    (d / "tokenizer.json").write_text(json.dumps(tok_json))
+    tok = load_tokenizer(str(d))
+    assert tok.vocab_size == n + 1
+    check_vocabulary(tok, n, "model")  # only a control token lies past the model's rows
+    assert training_chat_format(tok, n) is not None
+    with pytest.raises(UserError, match="does not fit"):
+        check_vocabulary(tok, n - 1, "model")  # a text token would have no row
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<image_soft_token>{{ m['content'] }}{% endfor %}")
+    with pytest.raises(UserError, match="image_soft_token.*outside the model's vocabulary"):
+        training_chat_format(tok, n, str(template))
+
+
+def test_text_parts_content_is_read_as_text_and_other_parts_refused():
+    from lmforge.data.chat import validate_messages
+
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
+    assert validate_messages(parts) == [{"role": "user", "content": "Hi there"}]
+    with pytest.raises(ValueError, match="message 0: content parts other than"):
+        validate_messages([{"role": "user", "content": [{"type": "image", "url": "x.png"}]}])

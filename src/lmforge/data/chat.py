@@ -70,16 +70,27 @@ class ChatFormat(Protocol):
 
 
 def validate_messages(messages: Any) -> list[dict[str, str]]:
-    """Check the ``messages`` shape; raises ValueError with a short reason (callers add file:line)."""
+    """Check the ``messages`` shape; raises ValueError with a short reason (callers add file:line).
+
+    ``content`` is a string, or a list of ``{"type": "text", "text": ...}`` parts (the multimodal
+    layout Gemma 3 and others use), joined into one string: lmforge trains on text only.
+    """
     if not isinstance(messages, list) or not messages:
         raise ValueError("'messages' must be a non-empty list")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ValueError(f"message {i}: content parts other than {{'type': 'text', 'text': ...}} "
+                                 "are not supported (text only)")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
             raise ValueError(f"message {i} needs string 'role' and 'content'")
         if m["role"] not in ROLES:
             raise ValueError(f"message {i} has role {m['role']!r} (expected one of {', '.join(ROLES)})")
-        out.append({"role": m["role"], "content": m["content"]})
+        out.append({"role": m["role"], "content": content})
     return out
 
 
@@ -231,9 +242,12 @@ def training_chat_format(tokenizer: Tokenizer, vocab_size: int, template_file: s
     """The chat format a fine-tuning run renders conversations with (``template_file`` or the
     tokenizer's own), or None when the tokenizer has none (only conversational records need one).
 
-    The template's special tokens must exist in the model. Checked on the tokenizer's control tokens,
-    not by rendering a sample chat: a template may rightly refuse any given sample (e.g. one that
-    requires a system message), and the data's own chats are rendered and checked line by line.
+    The template's special tokens must exist in the model. Checked on the tokenizer's control tokens
+    the template can write (named in its text, or its special-token variables), not by rendering a
+    sample chat: a template may rightly refuse any given sample (e.g. one that requires a system
+    message), and the data's own chats are rendered and checked line by line. Control tokens the
+    template never writes may lie past the model's rows (Gemma 3's tokenizers add an image token
+    after the 262,144 text tokens).
     """
     try:
         chat: ChatFormat | None = chat_format_for(tokenizer, template_file)
@@ -241,7 +255,9 @@ def training_chat_format(tokenizer: Tokenizer, vocab_size: int, template_file: s
         if template_file:
             raise
         return None
-    bad = sorted((i, t) for t, i in tokenizer.control_tokens.items() if i >= vocab_size)
+    template = getattr(chat, "template", None)
+    written = (lambda t: t in template.text or t in template.variables.values()) if template else (lambda t: True)
+    bad = sorted((i, t) for t, i in tokenizer.control_tokens.items() if i >= vocab_size and written(t))
     if bad:
         raise UserError(f"chat token {bad[0][1]!r} (id {bad[0][0]}) is outside the model's vocabulary "
                         f"({vocab_size}): model.tokenizer does not match the model")

@@ -106,6 +106,7 @@ class ChatTemplate:
         import jinja2
 
         self.source = source
+        self.text = text
         self.variables = dict(variables)
         self.has_generation_markers = bool(_GENERATION_TAG.search(text))
         try:

@@ -137,10 +137,21 @@ def load_model(source: ModelSource, *, tokenizer: str = "byte", args: ModelArgs 
             args = ModelArgs.from_dict(described["model_args"])
             model = spec_for_args(args).build(args)
             load_model_weights(ckpt, model)
-    if tok.vocab_size > model.args.vocab_size:
-        raise UserError(f"{source}: tokenizer vocabulary ({tok.vocab_size}) does not fit the model's "
-                        f"vocab_size ({model.args.vocab_size}): model.tokenizer does not match the model")
+    check_vocabulary(tok, model.args.vocab_size, str(source))
     return LoadedModel(model, tok, spec, source)
+
+
+def check_vocabulary(tok: Tokenizer, vocab_size: int, where: str) -> None:
+    """UserError unless every token ``tok`` can produce from text has a row in the model.
+
+    Only control tokens may lie past ``vocab_size`` (Gemma 3's tokenizers add an image token after
+    the model's 262,144 text rows; a chat format then refuses any of them its template writes).
+    """
+    extra = tok.vocab_size - vocab_size
+    beyond = sum(1 for i in tok.control_tokens.values() if i >= vocab_size)
+    if extra > 0 and beyond < extra:
+        raise UserError(f"{where}: tokenizer vocabulary ({tok.vocab_size}) does not fit the model's "
+                        f"vocab_size ({vocab_size}): model.tokenizer does not match the model")
 
 
 def _load_adapted(ckpt: Path, described: dict[str, Any], tokenizer: str, merge: bool) -> Transformer:
