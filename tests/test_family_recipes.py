@@ -76,3 +76,25 @@ def test_lora_on_experts_exports_merged_with_equal_logits(starts, tmp_path, caps
     moved = [n for n, p in exported.named_parameters() if "experts" in n
              and not torch.equal(p, dict(base.named_parameters())[n])]
     assert moved, "no expert weight changed"
+
+
+@pytest.mark.parametrize("family, mode", [("qwen3_moe", "fsdp"), ("gemma3", "ddp")])
+def test_two_ranks_match_one_process(starts, family, mode, tmp_path):
+    """Real torchrun, 2 CPU ranks: the same losses and (MoE) the same global router statistics."""
+    from _helpers import assert_losses_match, losses, run_lmforge, tail, torchrun
+
+    def run(name: str, nproc: int, micro: int):
+        args = ("sft", *tiny_run_args(CHATS, training_steps=3, training_global_batch_size=4,
+                                      training_micro_batch_size=micro, data_seq_len=128, tasks_eval_examples=0,
+                                      parallel_mode=mode, **SHAPE_FLAGS),
+                f"--model.from_hf={starts[family]}", f"--run.dir={tmp_path / name}", "--checkpoint.enabled=false")
+        proc = run_lmforge(*args) if nproc == 1 else torchrun(*args, nproc=nproc)
+        assert proc.returncode == 0, tail(proc)
+        return tmp_path / name
+
+    one, two = run("one", 1, 2), run("two", 2, 2)
+    assert_losses_match(losses(two), losses(one), range(1, 4))
+    if family == "qwen3_moe":
+        for a, b in zip(read_records(one, "train"), read_records(two, "train")):
+            assert a["expert_load_max"] == pytest.approx(b["expert_load_max"], rel=1e-5)
+            assert a["router_aux_loss"] == pytest.approx(b["router_aux_loss"], rel=1e-5)

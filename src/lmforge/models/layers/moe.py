@@ -91,7 +91,9 @@ class GroupedExperts(nn.Module):
         for e, rows in enumerate(x.split(counts.tolist())):
             if rows.shape[0]:
                 outs.append(F.linear(self.act(F.linear(rows, self.w1[e])) * F.linear(rows, self.w3[e]), self.w2[e]))
-        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[1])
+        # Every weight stays in the graph (a zero term), so DDP sees a gradient for experts that got no token.
+        untouched = sum(w.sum() for w in (self.w1, self.w2, self.w3)) * 0.0
+        return torch.cat(outs) + untouched if outs else x.new_zeros(0, x.shape[1]) + untouched
 
 
 class MoEFeedForward(nn.Module):
