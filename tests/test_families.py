@@ -175,9 +175,11 @@ def test_greedy_generation_matches_transformers(tmp_path, family):
     assert ours[0] == ref[0, prompt.shape[1]:].tolist()
 
 
-def test_sliding_window_generation_with_padding_equals_single_rows(tmp_path):
-    """Left padding shifts cache slots, not distances: each row sees the same window alone or batched."""
-    hf = tiny_hf("mistral", seed=3)
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "mixtral"])
+def test_sliding_window_generation_with_padding_equals_single_rows(tmp_path, family):
+    """Left padding shifts cache slots, not distances: each row sees the same window alone or batched
+    (Gemma 3: local and global layers each with their own mask)."""
+    hf = tiny_hf(family, seed=3)
     hf.save_pretrained(tmp_path)
     model = load_hf_model(tmp_path)
     g = torch.Generator().manual_seed(4)
@@ -340,9 +342,12 @@ def test_sliding_window_flops_count_the_band():
     assert flops_per_token(args, 16) == flops_per_token(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=40), 16)
 
 
-def test_packed_documents_with_sliding_window_equal_separate_runs():
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_packed_documents_with_sliding_window_equal_separate_runs(family):
     args = ModelArgs(dim=32, n_layers=2, n_heads=2, vocab_size=VOCAB, max_seq_len=64, sliding_window=WINDOW,
                      hf_model_type="mistral")
+    if family == "gemma3":  # a local layer with its own RoPE base, then a global one
+        args = ModelArgs.from_dict({**args.to_dict(), **_args_dict("gemma3"), "max_seq_len": 64})
     model = Transformer(args)
     model.init_weights(seed=0)
     model.eval()
