@@ -21,8 +21,6 @@ from typing import Any, Mapping
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
 from lmforge.models.families.llama_style import LLAMA_LAYOUT, LlamaStyleConfig, rope_settings
-from lmforge.models.model import Transformer
-from lmforge.models.spec import ModelSpec, register_spec
 
 DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 
@@ -111,14 +109,5 @@ GEMMA3_LAYOUT = LLAMA_LAYOUT.extend(layer_names={
     "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
 })
 
-GEMMA3 = register_spec(ModelSpec(
-    name="gemma3_text",
-    hf_model_type=GEMMA3_CONFIG.model_type,
-    hf_architecture=GEMMA3_CONFIG.architecture,
-    args_from_hf=GEMMA3_CONFIG.args_from_hf,
-    hf_config=GEMMA3_CONFIG.hf_config,
-    check_exportable=GEMMA3_CONFIG.check_exportable,
-    state_dict_adapter=GEMMA3_LAYOUT,
-    build=Transformer,
-    fused_decode=False,  # the fused step has no (1 + w) norms, sandwich norms or per-layer windows
-))
+# The fused decode step has no (1 + w) norms, sandwich norms or per-layer windows.
+GEMMA3 = GEMMA3_CONFIG.register(GEMMA3_LAYOUT, fused_decode=False)

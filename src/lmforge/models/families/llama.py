@@ -10,8 +10,6 @@ from typing import Any
 
 from lmforge.models.args import ModelArgs
 from lmforge.models.families.llama_style import LLAMA_LAYOUT, LlamaStyleConfig
-from lmforge.models.model import Transformer
-from lmforge.models.spec import ModelSpec, register_spec
 
 
 def _export_keys(args: ModelArgs) -> dict[str, Any]:
@@ -26,14 +24,4 @@ LLAMA_CONFIG = LlamaStyleConfig(
     export_keys=_export_keys,
 )
 
-LLAMA = register_spec(ModelSpec(
-    name="llama",
-    hf_model_type=LLAMA_CONFIG.model_type,
-    hf_architecture=LLAMA_CONFIG.architecture,
-    args_from_hf=LLAMA_CONFIG.args_from_hf,
-    hf_config=LLAMA_CONFIG.hf_config,
-    check_exportable=LLAMA_CONFIG.check_exportable,
-    state_dict_adapter=LLAMA_LAYOUT,
-    build=Transformer,
-    fused_decode=True,
-))
+LLAMA = LLAMA_CONFIG.register(LLAMA_LAYOUT, fused_decode=True)

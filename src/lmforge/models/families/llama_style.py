@@ -16,11 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from lmforge.errors import UserError
 from lmforge.models.args import ROPE_TYPES, ModelArgs
 from lmforge.models.state_dict_adapter import StateDictAdapter
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lmforge.models.spec import ModelSpec
 
 __all__ = ["LLAMA_LAYOUT", "LlamaStyleConfig", "rope_settings"]
 
@@ -182,6 +185,18 @@ class LlamaStyleConfig:
             raise UserError(f"{where}: missing field {e.args[0]!r}") from None
         except UserError as e:
             raise UserError(f"{where}: {e}") from None
+
+    def register(self, layout: StateDictAdapter, fused_decode: bool) -> "ModelSpec":
+        """Register this family's :class:`~lmforge.models.spec.ModelSpec` (named after its ``model_type``):
+        these conversions, ``layout`` for the tensor names and the shared decoder as its model."""
+        from lmforge.models.model import Transformer
+        from lmforge.models.spec import ModelSpec, register_spec
+
+        return register_spec(ModelSpec(
+            name=self.model_type, hf_model_type=self.model_type, hf_architecture=self.architecture,
+            args_from_hf=self.args_from_hf, hf_config=self.hf_config, check_exportable=self.check_exportable,
+            state_dict_adapter=layout, build=Transformer, fused_decode=fused_decode,
+        ))
 
     def check_exportable(self, args: ModelArgs) -> None:
         """UserError unless ``args`` is exactly what this family can express."""

@@ -11,8 +11,6 @@ from typing import Any
 
 from lmforge.models.args import ModelArgs
 from lmforge.models.families.llama_style import LLAMA_LAYOUT, LlamaStyleConfig
-from lmforge.models.model import Transformer
-from lmforge.models.spec import ModelSpec, register_spec
 
 
 def _export_keys(args: ModelArgs) -> dict[str, Any]:
@@ -28,14 +26,4 @@ MISTRAL_CONFIG = LlamaStyleConfig(
     export_keys=_export_keys,
 )
 
-MISTRAL = register_spec(ModelSpec(
-    name="mistral",
-    hf_model_type=MISTRAL_CONFIG.model_type,
-    hf_architecture=MISTRAL_CONFIG.architecture,
-    args_from_hf=MISTRAL_CONFIG.args_from_hf,
-    hf_config=MISTRAL_CONFIG.hf_config,
-    check_exportable=MISTRAL_CONFIG.check_exportable,
-    state_dict_adapter=LLAMA_LAYOUT,
-    build=Transformer,
-    fused_decode=True,  # the fused step applies the window to the cache
-))
+MISTRAL = MISTRAL_CONFIG.register(LLAMA_LAYOUT, fused_decode=True)  # the fused step applies the window

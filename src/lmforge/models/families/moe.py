@@ -26,8 +26,6 @@ from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
 from lmforge.models.families.llama_style import LLAMA_LAYOUT, LlamaStyleConfig
 from lmforge.models.families.qwen import QWEN3_LAYOUT
-from lmforge.models.model import Transformer
-from lmforge.models.spec import ModelSpec, register_spec
 
 _DENSE_MLP = ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")
 
@@ -134,15 +132,7 @@ MIXTRAL_LAYOUT = LLAMA_LAYOUT.extend(
 )
 
 
-def _register(name: str, config: LlamaStyleConfig, layout: Any) -> ModelSpec:
-    return register_spec(ModelSpec(
-        name=name, hf_model_type=config.model_type, hf_architecture=config.architecture,
-        args_from_hf=config.args_from_hf, hf_config=config.hf_config, check_exportable=config.check_exportable,
-        state_dict_adapter=layout, build=Transformer,
-        fused_decode=False,  # the fused step has a dense MLP only
-    ))
-
-
-QWEN3_MOE = _register("qwen3_moe", QWEN3_MOE_CONFIG, QWEN3_MOE_LAYOUT)
-MIXTRAL = _register("mixtral", MIXTRAL_CONFIG, MIXTRAL_LAYOUT)
-OLMOE = _register("olmoe", OLMOE_CONFIG, OLMOE_LAYOUT)
+# The fused decode step has a dense MLP only.
+QWEN3_MOE = QWEN3_MOE_CONFIG.register(QWEN3_MOE_LAYOUT, fused_decode=False)
+MIXTRAL = MIXTRAL_CONFIG.register(MIXTRAL_LAYOUT, fused_decode=False)
+OLMOE = OLMOE_CONFIG.register(OLMOE_LAYOUT, fused_decode=False)

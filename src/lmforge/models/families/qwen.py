@@ -13,8 +13,6 @@ from typing import Any
 
 from lmforge.models.args import ModelArgs
 from lmforge.models.families.llama_style import LLAMA_LAYOUT, LlamaStyleConfig
-from lmforge.models.model import Transformer
-from lmforge.models.spec import ModelSpec, register_spec
 
 
 def _full_attention_keys(args: ModelArgs) -> dict[str, Any]:
@@ -54,26 +52,6 @@ QWEN3_LAYOUT = LLAMA_LAYOUT.extend(layer_names={
     "attention.k_norm.weight": "self_attn.k_norm.weight",
 })
 
-QWEN2 = register_spec(ModelSpec(
-    name="qwen2",
-    hf_model_type=QWEN2_CONFIG.model_type,
-    hf_architecture=QWEN2_CONFIG.architecture,
-    args_from_hf=QWEN2_CONFIG.args_from_hf,
-    hf_config=QWEN2_CONFIG.hf_config,
-    check_exportable=QWEN2_CONFIG.check_exportable,
-    state_dict_adapter=QWEN2_LAYOUT,
-    build=Transformer,
-    fused_decode=True,  # the fused step adds the q/k/v bias
-))
+QWEN2 = QWEN2_CONFIG.register(QWEN2_LAYOUT, fused_decode=True)  # the fused step adds the q/k/v bias
 
-QWEN3 = register_spec(ModelSpec(
-    name="qwen3",
-    hf_model_type=QWEN3_CONFIG.model_type,
-    hf_architecture=QWEN3_CONFIG.architecture,
-    args_from_hf=QWEN3_CONFIG.args_from_hf,
-    hf_config=QWEN3_CONFIG.hf_config,
-    check_exportable=QWEN3_CONFIG.check_exportable,
-    state_dict_adapter=QWEN3_LAYOUT,
-    build=Transformer,
-    fused_decode=True,  # the fused step applies the q/k norms
-))
+QWEN3 = QWEN3_CONFIG.register(QWEN3_LAYOUT, fused_decode=True)  # the fused step applies the q/k norms
