@@ -1,12 +1,21 @@
-"""Read llama.cpp's GGUF files as a model source (Llama incl. SmolLM2 and Mistral, Qwen2/2.5, Qwen3).
+"""Read llama.cpp's GGUF files as a model source (Llama incl. SmolLM2 and Mistral, Qwen2/2.5, Qwen3, Gemma 3).
 
 A GGUF file is mapped onto what lmforge already reads from a Hugging Face directory, so no family
 logic is repeated here: its metadata becomes a ``config.json``-style dict for
 :func:`lmforge.models.hf_config.args_from_hf_config` (which refuses what lmforge cannot run exactly),
 and its tensors, dequantized to fp32 with the ``gguf`` package, are renamed to Hugging Face names for
-the family's ``state_dict_adapter``. The one real conversion is undoing the q/k row permutation that
-llama.cpp's converter applies to ``llama``-architecture models (it stores them in Meta's interleaved
-rotary layout; lmforge, like transformers, uses ``rotate_half``). Qwen models are stored unpermuted.
+the family's ``state_dict_adapter``. Two conversions undo what llama.cpp's converter did: the q/k row
+permutation of ``llama``-architecture models (it stores them in Meta's interleaved rotary layout;
+lmforge, like transformers, uses ``rotate_half``; Qwen and Gemma models are stored unpermuted), and
+the unit offset of Gemma 3's RMSNorm weights (it stores ``1 + w`` for every ``*norm.weight``; the
+Hugging Face weight, which the (1 + w) norm scales by, is the stored value minus 1, as transformers'
+own GGUF loader reads it).
+
+Gemma 3 (``gemma3``, the text model; e.g. google/gemma-3-270m) becomes a ``gemma3_text`` config. What
+its GGUF metadata leaves out is filled in as llama.cpp itself does: every 6th layer global, the others
+sliding (unless ``attention.sliding_window_pattern`` says otherwise), local RoPE base 10,000 (unless
+``rope.freq_base_swa``), and ``query_pre_attn_scalar`` = ``head_dim`` (the 62-layer 27B model:
+``hidden_size / num_heads``; ``attention.scale`` when given).
 
 Training needs full-precision weights, so everything is dequantized on load (fp32, then ``dtype``);
 writing GGUF files is not supported. The file's embedded tokenizer is not read: pair the weights with
@@ -17,23 +26,30 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
+from lmforge.models.hf import model_from_hf_state
 from lmforge.models.hf_config import args_from_hf_config
 from lmforge.models.model import Transformer
-from lmforge.models.spec import spec_for_args
 
 __all__ = ["gguf_args", "gguf_hf_config", "hf_state_dict_from_gguf", "load_gguf_model", "open_gguf"]
 
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 """GGUF ``general.architecture`` -> Hugging Face ``model_type``. llama.cpp writes Mistral as ``llama``."""
 PERMUTED_QK = frozenset({"llama"})
 """Architectures whose q/k projections llama.cpp's converter permutes (``LlamaModel.permute``)."""
+NORM_SHIFTED = frozenset({"gemma3"})
+"""Architectures whose ``*norm.weight`` tensors llama.cpp's converter stores plus 1 (``Gemma3Model``'s
+``norm_shift``; transformers' GGUF loader subtracts it again)."""
+GEMMA3_PATTERN = 6
+"""llama.cpp's Gemma 3 layer pattern (``set_swa_pattern(6)``): five sliding layers, then a global one."""
+GEMMA3_LOCAL_THETA = 10_000.0
+"""llama.cpp's RoPE base of Gemma 3's sliding layers (``rope_freq_base_train_swa``)."""
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -43,6 +59,11 @@ _LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "att
                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 """``blk.N.<part>.{weight,bias}`` -> ``model.layers.N.<name>.{weight,bias}``; anything else is refused
 by name, so a file with tensors lmforge does not model never loads silently incomplete."""
+_ARCH_LAYER_NAMES = {
+    "gemma3": {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+               "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+}
+"""Per-architecture overrides: Gemma 3's ``ffn_norm`` is the norm *before* the MLP, and it has two more."""
 _ROPE_FREQS = "rope_freqs.weight"
 """Llama 3.1-style RoPE: llama.cpp stores the per-frequency divisors instead of the scaling settings."""
 
@@ -90,6 +111,14 @@ def _value(reader: Any, key: str, default: Any = None) -> Any:
     return part.tolist()[0]
 
 
+def _array(reader: Any, key: str) -> list[Any] | None:
+    """An array metadata value's items (numbers or booleans); None when the key is absent or not an array."""
+    field = reader.fields.get(key)
+    if field is None or field.types[0] != _gguf_module().GGUFValueType.ARRAY:
+        return None
+    return [field.parts[i].tolist()[0] for i in field.data]
+
+
 def _tensors(reader: Any) -> dict[str, Any]:
     return {t.name: t for t in reader.tensors}
 
@@ -120,7 +149,6 @@ def gguf_hf_config(reader: Any, where: str) -> dict[str, Any]:
         "rope_theta": key("rope.freq_base", 10000.0),  # llama.cpp's default when the key is absent
         "vocab_size": int(embd.shape[-1]),  # GGUF shapes are innermost first: [dim, vocab]
         "tie_word_embeddings": "output.weight" not in tensors,
-        "hidden_act": "silu",
     }
     missing = [k for k, v in cfg.items() if v is None]
     if missing:
@@ -129,15 +157,22 @@ def gguf_hf_config(reader: Any, where: str) -> dict[str, Any]:
         cfg["max_position_embeddings"] = key("context_length")
     head_dim = key("attention.key_length") or (dim // n_heads)
     cfg["head_dim"] = head_dim
+    if key("attention.value_length", head_dim) != head_dim:
+        raise UserError(f"{where}: {arch}.attention.value_length {key('attention.value_length')} differs from "
+                        f"key_length {head_dim}; lmforge's attention has one head size")
     rotated = key("rope.dimension_count")
     if rotated is not None and rotated != head_dim:  # let the family refuse partial rotary by its key
         cfg["partial_rotary_factor"] = rotated / head_dim
     if key("expert_count"):  # a mixture of experts: the family refuses it by this key
         cfg["num_local_experts"] = key("expert_count")
-    if key("attention.sliding_window"):  # Mistral's window; the Qwen families refuse one by this key
+    if arch == "gemma3":
+        cfg.update(_gemma3_keys(reader, key, cfg, where))
+    elif key("attention.sliding_window"):  # Mistral's window; the Qwen families refuse one by this key
         cfg["sliding_window"], cfg["use_sliding_window"] = key("attention.sliding_window"), True
         if arch == "llama":
             cfg["model_type"] = "mistral"
+    if "hidden_activation" not in cfg:
+        cfg["hidden_act"] = "silu"
     scaling = key("rope.scaling.type")
     if scaling not in (None, "none"):
         cfg["rope_scaling"] = {"rope_type": scaling, "factor": key("rope.scaling.factor", 1.0)}
@@ -146,6 +181,40 @@ def gguf_hf_config(reader: Any, where: str) -> dict[str, Any]:
     elif _ROPE_FREQS in tensors:
         cfg["rope_scaling"] = _llama3_scaling(_dequantized(tensors[_ROPE_FREQS], where), cfg, where)
     return cfg
+
+
+def _gemma3_keys(reader: Any, key: Callable[..., Any], cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """Gemma 3's own ``config.json`` keys; llama.cpp's built-in values for what the metadata leaves out."""
+    n_layers = cfg["num_hidden_layers"]
+    pattern_key = "gemma3.attention.sliding_window_pattern"
+    flags = _array(reader, pattern_key)
+    if flags is not None:  # one flag per layer, true = sliding (llama.cpp's swa_layers)
+        if len(flags) != n_layers:
+            raise UserError(f"{where}: {pattern_key} has {len(flags)} entries for {n_layers} layers")
+        sliding = [bool(f) for f in flags]
+    else:  # llama.cpp's set_swa_pattern(n): layer i is global when i % n == n - 1 (n = 0: all sliding)
+        n = int(key("attention.sliding_window_pattern", GEMMA3_PATTERN))
+        sliding = [n == 0 or i % n < n - 1 for i in range(n_layers)]
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "rope_local_base_freq": key("rope.freq_base_swa", GEMMA3_LOCAL_THETA),
+    }
+    if key("attention.sliding_window"):
+        out["sliding_window"] = key("attention.sliding_window")
+    elif any(sliding):
+        raise UserError(f"{where}: GGUF metadata lacks gemma3.attention.sliding_window")
+    scale = key("attention.scale")
+    if scale:  # the softmax scale itself: query_pre_attn_scalar ** -0.5
+        out["query_pre_attn_scalar"] = round(float(scale) ** -2, 4)
+    elif n_layers == 62:  # llama.cpp's LLM_TYPE_27B: hidden_size / num_heads (gemma_pytorch's config)
+        out["query_pre_attn_scalar"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    else:
+        out["query_pre_attn_scalar"] = cfg["head_dim"]
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2's; the family refuses them
+        if key(cap):
+            out[cap] = key(cap)
+    return out
 
 
 def _llama3_scaling(divisors: Tensor, cfg: dict[str, Any], where: str) -> dict[str, Any]:
@@ -186,26 +255,30 @@ def _unpermute(w: Tensor, heads: int) -> Tensor:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _hf_name(name: str, where: str) -> str:
+def _hf_name(name: str, where: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     parts = name.split(".")
-    if (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES
+    if (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names
             and parts[3] in ("weight", "bias")):
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     raise UserError(f"{where}: unexpected tensor {name!r} in the GGUF file (a feature lmforge lacks?)")
 
 
 def hf_state_dict_from_gguf(reader: Any, cfg: dict[str, Any], where: str) -> dict[str, Tensor]:
-    """Every tensor, dequantized to fp32 and unpermuted, under its Hugging Face name."""
-    permuted = _value(reader, "general.architecture") in PERMUTED_QK
+    """Every tensor, dequantized to fp32, unpermuted and unshifted, under its Hugging Face name."""
+    arch = _value(reader, "general.architecture")
+    permuted, shifted = arch in PERMUTED_QK, arch in NORM_SHIFTED
+    layer_names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
     out: dict[str, Tensor] = {}
     for name, tensor in _tensors(reader).items():
         if name == _ROPE_FREQS:  # read into cfg's rope_scaling; lmforge recomputes RoPE
             continue
-        hf = _hf_name(name, where)
+        hf = _hf_name(name, where, layer_names)
         w = _dequantized(tensor, where)
+        if shifted and name.endswith("norm.weight"):
+            w = w - 1.0
         part = name.split(".")[2] if name.startswith("blk.") else ""
         if permuted and part in heads:
             try:
@@ -225,25 +298,11 @@ def gguf_args(path: str | Path) -> ModelArgs:
 def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Transformer:
     """Load a GGUF file into a CPU model of ``dtype``, every tensor dequantized (see the module doc).
 
-    Built like :func:`lmforge.models.hf.load_hf_model`: on the meta device, then the tensors assigned,
-    so no time or memory goes to a random init.
+    Built like :func:`lmforge.models.hf.load_hf_model` (:func:`~lmforge.models.hf.model_from_hf_state`).
     """
     where = str(Path(path).expanduser())
     reader = open_gguf(path)
     cfg = gguf_hf_config(reader, where)
     args = args_from_hf_config(cfg, where)
-    spec = spec_for_args(args)
-    state = spec.state_dict_adapter.from_hf(hf_state_dict_from_gguf(reader, cfg, where), args)
-    state = {k: v.to(dtype) for k, v in state.items()}
-    if args.tie_embeddings:
-        state["output.weight"] = state["tok_embeddings.weight"]
-    with torch.device("meta"):
-        model = spec.build(args)
-    try:
-        model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()
-        raise UserError(f"{where}: tensors do not match the GGUF metadata: {' '.join(first[:3])}") from None
-    model.tie_weights()
-    model.rope.rebuild("cpu")
-    return model
+    return model_from_hf_state(hf_state_dict_from_gguf(reader, cfg, where), args, dtype,
+                               f"{where}: tensors do not match the GGUF metadata")

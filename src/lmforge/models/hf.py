@@ -102,8 +102,18 @@ def load_hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> 
     """
     model_dir = Path(model_dir)
     args = load_hf_config(model_dir)
+    hf_state = _read_hf_tensors(model_dir)
+    return model_from_hf_state(hf_state, args, dtype, f"{model_dir}: weights do not match config.json")
+
+
+def model_from_hf_state(hf_state: dict[str, Tensor], args: ModelArgs, dtype: torch.dtype, mismatch: str) -> Transformer:
+    """The CPU model of ``args`` holding ``hf_state`` (Hugging Face names) in ``dtype``.
+
+    Built on the meta device with the tensors assigned directly, so no time or memory goes to a random
+    init that would be overwritten. ``mismatch`` starts the error when the tensors do not fit ``args``.
+    """
     spec = spec_for_args(args)
-    state = spec.state_dict_adapter.from_hf(_read_hf_tensors(model_dir), args)
+    state = spec.state_dict_adapter.from_hf(hf_state, args)
     state = {k: v.to(dtype) for k, v in state.items()}
     if args.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
@@ -112,9 +122,10 @@ def load_hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> 
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:
-        raise UserError(f"{model_dir}: weights do not match config.json: {e}") from None
+        first = str(e).strip().splitlines()
+        raise UserError(f"{mismatch}: {' '.join(first[:3])}") from None
     model.tie_weights()
-    model.rebuild_rope("cpu")
+    model.rebuild_rope("cpu")  # every RoPE table (Gemma 3's local one too)
     return model
 
 
