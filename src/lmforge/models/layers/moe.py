@@ -87,13 +87,13 @@ class GroupedExperts(nn.Module):
                 return _contiguous_grad(F.grouped_mm(a, w.transpose(-2, -1), offs=offs))
 
             return mm(self.act(mm(x, self.w1)) * mm(x, self.w3), self.w2)
-        outs = []
-        for e, rows in enumerate(x.split(counts.tolist())):
-            if rows.shape[0]:
-                outs.append(F.linear(self.act(F.linear(rows, self.w1[e])) * F.linear(rows, self.w3[e]), self.w2[e]))
-        # Every weight stays in the graph (a zero term), so DDP sees a gradient for experts that got no token.
-        untouched = sum(w.sum() for w in (self.w1, self.w2, self.w3)) * 0.0
-        return torch.cat(outs) + untouched if outs else x.new_zeros(0, x.shape[1]) + untouched
+        # unbind (not w[e]): autograd then stacks the experts' gradients once, instead of adding one
+        # full-size zero gradient of the 3-D weight per expert; every expert, even one that got no
+        # token, stays in the graph, so DDP sees a gradient for each.
+        outs = [F.linear(self.act(F.linear(rows, w1)) * F.linear(rows, w3), w2)
+                for rows, w1, w2, w3 in zip(x.split(counts.tolist()), self.w1.unbind(0), self.w2.unbind(0),
+                                            self.w3.unbind(0)) if rows.shape[0]]
+        return torch.cat(outs)
 
 
 class MoEFeedForward(nn.Module):
