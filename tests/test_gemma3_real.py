@@ -49,6 +49,8 @@ import numpy as np
 import pytest
 import torch
 
+from _gguf_writer import write_gguf
+
 gguf = pytest.importorskip("gguf", reason="reading GGUF files needs the gguf package (pip install gguf)")
 transformers = pytest.importorskip("transformers", reason="the reference is transformers' GGUF loader")
 
@@ -274,11 +276,6 @@ def test_real_gemma3_logits_and_greedy_continuations_equal_transformers(models, 
 # The real file runs only where it is installed; this runs everywhere in ~2 s. A random transformers
 # Gemma3ForCausalLM written to GGUF the way llama.cpp's converter writes it (norm weights plus 1, q/k
 # unpermuted, llama.cpp's tensor names), 7 layers with a window of 8 over 24 tokens.
-GEMMA3_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm",
-                "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "post_attention_norm",
-                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=300, max_position_embeddings=256, sliding_window=8, rms_norm_eps=1e-6)
 SPELT = {  # name -> (extra GGUF metadata, what it means: layer types, local RoPE base, query_pre_attn_scalar)
@@ -289,43 +286,16 @@ SPELT = {  # name -> (extra GGUF metadata, what it means: layer types, local RoP
 
 
 def write_gemma3_gguf(model, path: Path, extra: dict) -> Path:
-    c = model.config
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
-    w.add_sliding_window(c.sliding_window)
-    if "pattern" in extra:
-        w.add_sliding_window_pattern(extra["pattern"])
-    if "freq_base_swa" in extra:
-        w.add_rope_freq_base_swa(extra["freq_base_swa"])
-    if "scale" in extra:
-        w.add_attention_scale(extra["scale"])
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight":
-            continue  # tied
-        a = t.detach().float().numpy().copy()
-        if name.endswith("norm.weight"):
-            a = a + 1.0  # Gemma3Model.norm_shift in llama.cpp's converter
-        if name in ("model.embed_tokens.weight", "model.norm.weight"):
-            g = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            module, _, kind = rest.rpartition(".")
-            g = f"blk.{layer}.{GEMMA3_NAMES[module]}.{kind}"
-        w.add_tensor(g, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    def metadata(w) -> None:
+        w.add_sliding_window(model.config.sliding_window)
+        if "pattern" in extra:
+            w.add_sliding_window_pattern(extra["pattern"])
+        if "freq_base_swa" in extra:
+            w.add_rope_freq_base_swa(extra["freq_base_swa"])
+        if "scale" in extra:
+            w.add_attention_scale(extra["scale"])
+
+    return write_gguf(model, "gemma3", path, metadata)
 
 
 @pytest.mark.parametrize("spelling", list(SPELT))

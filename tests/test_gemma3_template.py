@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from test_chat_templates_real import CHAT, SYSTEM  # the same conversations as the other real templates
 from lmforge.data.chat import chat_format_for, stop_token_ids, training_chat_format
 from lmforge.errors import UserError
 from lmforge.models.tokenizer import load_tokenizer
@@ -25,16 +26,6 @@ from lmforge.models.tokenizer import load_tokenizer
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tokenizers" / "gemma3-it"
 DIRS = [FIXTURE] + ([Path(os.environ["LMFORGE_GEMMA3_TOKENIZER"])] if os.environ.get("LMFORGE_GEMMA3_TOKENIZER")
                     else [])
-
-SYSTEM = {"role": "system", "content": "You are terse. Answer in one word."}
-CHAT = [
-    {"role": "user", "content": "Is grass red? Say no if not."},
-    {"role": "assistant", "content": "no"},
-    {"role": "user", "content": "What colour is the sky, then?"},
-    {"role": "assistant", "content": "Blue, mostly.\nAt night: black."},
-    {"role": "user", "content": "  spaces around  "},
-    {"role": "assistant", "content": " ok "},
-]
 
 # What google/gemma-3-*-it's template writes for [SYSTEM, *CHAT[:4]]: <bos>, the system prompt and a blank
 # line folded into the first user turn, "assistant" written as "model", every turn closed by
