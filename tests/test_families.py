@@ -53,6 +53,9 @@ def hf_config(family: str) -> "transformers.PretrainedConfig":
     if family == "mistral":
         return transformers.MistralConfig(**COMMON, sliding_window=WINDOW,
                                           rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+    if family == "phi3":  # fused qkv and gate_up projections, a sliding window
+        return transformers.Phi3Config(**COMMON, sliding_window=WINDOW,
+                                       rope_parameters=dict(rope_type="default", rope_theta=10000.0))
     if family == "gemma3":  # local/global layers with their own RoPE, scaled global RoPE, non-default scale
         cfg = {k: v for k, v in COMMON.items() if k != "rms_norm_eps"}
         return transformers.Gemma3TextConfig(
@@ -73,7 +76,7 @@ def hf_config(family: str) -> "transformers.PretrainedConfig":
     raise AssertionError(family)
 
 
-FAMILIES = ["llama", "llama3", "llama_linear", "smollm2", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_moe",
+FAMILIES = ["llama", "llama3", "llama_linear", "smollm2", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "qwen3_moe",
             "mixtral", "olmoe"]
 MOE_FAMILIES = ["qwen3_moe", "mixtral", "olmoe"]
 
@@ -162,7 +165,7 @@ def test_export_round_trip_through_transformers(tmp_path, family):
     assert load_hf_config(tmp_path / "out") == model.args
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2", "gemma3", "qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2", "phi3", "gemma3", "qwen3_moe", "mixtral", "olmoe"])
 def test_greedy_generation_matches_transformers(tmp_path, family):
     hf = tiny_hf(family, seed=1)
     hf.save_pretrained(tmp_path)
@@ -264,7 +267,8 @@ def test_old_model_args_without_family_keys_still_load():
 
 
 # Published config.json values (Hugging Face Hub: HuggingFaceTB/SmolLM2-135M, Qwen/Qwen2.5-0.5B,
-# Qwen/Qwen3-0.6B, meta-llama/Llama-3.2-1B, mistralai/Mistral-7B-v0.1, google/gemma-3-270m,
+# Qwen/Qwen3-0.6B, meta-llama/Llama-3.2-1B, mistralai/Mistral-7B-v0.1, microsoft/Phi-3-mini-4k-instruct,
+# google/gemma-3-270m,
 # google/gemma-3-1b-pt, Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1, allenai/OLMoE-1B-7B-0924)
 # and the parameter counts their model cards publish.
 PUBLISHED = {
@@ -283,6 +287,9 @@ PUBLISHED = {
     "mistral-7b": (7.24e9, dict(model_type="mistral", hidden_size=4096, intermediate_size=14336,
                                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
                                 tie_word_embeddings=False, sliding_window=4096)),
+    "phi3-mini": (3.82e9, dict(model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
+                               tie_word_embeddings=False, sliding_window=2047)),
     "gemma3-270m": (268e6, dict(model_type="gemma3_text", hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
                                 num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
                                 sliding_window=512, tie_word_embeddings=True)),

@@ -88,12 +88,16 @@ def test_state_dict_adapter_round_trips_names(spec):
         state = model.state_dict()
         hf = spec.state_dict_adapter.to_hf(state, args)
         assert ("lm_head.weight" in hf) is not tied
+        adapter = spec.state_dict_adapter
         stacked = [k for k in state if ".experts." in k]  # one Hugging Face tensor per expert
-        assert len(hf) == len(state) - tied + (args.n_experts - 1) * len(stacked)  # distinct names
-        back = spec.state_dict_adapter.from_hf(hf, args)
+        fused = [k for k in state if any(k.endswith(p) for ps in adapter.fused_names.values() for p in ps)]
+        assert len(hf) == (len(state) - tied + (args.n_experts - 1) * len(stacked)
+                           - len(fused) + args.n_layers * len(adapter.fused_names) * bool(fused))  # distinct names
+        back = adapter.from_hf(hf, args)
         assert back.keys() == state.keys()
-        assert all(back[k] is state[k] for k in state if not (tied and k == "output.weight") and k not in stacked)
-        assert all(torch.equal(back[k], state[k]) for k in stacked)
+        copied = set(stacked) | set(fused)  # stacked or split: equal values, not the same tensors
+        assert all(back[k] is state[k] for k in state if not (tied and k == "output.weight") and k not in copied)
+        assert all(torch.equal(back[k], state[k]) for k in copied)
         assert back["output.weight"] is (back["tok_embeddings.weight"] if tied else state["output.weight"])
         # torch.compile's prefix is dropped
         assert spec.state_dict_adapter.to_hf({f"_orig_mod.{k}": v for k, v in state.items()}, args).keys() == hf.keys()

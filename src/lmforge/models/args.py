@@ -2,7 +2,8 @@
 
 One ``ModelArgs`` describes every family lmforge runs: Llama 2/3/3.x, SmolLM2 (Llama-shaped),
 Qwen2/2.5 (bias on the q/k/v projections), Qwen3 (RMSNorm on q and k per head, explicit
-``head_dim``), Mistral (sliding-window attention), Gemma 3 (GeGLU, (1 + w) norms around both
+``head_dim``), Mistral (sliding-window attention), Phi-3 (Llama's shape, fused projections in its
+checkpoints), Gemma 3 (GeGLU, (1 + w) norms around both
 sublayers, scaled embeddings, interleaved local/global layers with their own RoPE bases) and the
 mixtures of experts Qwen3-MoE, Mixtral and OLMoE (``n_experts`` > 0). ``hf_model_type`` records which Hugging Face
 family the weights belong to: it selects the family's :class:`~lmforge.models.spec.ModelSpec`
@@ -169,8 +170,8 @@ def _gemma3(n_layers: int, dim: int, ffn: int) -> dict[str, Any]:
 
 # The real shapes are copied from each model's published config.json on the Hugging Face Hub
 # (HuggingFaceTB/SmolLM2-135M, Qwen/Qwen2.5-0.5B, Qwen/Qwen3-0.6B, meta-llama/Llama-3.2-1B,
-# mistralai/Mistral-7B-v0.1, google/gemma-3-270m, google/gemma-3-1b-pt, Qwen/Qwen3-30B-A3B,
-# mistralai/Mixtral-8x7B-v0.1, allenai/OLMoE-1B-7B-0924); vocab_size still comes from the tokenizer.
+# mistralai/Mistral-7B-v0.1, microsoft/Phi-3-mini-4k-instruct, google/gemma-3-270m, google/gemma-3-1b-pt,
+# Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1, allenai/OLMoE-1B-7B-0924); vocab_size still comes from the tokenizer.
 MODEL_SIZES: dict[str, dict[str, Any]] = {
     "debug": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=1024),
     "small": dict(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, max_seq_len=2048),
@@ -204,6 +205,10 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
     "mistral-7b": dict(
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336, norm_eps=1e-5,
         rope_theta=10000.0, max_seq_len=32768, tie_embeddings=False, sliding_window=4096, hf_model_type="mistral",
+    ),
+    "phi3-mini": dict(
+        dim=3072, n_layers=32, n_heads=32, n_kv_heads=32, ffn_hidden_dim=8192, norm_eps=1e-5, rope_theta=10000.0,
+        max_seq_len=4096, tie_embeddings=False, sliding_window=2047, hf_model_type="phi3",
     ),
     "gemma3-270m": _gemma3(18, 640, 2048),
     "gemma3-1b": _gemma3(26, 1152, 6912),

@@ -2,9 +2,11 @@
 
 lmforge's rotary embeddings use Hugging Face's ``rotate_half`` layout, so converting a checkpoint
 is a pure renaming of tensors: no q/k permutation in either direction, and no tensor is copied.
-The one exception is a mixture of experts: lmforge keeps each projection of all experts as one
-[E, out, in] tensor (what a grouped matmul reads), while Hugging Face checkpoints store one
-matrix per expert, so those are stacked on reading and split (as views) on writing.
+Two exceptions: a mixture of experts, where lmforge keeps each projection of all experts as one
+[E, out, in] tensor (what a grouped matmul reads) while Hugging Face checkpoints store one matrix
+per expert, so those are stacked on reading and split (as views) on writing; and families that
+store projections fused (Phi-3's ``qkv_proj`` and ``gate_up_proj``), split on reading (as views)
+and concatenated on writing.
 A :class:`StateDictAdapter` is that renaming for one family; each family's
 :class:`~lmforge.models.spec.ModelSpec` holds one (the Llama layout they share, plus their extras).
 """
@@ -28,6 +30,14 @@ _LF_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Wrappers that prefix parameter names (torch.compile, DDP).
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+def _rows(args: ModelArgs, lf_suffix: str) -> int:
+    """Output rows of a fusable lmforge projection."""
+    rows = {"attention.wq.weight": args.n_heads * args.head_dim, "attention.wk.weight": args.kv_heads * args.head_dim,
+            "attention.wv.weight": args.kv_heads * args.head_dim, "feed_forward.w1.weight": args.ffn_dim,
+            "feed_forward.w3.weight": args.ffn_dim}
+    return rows[lf_suffix]
 
 
 def strip_wrapper_prefixes(name: str) -> str:
@@ -56,6 +66,9 @@ class StateDictAdapter:
     expert_names: Mapping[str, str] = field(default_factory=dict)
     """Stacked expert weights inside a block: lmforge suffix -> the Hugging Face per-expert suffix with
     ``{e}`` for the expert index (``feed_forward.experts.w1`` -> ``mlp.experts.{e}.gate_proj.weight``)."""
+    fused_names: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Hugging Face suffix of a fused projection -> the lmforge suffixes it holds, in row order
+    (``self_attn.qkv_proj.weight`` -> ``attention.wq.weight``, ``attention.wk.weight``, ``attention.wv.weight``)."""
     _hf_layer_names: Mapping[str, str] = field(init=False, repr=False, compare=False)
     _hf_global_names: Mapping[str, str] = field(init=False, repr=False, compare=False)
 
@@ -66,6 +79,9 @@ class StateDictAdapter:
                 raise ValueError(f"StateDictAdapter.{name} maps two lmforge names to one Hugging Face name")
             object.__setattr__(self, name, MappingProxyType(forward))
             object.__setattr__(self, f"_hf_{name}", MappingProxyType({v: k for k, v in forward.items()}))
+        object.__setattr__(self, "fused_names", MappingProxyType(dict(self.fused_names)))
+        object.__setattr__(self, "_fused_part", MappingProxyType(
+            {lf: hf for hf, parts in self.fused_names.items() for lf in parts}))
         object.__setattr__(self, "_hf_expert_patterns", tuple(
             (re.compile(re.escape(hf).replace(re.escape("{e}"), r"(\d+)")), lf) for lf, hf in self.expert_names.items()))
 
@@ -76,7 +92,13 @@ class StateDictAdapter:
         lmforge layer names in ``drop`` (e.g. a dense MLP an MoE family replaces)."""
         layers = {k: v for k, v in {**self.layer_names, **(layer_names or {})}.items() if k not in drop}
         return StateDictAdapter(layers, {**self.global_names, **(global_names or {})},
-                                {**self.expert_names, **(expert_names or {})})
+                                {**self.expert_names, **(expert_names or {})}, self.fused_names)
+
+    def fuse(self, fused_names: Mapping[str, tuple[str, ...]]) -> StateDictAdapter:
+        """This renaming with the given lmforge projections stored fused (Phi-3)."""
+        parts = {lf for names in fused_names.values() for lf in names}
+        layers = {k: v for k, v in self.layer_names.items() if k not in parts}
+        return StateDictAdapter(layers, self.global_names, self.expert_names, {**self.fused_names, **fused_names})
 
     def to_hf(self, model_state: Mapping[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
         """Hugging Face names for an lmforge state dict (wrapper prefixes such as torch.compile's dropped).
@@ -84,6 +106,7 @@ class StateDictAdapter:
         With tied embeddings ``lm_head.weight`` is omitted, as ``save_pretrained`` does.
         """
         out: dict[str, Tensor] = {}
+        fused: dict[str, dict[str, Tensor]] = {}
         for raw, t in model_state.items():
             name = strip_wrapper_prefixes(raw)
             if name in self.global_names:
@@ -92,6 +115,10 @@ class StateDictAdapter:
                 out[self.global_names[name]] = t
                 continue
             m = _LF_LAYER.fullmatch(name)
+            if m is not None and m.group(2) in self._fused_part:  # type: ignore[attr-defined]
+                hf = f"model.layers.{m.group(1)}.{self._fused_part[m.group(2)]}"  # type: ignore[attr-defined]
+                fused.setdefault(hf, {})[m.group(2)] = t
+                continue
             if m is not None and m.group(2) in self.expert_names:
                 for e, w in enumerate(t.unbind(0)):
                     out[f"model.layers.{m.group(1)}.{self.expert_names[m.group(2)].format(e=e)}"] = w
@@ -99,6 +126,8 @@ class StateDictAdapter:
             if m is None or m.group(2) not in self.layer_names:
                 raise ValueError(f"unexpected lmforge parameter {raw!r}")
             out[f"model.layers.{m.group(1)}.{self.layer_names[m.group(2)]}"] = t
+        for hf, parts in fused.items():
+            out[hf] = torch.cat([parts[lf] for lf in self.fused_names[hf.split(".", 3)[3]]])
         return out
 
     def from_hf(self, hf_state: Mapping[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
@@ -117,6 +146,11 @@ class StateDictAdapter:
                 continue
             m = _HF_LAYER.fullmatch(name)
             expert = self._expert_slot(m.group(2)) if m is not None else None
+            if m is not None and m.group(2) in self.fused_names:
+                parts = self.fused_names[m.group(2)]
+                for lf, piece in zip(parts, t.split([_rows(args, lf) for lf in parts])):
+                    out[f"layers.{m.group(1)}.{lf}"] = piece
+                continue
             if expert is not None:
                 lf, e = expert
                 experts.setdefault(f"layers.{m.group(1)}.{lf}", {})[e] = t  # type: ignore[union-attr]
@@ -149,6 +183,10 @@ class StateDictAdapter:
         """The Hugging Face name of a projection inside a layer: ``layers.3.attention.wq`` ->
         ``model.layers.3.self_attn.q_proj`` (wrapper prefixes such as torch.compile's are dropped)."""
         m = _LF_LAYER.fullmatch(strip_wrapper_prefixes(name))
+        fused = self._fused_part.get(f"{m.group(2)}.weight") if m else None  # type: ignore[attr-defined]
+        if fused is not None:
+            raise UserError(f"{name} is part of the fused Hugging Face projection {fused.removesuffix('.weight')}: "
+                            "a PEFT adapter for it cannot be written; export the merged model (--hf) instead")
         suffix = self.layer_names.get(f"{m.group(2)}.weight") if m else None
         if m is None or suffix is None:
             raise ValueError(f"no Hugging Face name for lmforge module {name!r}")

@@ -3,6 +3,7 @@
 - :mod:`.llama`: Llama 2 / 3 / 3.1-3.3 and SmolLM2 (``model_type`` ``llama``);
 - :mod:`.qwen`: Qwen2 / Qwen2.5 (``qwen2``) and Qwen3 (``qwen3``);
 - :mod:`.mistral`: Mistral (``mistral``);
+- :mod:`.phi3`: Phi-3 / Phi-3.5-mini (``phi3``);
 - :mod:`.gemma3`: Gemma 3 text models (``gemma3_text``);
 - :mod:`.moe`: the mixtures of experts Qwen3-MoE (``qwen3_moe``), Mixtral (``mixtral``), OLMoE (``olmoe``);
 - :mod:`.llama_style`: what they share (the Llama tensor names and config.json mapping).
@@ -14,5 +15,6 @@ Importing this package (or :mod:`lmforge.models.spec`) registers them all.
 from lmforge.models.families import llama  # noqa: F401
 from lmforge.models.families import qwen  # noqa: F401
 from lmforge.models.families import mistral  # noqa: F401
+from lmforge.models.families import phi3  # noqa: F401
 from lmforge.models.families import gemma3  # noqa: F401
 from lmforge.models.families import moe  # noqa: F401
