@@ -166,3 +166,11 @@ def test_flops_hooks_count_the_built_model(spec):
     assert spec.training_flops(args, [16, 16], None) == pytest.approx(32 * per_token)
     with torch.device("meta"):
         assert isinstance(spec.build(args), torch.nn.Module)
+
+
+def test_a_fused_projection_has_no_peft_module_name():
+    """Phi-3 keeps q/k/v in one qkv_proj: a PEFT adapter on wq alone cannot be named, so it is refused."""
+    args = family_args(get_spec("phi3"))
+    assert hf_module_name("layers.0.attention.wo", args) == "model.layers.0.self_attn.o_proj"
+    with pytest.raises(UserError, match=r"fused Hugging Face projection self_attn\.qkv_proj"):
+        hf_module_name("layers.0.attention.wq", args)
