@@ -25,13 +25,16 @@ FAMILIES = {  # name -> (tokenizer fixture, transformers config class, family-sp
                                                              moe_intermediate_size=64, norm_topk_prob=True)),
     "mixtral": ("mistral-7b-instruct-v0.1", "MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
 }
+MORE_FAMILIES = {  # trained by tests/test_family_recipes.py only (test_real_models.py runs FAMILIES)
+    "olmoe": ("smollm2-135m-instruct", "OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2)),
+}
 
 
 def hf_start(family: str, out: Path) -> Path:
     """A tiny random model of ``family`` saved with its real tokenizer and generation config."""
     import transformers
 
-    tok_dir, config_cls, extra = FAMILIES[family]
+    tok_dir, config_cls, extra = {**FAMILIES, **MORE_FAMILIES}[family]
     real = json.loads((REAL_TOKENIZERS / tok_dir / "config.json").read_text())
     config = getattr(transformers, config_cls)(vocab_size=real["vocab_size"], bos_token_id=real.get("bos_token_id"),
                                                eos_token_id=real.get("eos_token_id"), **SHAPE, **extra)
