@@ -174,3 +174,13 @@ def test_a_fused_projection_has_no_peft_module_name():
     assert hf_module_name("layers.0.attention.wo", args) == "model.layers.0.self_attn.o_proj"
     with pytest.raises(UserError, match=r"fused Hugging Face projection self_attn\.qkv_proj"):
         hf_module_name("layers.0.attention.wq", args)
+
+
+def test_the_fused_step_refuses_switches_it_does_not_compute():
+    """A Llama-family model with a Gemma switch set must not take the SwiGLU/Llama-norm fused step."""
+    llama = get_spec("llama")
+    args = family_args(llama)
+    assert supports(llama.build(args))
+    for change in ({"hidden_act": "gelu_tanh"}, {"sandwich_norm": True}, {"attn_scale": 0.1}):
+        odd = ModelArgs.from_dict({**args.to_dict(), **change})
+        assert not supports(llama.build(odd)), change

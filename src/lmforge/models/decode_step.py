@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lmforge.models.args import ModelArgs
 from lmforge.models.layers.kv_cache import KVCache
 from lmforge.models.layers.norm import rms_norm
 from lmforge.models.layers.rope import apply_rope
@@ -94,15 +95,25 @@ class DecodeWeights:
                    a.kv_heads, a.head_dim, a.ffn_dim, a.norm_eps, a.sliding_window, transpose)
 
 
+def _plain_switches(a: ModelArgs) -> bool:
+    """Whether ``a`` stays within what :func:`_forward` computes: SwiGLU, Llama's RMSNorm, per-head q/k
+    norms, one window and one RoPE for every layer, the default softmax scale, a dense MLP."""
+    return (a.hidden_act == "silu" and not (a.norm_unit_offset or a.embed_scale or a.sandwich_norm)
+            and a.attn_scale is None and a.layer_types is None and a.local_rope_theta is None
+            and a.n_experts == 0 and a.qk_norm_per_head)
+
+
 def supports(model: nn.Module) -> bool:
     """Whether :func:`decode_step` computes exactly what ``model``'s own forward would.
 
-    The family's spec must declare ``fused_decode``. The step bypasses module calls, so anything
+    The family's spec must declare ``fused_decode`` and ``model.args`` may use only the switches the
+    step implements (:func:`_plain_switches`: no Gemma norms, GeGLU, softmax scale, per-layer windows
+    or experts, whatever the family). The step bypasses module calls, so anything
     that acts through them rules it out too: replaced linear layers (LoRA adapters), parameters
     that are not plain tensors (FSDP / tensor-parallel DTensors), and forward hooks (on any
     module, or global ones).
     """
-    if type(model) is not Transformer or not spec_for_args(model.args).fused_decode:
+    if type(model) is not Transformer or not spec_for_args(model.args).fused_decode or not _plain_switches(model.args):
         return False
     from torch.nn.modules import module as module_mod
 

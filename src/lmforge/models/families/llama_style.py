@@ -86,7 +86,7 @@ def _no_check(args: ModelArgs) -> str | None:
     return None
 
 
-SWITCHES = ("norm_unit_offset", "embed_scale", "sandwich_norm", "qk_norm_per_head")
+SWITCHES = ("qkv_bias", "qk_norm", "qk_norm_per_head", "norm_unit_offset", "embed_scale", "sandwich_norm")
 """Architecture switches a family fixes (see ``LlamaStyleConfig.switches``)."""
 _SWITCH_DEFAULTS = {f.name: f.default for f in dataclass_fields(ModelArgs) if f.name in SWITCHES}
 
@@ -98,9 +98,9 @@ HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 class LlamaStyleConfig:
     """How one Llama-shaped family's ``config.json`` maps to ``ModelArgs`` and back.
 
-    The switches say what the family's architecture always has (``qkv_bias``, ``qk_norm``) or may
-    have (``sliding_window``); a model whose ``ModelArgs`` disagree cannot be exported as this
-    family, and one read from its config always agrees.
+    ``switches`` say what the family's architecture always has (``qkv_bias``, ``qk_norm``, Gemma's
+    norms...), ``sliding_window`` what it may have; a model whose ``ModelArgs`` disagree cannot be
+    exported as this family, and one read from its config always agrees.
     """
 
     model_type: str
@@ -112,17 +112,14 @@ class LlamaStyleConfig:
     ``head_dim``, ``max_position_embeddings`` (and ``sliding_window`` where the family has one)."""
     refused_flags: tuple[str, ...] = ()
     """Boolean keys that switch on something lmforge does not implement for this family."""
-    qkv_bias: bool = False
-    """Bias on the q/k/v projections (Qwen2)."""
-    qk_norm: bool = False
-    """Per-head RMSNorm of q and k (Qwen3)."""
     sliding_window: bool = False
     """Reads and writes ``sliding_window`` (Mistral). Families without it refuse sliding ``layer_types``."""
     export_keys: Callable[[ModelArgs], dict[str, Any]] = field(default=_no_keys)
     """Family keys written after the shared ones (e.g. Llama's ``attention_bias=False``)."""
     switches: Mapping[str, Any] = field(default_factory=dict)
-    """``ModelArgs`` fields among :data:`SWITCHES` that the family always sets (Gemma's norms, OLMoE's
-    projection-wide q/k norm); the others must keep their defaults to export as this family."""
+    """``ModelArgs`` fields among :data:`SWITCHES` that the family always sets (Qwen2's ``qkv_bias``,
+    Qwen3's ``qk_norm``, Gemma's norms, OLMoE's projection-wide q/k norm); the others must keep their
+    defaults to export as this family."""
     activations: tuple[str, ...] = ("silu",)
     """The Hugging Face ``hidden_act`` / ``hidden_activation`` values the family may have."""
     moe: bool = False
@@ -174,8 +171,6 @@ class LlamaStyleConfig:
                 tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 rope_scaling=scaling,
                 head_dim=int(head_dim) if head_dim else None,
-                qkv_bias=self.qkv_bias,
-                qk_norm=self.qk_norm,
                 sliding_window=int(window) if window else None,
                 hidden_act=HF_ACTIVATIONS[act],
                 hf_model_type=family,
@@ -200,16 +195,8 @@ class LlamaStyleConfig:
 
     def check_exportable(self, args: ModelArgs) -> None:
         """UserError unless ``args`` is exactly what this family can express."""
-        wanted = {
-            "qkv_bias": self.qkv_bias,
-            "qk_norm": self.qk_norm,
-            "sliding_window": self.sliding_window and args.sliding_window is not None,
-        }
-        have = {"qkv_bias": args.qkv_bias, "qk_norm": args.qk_norm, "sliding_window": args.sliding_window is not None}
-        for key, need in wanted.items():
-            if have[key] != need:
-                state = "requires" if need else "cannot have"
-                raise UserError(f"cannot export as Hugging Face model_type {self.model_type!r}: it {state} {key}")
+        if args.sliding_window is not None and not self.sliding_window:
+            raise UserError(f"cannot export as Hugging Face model_type {self.model_type!r}: it cannot have sliding_window")
         for key in SWITCHES:
             need = self.switches.get(key, _SWITCH_DEFAULTS[key])
             if getattr(args, key) != need and (key != "qk_norm_per_head" or args.qk_norm):

@@ -99,7 +99,7 @@ def _mixtral_check(args: ModelArgs) -> str | None:
 QWEN3_MOE_CONFIG = LlamaStyleConfig(
     model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM",
     defaults={"num_key_value_heads": 4, "head_dim": None, "max_position_embeddings": 32768},
-    refused_flags=("attention_bias", "use_sliding_window"), qk_norm=True, moe=True,
+    refused_flags=("attention_bias", "use_sliding_window"), switches={"qk_norm": True}, moe=True,
     read_extra=_qwen3_moe_extra, export_keys=_qwen3_moe_keys,
 )
 MIXTRAL_CONFIG = LlamaStyleConfig(
@@ -112,7 +112,7 @@ MIXTRAL_CONFIG = LlamaStyleConfig(
 OLMOE_CONFIG = LlamaStyleConfig(
     model_type="olmoe", architecture="OlmoeForCausalLM",
     defaults={"num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 4096},
-    refused_flags=("attention_bias",), qk_norm=True, moe=True, switches={"qk_norm_per_head": False},
+    refused_flags=("attention_bias",), moe=True, switches={"qk_norm": True, "qk_norm_per_head": False},
     read_extra=_experts("num_experts", "intermediate_size", None, 0.01), export_keys=_olmoe_keys,
     export_check=_all_layers_sparse,
 )

@@ -29,7 +29,7 @@ QWEN2_CONFIG = LlamaStyleConfig(
     architecture="Qwen2ForCausalLM",
     defaults={"num_key_value_heads": 32, "head_dim": None, "max_position_embeddings": 32768},
     refused_flags=("use_sliding_window",),
-    qkv_bias=True,
+    switches={"qkv_bias": True},
     export_keys=_full_attention_keys,
 )
 
@@ -38,7 +38,7 @@ QWEN3_CONFIG = LlamaStyleConfig(
     architecture="Qwen3ForCausalLM",
     defaults={"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
     refused_flags=("attention_bias", "use_sliding_window"),
-    qk_norm=True,
+    switches={"qk_norm": True},
     export_keys=_qwen3_export_keys,
 )
 
