@@ -34,6 +34,8 @@ class Sample:
     document_ids: torch.Tensor | None = None
     document_lengths: list[int] | None = None
     """Real (non-padding) tokens of each document in order; ``None``: one document of length T."""
+    document_values: list[float] | None = None
+    """A number per real document that an objective reads (see ``Example.value``); usually None."""
 
 
 @dataclass
@@ -48,6 +50,8 @@ class Batch:
     """Host-side real document lengths per row (see :attr:`Sample.document_lengths`), so FLOPs of
     the real tokens are known without reading the device tensors; ``None``: every row is one
     document of length T."""
+    document_values: list[list[float]] | None = None
+    """Host-side :attr:`Sample.document_values` per row, or None."""
 
     def _map(self, fn) -> "Batch":
         return Batch(
@@ -56,6 +60,7 @@ class Batch:
             position_ids=None if self.position_ids is None else fn(self.position_ids),
             document_ids=None if self.document_ids is None else fn(self.document_ids),
             document_lengths=self.document_lengths,
+            document_values=self.document_values,
         )
 
     def real_document_lengths(self) -> list[int]:
@@ -98,6 +103,7 @@ def collate(samples: list[Sample]) -> Batch:
         position_ids=_stack_optional(samples, "position_ids"),
         document_ids=_stack_optional(samples, "document_ids"),
         document_lengths=_lengths(samples),
+        document_values=_values(samples),
     )
 
 
@@ -105,6 +111,15 @@ def _lengths(samples: Sequence[Sample]) -> list[list[int]] | None:
     if all(s.document_lengths is None for s in samples):
         return None
     return [list(s.document_lengths) if s.document_lengths is not None else [len(s.input_ids)] for s in samples]
+
+
+def _values(samples: Sequence[Sample]) -> list[list[float]] | None:
+    values = [s.document_values for s in samples]
+    if all(v is None for v in values):
+        return None
+    if any(v is None for v in values):
+        raise ValueError("collate: document_values is set on some samples but not on others")
+    return [list(v) for v in values]  # type: ignore[arg-type]
 
 
 class SampleDataset(Protocol):

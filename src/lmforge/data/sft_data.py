@@ -49,6 +49,9 @@ class Example:
 
     input_ids: np.ndarray
     labels: np.ndarray
+    value: float | None = None
+    """A number an objective reads per example, carried into its batch as ``document_values`` (KTO's
+    desirability, a reward-model pair's margin); None for plain SFT examples."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -236,7 +239,8 @@ class SFTDataset:
             ex = self.examples[self.bins[i][0]]
             inputs[: len(ex)] = ex.input_ids
             labels[: len(ex)] = ex.labels
-            return Sample(torch.from_numpy(inputs), torch.from_numpy(labels), document_lengths=[len(ex)])
+            return Sample(torch.from_numpy(inputs), torch.from_numpy(labels), document_lengths=[len(ex)],
+                          document_values=None if ex.value is None else [ex.value])
         positions = np.zeros(T, dtype=np.int64)
         documents = np.full(T, len(self.bins[i]), dtype=np.int64)
         at = 0
@@ -249,8 +253,10 @@ class SFTDataset:
             documents[at: at + n] = doc
             at += n
         positions[at:] = np.arange(T - at)
+        values = [self.examples[j].value for j in self.bins[i]]
         return Sample(torch.from_numpy(inputs), torch.from_numpy(labels), torch.from_numpy(positions),
-                      torch.from_numpy(documents), [len(self.examples[j]) for j in self.bins[i]])
+                      torch.from_numpy(documents), [len(self.examples[j]) for j in self.bins[i]],
+                      None if values[0] is None else values)
 
 
 def build_sft_dataset(records: Sequence[Record], source: str, tokenizer: Tokenizer, chat: ChatFormat | None, *,
