@@ -81,8 +81,9 @@ ONE_STEP = {
     "sft": lambda tmp: ["--tasks.train_examples=32", "--tasks.eval_examples=8", "--eval.interval=1"],
     "grpo": lambda tmp: ["--grpo.num_generations=2", "--grpo.max_new_tokens=4", "--tasks.eval_examples=4",
                          "--training.global_batch_size=4", "--data.seq_len=None"],
-    "dpo": lambda tmp: [f"--data.train={_pairs(tmp / 'pairs.jsonl')}", "--data.seq_len=64",
-                        "--training.global_batch_size=2", "--training.micro_batch_size=2", "--data.prefetch=0"],
+    **{name: lambda tmp: [f"--data.train={_pairs(tmp / 'pairs.jsonl')}", "--data.seq_len=64",
+                          "--training.global_batch_size=2", "--training.micro_batch_size=2", "--data.prefetch=0"]
+       for name in ("dpo", "kto", "orpo", "simpo")},
 }
 
 

@@ -57,6 +57,7 @@ class PreferencePair:
 @dataclass
 class PreferenceSummary:
     source: str
+    method: str = "dpo"
     records: int = 0
     pairs: int = 0
     sequences: int = 0
@@ -67,7 +68,7 @@ class PreferenceSummary:
     fill: float = 0.0
 
     def line(self) -> str:
-        text = (f"dpo data {self.source}: {self.records} records -> {self.pairs} pairs, {self.loss_tokens} "
+        text = (f"{self.method} data {self.source}: {self.records} records -> {self.pairs} pairs, {self.loss_tokens} "
                 f"response tokens, {self.sequences} rows of {self.seq_len} ({100 * self.fill:.1f}% of tokens used)")
         skipped = []
         if self.too_long:

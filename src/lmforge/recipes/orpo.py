@@ -1,0 +1,42 @@
+"""ORPO on ``prompt``/``chosen``/``rejected`` records: SFT on the chosen response plus an odds-ratio
+term, with no reference model (:mod:`lmforge.objectives.orpo`); data, step source and eval as every
+preference recipe (:mod:`lmforge.training.preference`)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from lmforge.config import Config, RunSection, StartEvalSection, TasksSection
+from lmforge.objectives.orpo import ORPOObjective
+from lmforge.recipes.base import Recipe, register
+from lmforge.training.loop import Job
+from lmforge.training.preference import PreferenceSection, check_preference_data, preference_datasets, preference_job
+from lmforge.training.runtime import Runtime
+
+
+class ORPOSection(PreferenceSection):
+    beta: float = Field(0.1, gt=0)
+    """The odds-ratio term's weight (the paper's lambda; 0.1 there and in common recipes)."""
+
+
+class ORPOConfig(Config):
+    orpo: ORPOSection = ORPOSection()
+    tasks: TasksSection = TasksSection()
+    eval: StartEvalSection = StartEvalSection()
+    run: RunSection = RunSection(dir="runs/orpo")
+
+
+@register
+class ORPO(Recipe):
+    name = "orpo"
+    config = ORPOConfig
+    summary = "ORPO: SFT plus an odds-ratio preference term, no reference model"
+
+    def check(self, cfg: ORPOConfig) -> None:
+        check_preference_data(cfg, "ORPO")
+
+    def build(self, rt: Runtime, cfg: ORPOConfig, inputs: None) -> Job:
+        o = cfg.orpo
+        train_set, val_set = preference_datasets(rt, o, "orpo")
+        objective = ORPOObjective(beta=o.beta, chunk_tokens=cfg.training.loss_chunk_tokens)
+        return preference_job(rt, o, objective, train_set, val_set, None, extra_forwards=0)

@@ -1,0 +1,48 @@
+"""SimPO on ``prompt``/``chosen``/``rejected`` records: a reference-free, length-normalised margin
+(:mod:`lmforge.objectives.simpo`); data, step source and eval as every preference recipe
+(:mod:`lmforge.training.preference`)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from lmforge.config import Config, RunSection, StartEvalSection, TasksSection
+from lmforge.objectives.simpo import SimPOObjective
+from lmforge.recipes.base import Recipe, register
+from lmforge.training.loop import Job
+from lmforge.training.preference import PreferenceSection, check_preference_data, preference_datasets, preference_job
+from lmforge.training.runtime import Runtime
+
+
+class SimPOSection(PreferenceSection):
+    beta: float = Field(2.0, gt=0)
+    """Reward scale: a response's reward is ``beta`` x its mean token log-prob (the paper uses 2-2.5)."""
+    gamma: float = Field(1.0, ge=0)
+    """Target reward margin of chosen over rejected (the paper's gamma/beta of 0.5-0.8 with beta 2)."""
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    nll_weight: float = Field(0.0, ge=0)
+    """Weight of the chosen response's per-token negative log-likelihood (CPO's term)."""
+
+
+class SimPOConfig(Config):
+    simpo: SimPOSection = SimPOSection()
+    tasks: TasksSection = TasksSection()
+    eval: StartEvalSection = StartEvalSection()
+    run: RunSection = RunSection(dir="runs/simpo")
+
+
+@register
+class SimPO(Recipe):
+    name = "simpo"
+    config = SimPOConfig
+    summary = "SimPO: reference-free preference optimization on length-normalised rewards with a margin"
+
+    def check(self, cfg: SimPOConfig) -> None:
+        check_preference_data(cfg, "SimPO")
+
+    def build(self, rt: Runtime, cfg: SimPOConfig, inputs: None) -> Job:
+        s = cfg.simpo
+        train_set, val_set = preference_datasets(rt, s, "simpo")
+        objective = SimPOObjective(beta=s.beta, gamma=s.gamma, label_smoothing=s.label_smoothing,
+                                   nll_weight=s.nll_weight, chunk_tokens=cfg.training.loss_chunk_tokens)
+        return preference_job(rt, s, objective, train_set, val_set, None, extra_forwards=0)
