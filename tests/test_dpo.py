@@ -13,18 +13,18 @@ import pytest
 import torch
 
 from _helpers import lmforge_in_process, run_lmforge, tail, tiny_run_args, torchrun
+from _pairs import (
+    Reference, full_logit_logprob, grads_and_values, row_sample, split_documents, task_pairs, tiny_model,
+)
 from lmforge.data.chat import ByteChatFormat, chat_format_for
-from lmforge.data.packing import IGNORE_INDEX, Sample, collate
+from lmforge.data.packing import IGNORE_INDEX, collate
 from lmforge.data.preference_data import build_preference_dataset, pairs_in, read_preference_records
-from lmforge.data.sources import Record
 from lmforge.errors import UserError
 from lmforge.metrics.records import read_records
-from lmforge.models.model import ModelArgs, Transformer
+from lmforge.models.model import Transformer
 from lmforge.models.tokenizer import ByteTokenizer, load_tokenizer
-from lmforge.models.load import ModelSource
 from lmforge.objectives.dpo import DPOObjective, dpo_losses, sequence_logprobs
 from lmforge.training.reference import FrozenReference
-from lmforge.training.train_step import compute_global_loss, gradient_computation
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -61,30 +61,6 @@ def test_loss_and_gradient_match_hand_and_trl_formulas(loss_type, ls):
 
 
 # ---------------------------------------------------------------------------------------- data
-def task_pairs(n: int) -> list[Record]:
-    """Plain-text and conversational pairs of varied lengths (so rows pack differently)."""
-    out: list[Record] = []
-    for i in range(n):
-        prompt, good, bad = f"What is {i} plus {i + 3}?", str(2 * i + 3), "x" * (1 + i % 5)
-        if i % 2:
-            rec = {"prompt": [{"role": "user", "content": prompt}], "chosen": [{"role": "assistant", "content": good}],
-                   "rejected": [{"role": "assistant", "content": bad}]}
-        else:
-            rec = {"prompt": prompt, "chosen": " " + good, "rejected": " " + bad}
-        out.append((f"pairs.jsonl:{i + 1}", rec))
-    return out
-
-
-def tiny_model(seed: int, vocab: int = 320) -> Transformer:
-    model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=vocab, max_seq_len=128))
-    model.init_weights(seed=seed)
-    with torch.no_grad():  # peaked logits make any leak between packed sequences visible
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(3.0)
-    return model
-
-
 def plain_sequence_logprobs(model: Transformer, dataset) -> list[float]:
     """Each sequence alone in its own batch, full logits, log_softmax, gather: the reference computation."""
     out = []
@@ -131,24 +107,12 @@ def test_chat_masks_on_a_real_tokenizer_cover_only_the_responses():
 
 
 # ---------------------------------------------------------------------------------------- gradients
-def Reference(model):  # noqa: N802 - reads like the class it builds
-    """A frozen reference of ``model`` (None: the policy with its adapters off)."""
-    return FrozenReference(model, ModelSource("init", "0"))
-
-
 def objective_and_batch(reference: FrozenReference, rows: int = 6):
     tok = ByteTokenizer()
     dataset, _ = build_preference_dataset(task_pairs(13), "t", tok, ByteChatFormat(tok), seq_len=64)
     assert len(dataset) >= rows
     batch = collate([dataset[i] for i in range(rows)])
     return DPOObjective(reference, beta=0.3, loss_type="sigmoid", label_smoothing=0.1), batch
-
-
-def grads_and_values(model, objective, microbatches):
-    model.zero_grad()
-    stats = gradient_computation(model, microbatches, objective.loss_fn, objective.normalizer(microbatches))
-    values = objective.log_values(compute_global_loss(stats))
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, values
 
 
 def test_microbatch_split_gives_the_same_gradient_and_metrics_as_a_hand_computation():
@@ -206,27 +170,6 @@ def test_nll_weight_adds_the_chosen_per_token_nll():
     want = float(base) + 0.5 * sum(-float(logps[2 * j]) / n for j, n in enumerate(chosen_tokens))
     assert float(total) == pytest.approx(want, rel=1e-5)
     assert float(stats.sums["dpo_loss_sum"]) == pytest.approx(float(base), rel=1e-6)  # logged as loss/dpo
-
-
-def split_documents(sample):
-    """A packed row's real documents as (input_ids, labels) pairs."""
-    out, at = [], 0
-    for n in sample.document_lengths:
-        out.append((sample.input_ids[at:at + n], sample.labels[at:at + n]))
-        at += n
-    return out
-
-
-def full_logit_logprob(model, ids, labels):
-    logp = torch.log_softmax(model(ids[None]).float()[0], -1)
-    keep = labels != IGNORE_INDEX
-    return logp[keep].gather(-1, labels[keep, None]).sum()
-
-
-def row_sample(batch, i) -> Sample:
-    """Row ``i`` of a batch as a sample again (to re-split a batch into microbatches)."""
-    return Sample(batch.input_ids[i], batch.labels[i], batch.position_ids[i], batch.document_ids[i],
-                  batch.document_lengths[i])
 
 
 def test_lora_reference_is_the_base_model_without_a_copy():

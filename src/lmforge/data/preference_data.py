@@ -66,15 +66,21 @@ class PreferenceSummary:
     no_loss_tokens: int = 0
     loss_tokens: int = 0
     fill: float = 0.0
+    note: str = ""
+    """Said after the counts (KTO: its desirable and undesirable examples)."""
+    unit: str = "pairs"
+    """What a pair is to the method (KTO: an example with its mismatched completion)."""
 
     def line(self) -> str:
-        text = (f"{self.method} data {self.source}: {self.records} records -> {self.pairs} pairs, {self.loss_tokens} "
+        u = self.unit
+        text = (f"{self.method} data {self.source}: {self.records} records -> {self.pairs} {u}, {self.loss_tokens} "
                 f"response tokens, {self.sequences} rows of {self.seq_len} ({100 * self.fill:.1f}% of tokens used)")
         skipped = []
         if self.too_long:
-            skipped.append(f"{self.too_long} pairs longer than {self.seq_len} tokens (chosen + rejected)")
+            skipped.append(f"{self.too_long} {u} longer than {self.seq_len} tokens (both sequences)")
         if self.no_loss_tokens:
-            skipped.append(f"{self.no_loss_tokens} pairs with an empty response")
+            skipped.append(f"{self.no_loss_tokens} {u} with an empty response")
+        text += f"; {self.note}" if self.note else ""
         return text + ("; skipped " + ", ".join(skipped) if skipped else "")
 
     def counts(self) -> dict[str, int]:
@@ -137,21 +143,24 @@ def _shift(ids: list[int], mask: list[bool]) -> Example | None:
 
 
 def tokenize_pairs(records: Sequence[Record], tokenizer: Tokenizer, chat: ChatFormat | None, seq_len: int,
-                   summary: PreferenceSummary) -> list[PreferencePair]:
+                   summary: PreferenceSummary, values: Sequence[float] | None = None) -> list[PreferencePair]:
     """Records to pairs; pairs that do not fit one row, or with a response of no tokens, are counted and
-    skipped (a DPO pair is only meaningful whole)."""
+    skipped (a DPO pair is only meaningful whole). ``values[k]``: the number both sequences of record
+    ``k``'s pair carry into their batch (``Example.value``)."""
     if chat is None and any(isinstance(r.get("prompt"), list) for _, r in records):
         where = next(w for w, r in records if isinstance(r.get("prompt"), list))
         raise UserError(f"{where}: conversational records need a chat template and {tokenizer!r} has none "
                         "(give one with dpo.chat_template=FILE.jinja)")
     pairs = []
-    for where, record in records:
+    for k, (where, record) in enumerate(records):
         sequences = [(where, r) for r in to_sft_records(record)]
         (c_ids, c_mask), (r_ids, r_mask) = tokenize_records(sequences, tokenizer, chat, "assistant")
         chosen, rejected = _shift(c_ids, c_mask), _shift(r_ids, r_mask)
         if chosen is None or rejected is None:
             summary.no_loss_tokens += 1
             continue
+        if values is not None:
+            chosen.value = rejected.value = float(values[k])
         pair = PreferencePair(chosen, rejected)
         if len(pair) > seq_len:
             summary.too_long += 1

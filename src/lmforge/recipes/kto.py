@@ -1,0 +1,53 @@
+"""KTO on single responses labelled desirable or undesirable (or preference pairs, split into one of
+each): the loss is :mod:`lmforge.objectives.kto`, the data :mod:`lmforge.data.unpaired_data`; the
+reference is the run's starting model, frozen, and everything else is every preference recipe's
+(:mod:`lmforge.training.preference`)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from lmforge.config import Config, RunSection, StartEvalSection, TasksSection
+from lmforge.data.unpaired_data import build_unpaired_dataset
+from lmforge.objectives.kto import KTOObjective
+from lmforge.recipes.base import Recipe, register
+from lmforge.training.loop import Job
+from lmforge.training.preference import BetaSection, check_preference_data, preference_datasets, preference_job
+from lmforge.training.reference import FrozenReference
+from lmforge.training.runtime import Runtime
+
+
+class KTOSection(BetaSection):
+    """``beta``: the reward scale (reward = beta * log-ratio to the reference), as in DPO."""
+
+    desirable_weight: float = Field(1.0, gt=0)
+    undesirable_weight: float = Field(1.0, gt=0)
+    """Weights of the two kinds of example; with unbalanced data, choose them so that
+    ``desirable_weight * desirable / (undesirable_weight * undesirable)`` lies in [1, 4/3] (the KTO paper's advice)."""
+
+
+class KTOConfig(Config):
+    kto: KTOSection = KTOSection()
+    tasks: TasksSection = TasksSection()
+    eval: StartEvalSection = StartEvalSection()
+    run: RunSection = RunSection(dir="runs/kto")
+
+
+@register
+class KTO(Recipe):
+    name = "kto"
+    config = KTOConfig
+    summary = "KTO on responses labelled desirable/undesirable (or preference pairs, split)"
+
+    def check(self, cfg: KTOConfig) -> None:
+        check_preference_data(cfg, "KTO", "prompt, completion, label; or prompt, chosen, rejected")
+
+    def build(self, rt: Runtime, cfg: KTOConfig, inputs: None) -> Job:
+        k = cfg.kto
+        train_set, val_set = preference_datasets(rt, k, "kto", build_unpaired_dataset)
+        reference = FrozenReference.for_run(rt)
+        objective = KTOObjective(rt.model, reference, beta=k.beta, desirable_weight=k.desirable_weight,
+                                 undesirable_weight=k.undesirable_weight, chunk_tokens=cfg.training.loss_chunk_tokens,
+                                 autocast=rt.autocast)
+        # the reference point's pass: one forward of the policy and one of the reference, without grad
+        return preference_job(rt, k, objective, train_set, val_set, reference, extra_forwards=2)
