@@ -78,13 +78,14 @@ def read_unpaired_examples(spec: str) -> tuple[list[tuple[str, Any, Any, bool]],
     return out, len(rows)
 
 
-def _partners(prompts: Sequence[str]) -> list[int]:
-    """For each example, the next example (cyclically) with another prompt; itself if every prompt is
-    the same (then the estimate is of the matched log-ratio, said in the summary)."""
+def _partners(prompts: Sequence[str], kinds: Sequence[type]) -> list[int]:
+    """For each example, the next example (cyclically) with another prompt and a completion of the same
+    kind (text or messages); itself if there is none (then the estimate is of the matched log-ratio,
+    said in the summary)."""
     n, out = len(prompts), []
     for i in range(n):
-        j = next(((i + k) % n for k in range(1, n) if prompts[(i + k) % n] != prompts[i]), i)
-        out.append(j)
+        others = ((i + k) % n for k in range(1, n))
+        out.append(next((j for j in others if prompts[j] != prompts[i] and kinds[j] is kinds[i]), i))
     return out
 
 
@@ -93,7 +94,7 @@ def build_unpaired_dataset(path: str, tokenizer: Tokenizer, chat: ChatFormat | N
     """Examples of ``path`` -> (example, mismatched) pairs -> rows; plus the summary to report."""
     examples, records = read_unpaired_examples(path)
     keys = [json.dumps(p, sort_keys=True) for _, p, _, _ in examples]
-    partners = _partners(keys)
+    partners = _partners(keys, [type(y) for _, _, y, _ in examples])
     pseudo: list[Record] = [(where, {"prompt": p, "chosen": y, "rejected": examples[j][2]})
                             for (where, p, y, _), j in zip(examples, partners)]
     summary = PreferenceSummary(source=path, method="kto", records=records, seq_len=seq_len,
@@ -102,8 +103,9 @@ def build_unpaired_dataset(path: str, tokenizer: Tokenizer, chat: ChatFormat | N
     desirable = sum(1 for p in pairs if p.chosen.value == 1.0)
     summary.note = (f"{desirable} desirable and {len(pairs) - desirable} undesirable examples, each with a "
                     "mismatched completion for the reference point")
-    if all(j == i for i, j in enumerate(partners)):
-        summary.note += " (every prompt is the same: the reference point compares matched completions)"
+    if any(j == i for i, j in enumerate(partners)):
+        alone = sum(j == i for i, j in enumerate(partners))
+        summary.note += f" ({alone} with no other prompt to borrow from: their own completion stands in)"
     if not pairs:
         raise UserError(summary.line() + ": no examples left to train on")
     dataset = PreferenceDataset(pairs, seq_len, tokenizer.pad_id, packing)

@@ -33,8 +33,10 @@ from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS
 
 
 def log1m_exp(a: Tensor) -> Tensor:
-    """``log(1 - exp(a))`` for ``a <= 0``, accurate near 0 and for very negative ``a``."""
-    a = a.clamp(max=-1e-7)  # a mean log-prob is <= 0; exactly 0 would be log(0)
+    """``log(1 - exp(a))`` for ``a <= 0``, accurate near 0 and for very negative ``a``. ``a`` is clamped
+    at -1e-7 (float32's resolution next to 1): a mean log-prob of exactly 0 would give log(0), and one
+    closer to 0 a gradient of about -1/a, so the odds of a response already near-certain stop growing there."""
+    a = a.clamp(max=-1e-7)
     return torch.where(a > -math.log(2), torch.log(-torch.expm1(a)), torch.log1p(-torch.exp(a)))
 
 
