@@ -61,19 +61,22 @@ def resolve(kind: Divergence, beta: float) -> tuple[str, float]:
 
 
 def _divergence_rows(logq: Tensor, logp: Tensor, kind: str, beta: float) -> tuple[Tensor, Tensor]:
-    """Per-row divergence [c] and its gradient w.r.t. ``u`` (the student's logits / T) [c, V]."""
-    q, p = logq.exp(), logp.exp()
+    """Per-row divergence [c] and its gradient w.r.t. ``u`` (the student's logits / T) [c, V]; in place
+    where it can be, since every temporary is a chunk of full-vocabulary rows."""
     if kind == "forward_kl":
-        return (p * (logp - logq)).sum(-1), q - p
+        p = logp.exp()
+        d = torch.sub(logp, logq).mul_(p).sum(-1)
+        return d, logq.exp().sub_(p)
     if kind == "reverse_kl":
-        diff = logq - logp
+        q, diff = logq.exp(), torch.sub(logq, logp)
         d = (q * diff).sum(-1)
-        return d, q * (diff - d.unsqueeze(-1))
+        return d, diff.sub_(d.unsqueeze(-1)).mul_(q)
     logm = torch.logaddexp(logp + math.log(beta), logq + math.log1p(-beta))
-    kl_pm = (p * (logp - logm)).sum(-1)
-    diff = logq - logm
+    kl_pm = torch.sub(logp, logm).mul_(logp.exp()).sum(-1)
+    q, diff = logq.exp(), logq - logm
+    del logm
     kl_qm = (q * diff).sum(-1)
-    return beta * kl_pm + (1 - beta) * kl_qm, (1 - beta) * q * (diff - kl_qm.unsqueeze(-1))
+    return beta * kl_pm + (1 - beta) * kl_qm, diff.sub_(kl_qm.unsqueeze(-1)).mul_(q).mul_(1 - beta)
 
 
 class _ChunkedDivergence(torch.autograd.Function):
@@ -99,13 +102,15 @@ class _ChunkedDivergence(torch.autograd.Function):
                 logq = F.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)
                 logp = F.log_softmax(zt / temperature if temperature != 1.0 else zt, dim=-1)
                 del zt
+                if temperature == 1.0:
+                    del z
                 d, grad_z = _divergence_rows(logq, logp, kind, beta)
                 del logp
                 div_sum += d.sum()
                 if temperature != 1.0:
                     grad_z.div_(temperature)
                     logq = F.log_softmax(z, dim=-1)  # the cross-entropy is at temperature 1
-                del z
+                    del z
                 y = labels[s:s + chunk]
                 has = y >= 0
                 y_safe = torch.where(has, y, torch.zeros_like(y)).unsqueeze(-1)
