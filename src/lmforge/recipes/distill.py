@@ -15,6 +15,7 @@ Each step's FLOPs include the teacher's forward pass; checkpoints record the tea
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -180,8 +181,9 @@ class Distill(Recipe):
             raise UserError("data.train=none: distillation needs training records (embedded, or a .jsonl/.parquet file)")
         try:
             return ModelSource.at(cfg.distill.teacher)
-        except UserError as e:
-            raise UserError(f"distill.teacher={cfg.distill.teacher}: {e}") from None
+        except UserError as e:  # said once, after the key: "distill.teacher=PATH: what is wrong with it"
+            why = str(e).split(": ", 1)[-1] if str(e).startswith(str(Path(cfg.distill.teacher).expanduser())) else str(e)
+            raise UserError(f"distill.teacher={cfg.distill.teacher}: {why}") from None
 
     def build(self, rt: Runtime, cfg: DistillConfig, inputs: ModelSource) -> Job:
         d = cfg.distill
