@@ -132,7 +132,7 @@ class _ChunkedDivergence(torch.autograd.Function):
         ctx.weight_dtype = weight.dtype
         objective = div_sum + ce_weight * ce_sum
         ctx.mark_non_differentiable(div_sum, ce_sum, agree)
-        return objective, div_sum.detach().clone(), ce_sum.detach().clone(), agree
+        return objective, div_sum, ce_sum, agree
 
     @staticmethod
     def backward(ctx: Any, grad_objective: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
