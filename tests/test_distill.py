@@ -150,7 +150,7 @@ def test_microbatch_split_is_exact_and_equals_full_logits_per_document():
                 zt = teacher(ids)[0][keep].double()
             zs = student(ids)[0][keep].double()
             t, d, c = reference_sums(zs, zt, labels[keep], "jsd", 0.4, 1.5, 0.3)
-            total, div, ce, n = total + t, div + float(d), ce + float(c), n + int(keep.sum())
+            total, div, ce, n = total + t, div + d.item(), ce + c.item(), n + int(keep.sum())
     (total / n).backward()
     assert float(values["loss"]) == pytest.approx(float(total) / n, rel=1e-5)
     assert float(values["divergence"]) == pytest.approx(div / n, rel=1e-5)
