@@ -73,6 +73,13 @@ def _pairs(path: Path) -> Path:
     return path
 
 
+def _teacher(tmp: Path) -> list[str]:
+    """A one-step pretrained tiny model to distill from."""
+    assert main(["pretrain", *tiny_run_args(training_steps=1), f"--run.dir={tmp / 'teacher'}"]) == 0
+    return [f"--distill.teacher={tmp / 'teacher'}", "--tasks.train_examples=32", "--tasks.eval_examples=8",
+            "--eval.interval=1"]
+
+
 # What each recipe needs besides tiny_run_args to take one step: a recipe registered without an entry here
 # fails the test below, so every trainer is run with data.validation=none.
 ONE_STEP = {
@@ -81,6 +88,7 @@ ONE_STEP = {
     "sft": lambda tmp: ["--tasks.train_examples=32", "--tasks.eval_examples=8", "--eval.interval=1"],
     "grpo": lambda tmp: ["--grpo.num_generations=2", "--grpo.max_new_tokens=4", "--tasks.eval_examples=4",
                          "--training.global_batch_size=4", "--data.seq_len=None"],
+    "distill": _teacher,
     **{name: lambda tmp: [f"--data.train={_pairs(tmp / 'pairs.jsonl')}", "--data.seq_len=64",
                           "--training.global_batch_size=2", "--training.micro_batch_size=2", "--data.prefetch=0"]
        for name in ("dpo", "kto", "orpo", "simpo")},

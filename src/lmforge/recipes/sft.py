@@ -9,19 +9,11 @@ every run reports its before/after.
 
 from __future__ import annotations
 
-from typing import Literal
-
-from lmforge.config import Config, RunSection, Section, StartEvalSection, TasksSection
+from lmforge.config import Config, RunSection, StartEvalSection, TasksSection
 from lmforge.data.chat import ChatFormat, training_chat_format
-from lmforge.data.inputs import DataSpec, train_and_validation, train_spec
-from lmforge.data.sft_data import (
-    Record,
-    SFTDataset,
-    build_sft_dataset,
-    read_sft_records,
-    task_records,
-)
-from lmforge.data.tasks import task_examples
+from lmforge.data.inputs import train_spec
+from lmforge.data.sft_data import SFTDataset
+from lmforge.data.sft_inputs import SFTSection, sft_datasets
 from lmforge.errors import UserError
 from lmforge.evaluation.loss import validation_eval
 from lmforge.evaluation.tasks import TaskEval, held_out_examples
@@ -32,17 +24,6 @@ from lmforge.training.next_token import LoaderSource
 from lmforge.training.runtime import Runtime
 
 
-class SFTSection(Section):
-    loss_on: Literal["assistant", "all"] = "assistant"
-    """``assistant``: loss on assistant turns / completions only; ``all``: on every token."""
-    packing: bool = True
-    """Pack several examples per sequence (isolated by document masks); false: one padded example each."""
-    too_long: Literal["skip", "truncate"] = "skip"
-    """Examples longer than ``data.seq_len + 1`` tokens are skipped, or cut to fit."""
-    chat_template: str | None = None
-    """A jinja file to use instead of the tokenizer's own chat template."""
-
-
 class SFTConfig(Config):
     sft: SFTSection = SFTSection()
     tasks: TasksSection = TasksSection()
@@ -50,25 +31,10 @@ class SFTConfig(Config):
     run: RunSection = RunSection(dir="runs/sft")
 
 
-def _records(spec: DataSpec, split: str, cfg: SFTConfig) -> tuple[list[Record], str]:
-    if spec.kind == "embedded":
-        n = (cfg.tasks.train_examples or None) if split == "train" else None
-        return task_records(task_examples(split, n, cfg.tasks.names), split), f"embedded tasks ({split})"
-    return read_sft_records(spec.value, cfg.data.format), spec.value
-
-
 def build_datasets(cfg: SFTConfig, rt: Runtime, chat: ChatFormat | None) -> tuple[SFTDataset, SFTDataset | None]:
     """Train and validation sets; each summary (counts of skipped/truncated examples) is logged."""
-    d, s = cfg.data, cfg.sft
-
-    def build(spec: DataSpec, split: str) -> SFTDataset:
-        records, source = _records(spec, split, cfg)
-        dataset, summary = build_sft_dataset(records, source, rt.tokenizer, chat, seq_len=d.seq_len,
-                                             loss_on=s.loss_on, too_long=s.too_long, packing=s.packing)
-        rt.metrics.record_event("sft_data", 0, summary.line(), split=split, **summary.counts())
-        return dataset
-
-    return train_and_validation(d, build, validation_split="test")
+    return sft_datasets(cfg, rt.tokenizer, chat, lambda split, summary: rt.metrics.record_event(
+        "sft_data", 0, summary.line(), split=split, **summary.counts()))
 
 
 @register

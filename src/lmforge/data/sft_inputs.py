@@ -1,0 +1,51 @@
+"""What the ``[sft]`` keys mean and a run's SFT train/validation sets, for every recipe that trains on
+SFT records (supervised fine-tuning, and distillation on the same records and loss masks).
+
+The section and the dataset builder live here, below the recipes, so that no recipe imports another.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal
+
+from lmforge.config import Section
+from lmforge.data.chat import ChatFormat
+from lmforge.data.inputs import DataSpec, train_and_validation
+from lmforge.data.sft_data import DataSummary, SFTDataset, build_sft_dataset, read_sft_records, task_records
+from lmforge.data.sources import Record
+from lmforge.data.tasks import task_examples
+from lmforge.models.tokenizer import Tokenizer
+
+
+class SFTSection(Section):
+    loss_on: Literal["assistant", "all"] = "assistant"
+    """``assistant``: loss on assistant turns / completions only; ``all``: on every token."""
+    packing: bool = True
+    """Pack several examples per sequence (isolated by document masks); false: one padded example each."""
+    too_long: Literal["skip", "truncate"] = "skip"
+    """Examples longer than ``data.seq_len + 1`` tokens are skipped, or cut to fit."""
+    chat_template: str | None = None
+    """A jinja file to use instead of the tokenizer's own chat template."""
+
+
+def _records(spec: DataSpec, split: str, cfg: Any) -> tuple[list[Record], str]:
+    if spec.kind == "embedded":
+        n = (cfg.tasks.train_examples or None) if split == "train" else None
+        return task_records(task_examples(split, n, cfg.tasks.names), split), f"embedded tasks ({split})"
+    return read_sft_records(spec.value, cfg.data.format), spec.value
+
+
+def sft_datasets(cfg: Any, tokenizer: Tokenizer, chat: ChatFormat | None,
+                 report: Callable[[str, DataSummary], None]) -> tuple[SFTDataset, SFTDataset | None]:
+    """Train and validation sets of a config with ``data``, ``sft`` and ``tasks`` sections; each
+    summary (counts of skipped/truncated examples) goes to ``report(split, summary)``."""
+    d, s = cfg.data, cfg.sft
+
+    def build(spec: DataSpec, split: str) -> SFTDataset:
+        records, source = _records(spec, split, cfg)
+        dataset, summary = build_sft_dataset(records, source, tokenizer, chat, seq_len=d.seq_len,
+                                             loss_on=s.loss_on, too_long=s.too_long, packing=s.packing)
+        report(split, summary)
+        return dataset
+
+    return train_and_validation(d, build, validation_split="test")
