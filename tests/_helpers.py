@@ -48,7 +48,7 @@ STEPS steps of GLOBAL_BATCH sequences of SEQ_LEN tokens, a line per step, no eva
 checkpoint (only the final one), one thread, and no TensorBoard, measured peak or progress bar."""
 
 SECTIONS = frozenset({"model", "data", "training", "optimizer", "schedule", "eval", "checkpoint", "metrics",
-                      "run", "parallel", "elastic", "grpo", "sft", "tasks", "lora", "dpo"})
+                      "run", "parallel", "elastic", "grpo", "sft", "tasks", "lora", "dpo", "rm"})
 
 
 def tiny_run_args(data_file: str | Path | None = None, **overrides: Any) -> list[str]:

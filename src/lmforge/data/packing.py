@@ -34,6 +34,9 @@ class Sample:
     document_ids: torch.Tensor | None = None
     document_lengths: list[int] | None = None
     """Real (non-padding) tokens of each document in order; ``None``: one document of length T."""
+    values: torch.Tensor | None = None
+    """A float per position that an objective reads beside the labels (a reward model's per-pair margin,
+    at the pair's chosen sequence's last token); ``None``: none."""
 
 
 @dataclass
@@ -48,6 +51,8 @@ class Batch:
     """Host-side real document lengths per row (see :attr:`Sample.document_lengths`), so FLOPs of
     the real tokens are known without reading the device tensors; ``None``: every row is one
     document of length T."""
+    values: torch.Tensor | None = None
+    """[B, T] floats (see :attr:`Sample.values`), or ``None``."""
 
     def _map(self, fn) -> "Batch":
         return Batch(
@@ -56,6 +61,7 @@ class Batch:
             position_ids=None if self.position_ids is None else fn(self.position_ids),
             document_ids=None if self.document_ids is None else fn(self.document_ids),
             document_lengths=self.document_lengths,
+            values=None if self.values is None else fn(self.values),
         )
 
     def real_document_lengths(self) -> list[int]:
@@ -98,6 +104,7 @@ def collate(samples: list[Sample]) -> Batch:
         position_ids=_stack_optional(samples, "position_ids"),
         document_ids=_stack_optional(samples, "document_ids"),
         document_lengths=_lengths(samples),
+        values=_stack_optional(samples, "values"),
     )
 
 

@@ -57,6 +57,7 @@ class PreferencePair:
 @dataclass
 class PreferenceSummary:
     source: str
+    trainer: str = "dpo"
     records: int = 0
     pairs: int = 0
     sequences: int = 0
@@ -67,7 +68,7 @@ class PreferenceSummary:
     fill: float = 0.0
 
     def line(self) -> str:
-        text = (f"dpo data {self.source}: {self.records} records -> {self.pairs} pairs, {self.loss_tokens} "
+        text = (f"{self.trainer} data {self.source}: {self.records} records -> {self.pairs} pairs, {self.loss_tokens} "
                 f"response tokens, {self.sequences} rows of {self.seq_len} ({100 * self.fill:.1f}% of tokens used)")
         skipped = []
         if self.too_long:
@@ -135,10 +136,21 @@ def _shift(ids: list[int], mask: list[bool]) -> Example | None:
     return Example(np.asarray(ids[:-1], dtype=np.int64), labels)
 
 
+def _whole(ids: list[int], mask: list[bool]) -> Example | None:
+    """The whole sequence as input (a reward model reads every token, the last one included), labels
+    marking its response tokens; None when the response has no tokens."""
+    carries = np.asarray(mask, dtype=bool)
+    if not carries.any():
+        return None
+    tokens = np.asarray(ids, dtype=np.int64)
+    return Example(tokens, np.where(carries, tokens, IGNORE_INDEX))
+
+
 def tokenize_pairs(records: Sequence[Record], tokenizer: Tokenizer, chat: ChatFormat | None, seq_len: int,
-                   summary: PreferenceSummary) -> list[PreferencePair]:
+                   summary: PreferenceSummary, whole: bool = False) -> list[PreferencePair]:
     """Records to pairs; pairs that do not fit one row, or with a response of no tokens, are counted and
-    skipped (a DPO pair is only meaningful whole)."""
+    skipped (a DPO pair is only meaningful whole). ``whole``: keep each sequence whole rather than
+    shifted into next-token inputs and labels (reward models)."""
     if chat is None and any(isinstance(r.get("prompt"), list) for _, r in records):
         where = next(w for w, r in records if isinstance(r.get("prompt"), list))
         raise UserError(f"{where}: conversational records need a chat template and {tokenizer!r} has none "
@@ -147,7 +159,8 @@ def tokenize_pairs(records: Sequence[Record], tokenizer: Tokenizer, chat: ChatFo
     for where, record in records:
         sequences = [(where, r) for r in to_sft_records(record)]
         (c_ids, c_mask), (r_ids, r_mask) = tokenize_records(sequences, tokenizer, chat, "assistant")
-        chosen, rejected = _shift(c_ids, c_mask), _shift(r_ids, r_mask)
+        example = _whole if whole else _shift
+        chosen, rejected = example(c_ids, c_mask), example(r_ids, r_mask)
         if chosen is None or rejected is None:
             summary.no_loss_tokens += 1
             continue
