@@ -83,6 +83,8 @@ ONE_STEP = {
                          "--training.global_batch_size=4", "--data.seq_len=None"],
     "dpo": lambda tmp: [f"--data.train={_pairs(tmp / 'pairs.jsonl')}", "--data.seq_len=64",
                         "--training.global_batch_size=2", "--training.micro_batch_size=2", "--data.prefetch=0"],
+    "rm": lambda tmp: [f"--data.train={_pairs(tmp / 'pairs.jsonl')}", "--data.seq_len=64",
+                       "--training.global_batch_size=2", "--training.micro_batch_size=2", "--data.prefetch=0"],
 }
 
 

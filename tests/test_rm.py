@@ -289,6 +289,12 @@ def test_grpo_reward_is_the_score_of_the_rendered_sequence(rm_run):
     with torch.no_grad():
         want = sequence_scores(model, collate([data[i] for i in range(len(data))]))[0::2]
     assert got == pytest.approx(want.tolist(), rel=1e-5, abs=1e-6) and len(set(got)) == 2
+    # the run exported (lmforge export --hf) gives the same rewards
+    from lmforge.export import export_hf
+
+    out = export_hf(rm_run, rm_run.parent / "exported")
+    (exported,) = load_rewards([f"rm:{out}"])
+    assert score_completions([exported], prompts, completions, {}).total == pytest.approx(got, rel=1e-5, abs=1e-6)
 
 
 def test_a_language_model_is_refused_as_a_reward(tmp_path):
