@@ -49,7 +49,7 @@ checkpoint (only the final one), one thread, and no TensorBoard, measured peak o
 
 SECTIONS = frozenset({"model", "data", "training", "optimizer", "schedule", "eval", "checkpoint", "metrics",
                       "run", "parallel", "elastic", "grpo", "sft", "tasks", "lora", "dpo", "distill", "kto", "orpo",
-                      "simpo"})
+                      "simpo", "rm"})
 
 
 def tiny_run_args(data_file: str | Path | None = None, **overrides: Any) -> list[str]:

@@ -91,7 +91,7 @@ ONE_STEP = {
     "distill": _teacher,
     **{name: lambda tmp: [f"--data.train={_pairs(tmp / 'pairs.jsonl')}", "--data.seq_len=64",
                           "--training.global_batch_size=2", "--training.micro_batch_size=2", "--data.prefetch=0"]
-       for name in ("dpo", "kto", "orpo", "simpo")},
+       for name in ("dpo", "kto", "orpo", "simpo", "rm")},
 }
 
 

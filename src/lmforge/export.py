@@ -98,8 +98,10 @@ def write_hf_dir(model: Transformer, tokenizer: Tokenizer, out: Path) -> None:
     # Every stop token (EOS, generation_config.json's, the template's end of turn), so transformers'
     # generate stops where lmforge does.
     stops = stop_token_ids(tokenizer)
-    save_hf_model(model.state_dict(), model.args, out, bos_token_id=tokenizer.bos_id,
-                  eos_token_id=stops if len(stops) > 1 else stops[0], pad_token_id=tokenizer.pad_id)
+    state = dict(model.state_dict())
+    score = state.pop("score.weight", None)  # a reward model: written as *ForSequenceClassification
+    save_hf_model(state, model.args, out, bos_token_id=tokenizer.bos_id,
+                  eos_token_id=stops if len(stops) > 1 else stops[0], pad_token_id=tokenizer.pad_id, score=score)
     _write_tokenizer(tokenizer, out)
 
 

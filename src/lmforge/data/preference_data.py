@@ -38,7 +38,7 @@ from lmforge.errors import UserError
 from lmforge.models.tokenizer import Tokenizer
 
 __all__ = ["PreferencePair", "PreferenceSummary", "PreferenceDataset", "read_preference_records",
-           "to_sft_records", "build_preference_dataset", "sequence_index", "pairs_in"]
+           "to_sft_records", "build_preference_dataset", "sequence_index", "pairs_in", "pair_values"]
 
 FIELDS = ("prompt", "chosen", "rejected")
 
@@ -142,11 +142,23 @@ def _shift(ids: list[int], mask: list[bool]) -> Example | None:
     return Example(np.asarray(ids[:-1], dtype=np.int64), labels)
 
 
+def _whole(ids: list[int], mask: list[bool]) -> Example | None:
+    """The whole sequence as input (a reward model reads every token, the last one included), labels
+    marking its response tokens; None when the response has no tokens."""
+    carries = np.asarray(mask, dtype=bool)
+    if not carries.any():
+        return None
+    tokens = np.asarray(ids, dtype=np.int64)
+    return Example(tokens, np.where(carries, tokens, IGNORE_INDEX))
+
+
 def tokenize_pairs(records: Sequence[Record], tokenizer: Tokenizer, chat: ChatFormat | None, seq_len: int,
-                   summary: PreferenceSummary, values: Sequence[float] | None = None) -> list[PreferencePair]:
+                   summary: PreferenceSummary, values: Sequence[float] | None = None,
+                   whole: bool = False) -> list[PreferencePair]:
     """Records to pairs; pairs that do not fit one row, or with a response of no tokens, are counted and
     skipped (a DPO pair is only meaningful whole). ``values[k]``: the number both sequences of record
-    ``k``'s pair carry into their batch (``Example.value``)."""
+    ``k``'s pair carry into their batch (``Example.value``). ``whole``: keep each sequence whole rather
+    than shifted into next-token inputs and labels (reward models)."""
     if chat is None and any(isinstance(r.get("prompt"), list) for _, r in records):
         where = next(w for w, r in records if isinstance(r.get("prompt"), list))
         raise UserError(f"{where}: conversational records need a chat template and {tokenizer!r} has none "
@@ -155,7 +167,8 @@ def tokenize_pairs(records: Sequence[Record], tokenizer: Tokenizer, chat: ChatFo
     for k, (where, record) in enumerate(records):
         sequences = [(where, r) for r in to_sft_records(record)]
         (c_ids, c_mask), (r_ids, r_mask) = tokenize_records(sequences, tokenizer, chat, "assistant")
-        chosen, rejected = _shift(c_ids, c_mask), _shift(r_ids, r_mask)
+        example = _whole if whole else _shift
+        chosen, rejected = example(c_ids, c_mask), example(r_ids, r_mask)
         if chosen is None or rejected is None:
             summary.no_loss_tokens += 1
             continue
@@ -207,6 +220,15 @@ def pairs_in(batch: Batch) -> int:
     """Pairs in a batch of :class:`PreferenceDataset` rows (host data only: no device sync)."""
     assert batch.document_lengths is not None, "preference rows always carry their document lengths"
     return sum(len(row) for row in batch.document_lengths) // 2
+
+
+def pair_values(batch: Batch, device: torch.device) -> torch.Tensor | None:
+    """Each pair's ``Example.value`` (its chosen sequence's document value), ``[pairs]`` float32 on
+    ``device``, in the order of :func:`sequence_index`; None when the rows carry no values. From host
+    data: a copy to the device, no sync."""
+    if batch.document_values is None:
+        return None
+    return torch.tensor([v for row in batch.document_values for v in row[0::2]], dtype=torch.float32, device=device)
 
 
 def sequence_index(batch: Batch, positions: torch.Tensor) -> torch.Tensor:

@@ -103,7 +103,19 @@ def load_hf_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> 
     model_dir = Path(model_dir)
     args = load_hf_config(model_dir)
     hf_state = _read_hf_tensors(model_dir)
-    return model_from_hf_state(hf_state, args, dtype, f"{model_dir}: weights do not match config.json")
+    score = hf_state.pop("score.weight", None)  # a *ForSequenceClassification directory: a reward model
+    if score is not None and score.shape != (1, args.dim):
+        raise UserError(f"{model_dir}: score.weight has shape {list(score.shape)}; lmforge reads reward models "
+                        f"with one score (num_labels 1, [1, {args.dim}])")
+    if score is not None and not args.tie_embeddings:  # it has no vocabulary layer: an unused, frozen stand-in
+        hf_state.setdefault("lm_head.weight", torch.zeros(args.vocab_size, args.dim, dtype=score.dtype))
+    model = model_from_hf_state(hf_state, args, dtype, f"{model_dir}: weights do not match config.json")
+    if score is not None:
+        from lmforge.models.heads import attach_head
+
+        with torch.no_grad():
+            attach_head(model, "score").weight.copy_(score)
+    return model
 
 
 def model_from_hf_state(hf_state: dict[str, Tensor], args: ModelArgs, dtype: torch.dtype, mismatch: str) -> Transformer:
@@ -136,16 +148,22 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def save_hf_model(
     model_state: dict[str, Tensor], args: ModelArgs, out_dir: str | Path, *,
     bos_token_id: int | None = None, eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+    score: Tensor | None = None,
 ) -> None:
     """Write ``config.json``, ``model.safetensors`` and ``generation_config.json``.
 
     The config names ``args.hf_model_type`` and its class, so ``AutoModelForCausalLM`` rebuilds
     the same family. ``eos_token_id`` may be a list (several stop tokens) and is written as one.
+    ``score`` ([1, dim]) writes a reward model instead: the family's ``*ForSequenceClassification``
+    with ``score.weight`` and one label, and no vocabulary layer (a reward model never uses it).
     """
     check_exportable(args)  # refuse before writing anything
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf = hf_state_dict_from_lmforge(model_state, args)
+    if score is not None:
+        hf.pop("lm_head.weight", None)
+        hf["score.weight"] = score
     # safetensors refuses aliased or non-contiguous storage: copy only where needed so a
     # large model is not duplicated in memory.
     tensors: dict[str, Tensor] = {}
@@ -161,6 +179,9 @@ def save_hf_model(
 
     config = hf_config_from_args(args, torch_dtype=_dtype_name(dtype), bos_token_id=bos_token_id,
                                  eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    if score is not None:  # pad_token_id (set by the caller) is how transformers finds each row's last token
+        config["architectures"] = [config["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")]
+        config |= {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gen = {"_from_model_config": True}
     for key, val in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from lmforge.checkpoint import RunDir, STATE_FILE, load_model_weights, read_trainer_state, resolve_checkpoint
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
+from lmforge.models.heads import attach_head, head_of
 from lmforge.models.model import Transformer
 from lmforge.models.spec import spec_for_args
 from lmforge.models.tokenizer import Tokenizer, load_tokenizer
@@ -72,8 +73,10 @@ class LoadedModel:
         return self.model.args
 
     def description(self) -> dict[str, Any]:
-        """What a checkpoint stores to describe its model (see the module doc)."""
-        return {"model_args": self.args.to_dict(), "tokenizer": self.tokenizer_spec}
+        """What a checkpoint stores to describe its model (see the module doc); ``head`` names an extra
+        output head (:mod:`lmforge.models.heads`)."""
+        head = head_of(self.model)
+        return {"model_args": self.args.to_dict(), "tokenizer": self.tokenizer_spec} | ({"head": head} if head else {})
 
 
 def checkpoint_description(checkpoint: Path) -> dict[str, Any]:
@@ -136,6 +139,8 @@ def load_model(source: ModelSource, *, tokenizer: str = "byte", args: ModelArgs 
         else:
             args = ModelArgs.from_dict(described["model_args"])
             model = spec_for_args(args).build(args)
+            if described.get("head"):
+                attach_head(model, described["head"])
             load_model_weights(ckpt, model)
     check_vocabulary(tok, model.args.vocab_size, str(source))
     return LoadedModel(model, tok, spec, source)
@@ -168,6 +173,8 @@ def _load_adapted(ckpt: Path, described: dict[str, Any], tokenizer: str, merge: 
         raise UserError(f"{ckpt}: holds LoRA adapters for the base model {base_source}, which no longer exists")
     base = load_model(base_source, tokenizer=tokenizer, args=ModelArgs.from_dict(described["model_args"])).model
     apply_lora(base, lora)
+    if described.get("head"):
+        attach_head(base, described["head"])
     load_model_weights(ckpt, base)
     return merge_adapters(base).requires_grad_(True) if merge else base
 

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from lmforge import distributed as dist_utils
 from lmforge.data.packing import IGNORE_INDEX, Batch
-from lmforge.data.preference_data import pairs_in
+from lmforge.data.preference_data import pair_values, pairs_in
 from lmforge.objectives.pairwise import sequence_logprobs
 from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS
 from lmforge.training.reference import FrozenReference
@@ -45,11 +45,10 @@ def kto_losses(r: Tensor, z0: Tensor, desirable: Tensor, *, beta: float, desirab
 
 
 def labels_of(batch: Batch, device: torch.device) -> Tensor:
-    """Each example's label (bool, desirable) from the host-side document values: examples are a row's
-    even documents (odd ones are their mismatched completions)."""
-    assert batch.document_values is not None, "KTO rows carry each example's label as its document value"
-    values = [v for row in batch.document_values for v in row[0::2]]
-    return torch.tensor(values, device=device) > 0.5
+    """Each example's label (bool, desirable), carried as its pair's value (1.0 or 0.0)."""
+    values = pair_values(batch, device)
+    assert values is not None, "KTO rows carry each example's label as its pair's value"
+    return values > 0.5
 
 
 class KTOLoss:

@@ -8,8 +8,9 @@ in tokens (its stop token included). A function returns one value per completion
 ``None`` where it does not apply (e.g. a math checker asked about a word task); such entries count
 as 0 in the weighted total and are left out of that function's logged mean.
 
-Functions are named in the config either from the built-in registry (:data:`BUILTIN_REWARDS`) or as
-``module:function``, imported from the Python path plus the current directory.
+Functions are named in the config either from the built-in registry (:data:`BUILTIN_REWARDS`), as
+``rm:PATH`` (a trained reward model's score, :mod:`lmforge.rl.reward_model`) or as ``module:function``,
+imported from the Python path plus the current directory.
 """
 
 from __future__ import annotations
@@ -83,12 +84,17 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 
 
 def resolve_reward(name: str) -> RewardFn:
-    """A built-in reward by name, or ``module:function`` imported from the path or the current directory."""
+    """A built-in reward by name, ``rm:PATH`` (a trained reward model, :mod:`lmforge.rl.reward_model`), or
+    ``module:function`` imported from the path or the current directory."""
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
+    if name.startswith("rm:"):
+        from lmforge.rl.reward_model import RewardModelReward
+
+        return RewardModelReward(name[3:])
     if ":" not in name:
-        raise UserError(f"unknown reward `{name}`: use a built-in ({', '.join(BUILTIN_REWARDS)}) "
-                        "or module:function")
+        raise UserError(f"unknown reward `{name}`: use a built-in ({', '.join(BUILTIN_REWARDS)}), "
+                        "rm:PATH or module:function")
     module_name, _, attr = name.partition(":")
     if not module_name or not attr:
         raise UserError(f"reward `{name}`: expected module:function")

@@ -29,6 +29,7 @@ from lmforge.metrics import MetricLogger
 from lmforge.metrics.progress import progress_bar
 from lmforge.metrics.sinks import WandbSink
 from lmforge.models.flops import peak_flops_per_device
+from lmforge.models.heads import attach_head, head_of
 from lmforge.models.load import LoadedModel, ModelSource, load_model
 from lmforge.models.lora import apply_lora, trainable_parameters
 from lmforge.models.args import ModelArgs
@@ -56,6 +57,9 @@ class RecipeServices:
     snapshot_keep: int = 1
     process_start: float | None = None
     """Moves the start of goodput accounting earlier (a restarted attempt counts from the failure)."""
+    head: str | None = None
+    """An output head the recipe's objective reads (``"score"``: a reward model's scalar score; see
+    :mod:`lmforge.models.heads`), added to the model before it is wrapped, and named in checkpoints."""
 
 
 @dataclass
@@ -225,6 +229,12 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
         apply_lora(model, cfg.lora)
         adapter_params = trainable_parameters(model)[0]
         description |= {"lora": cfg.lora.model_dump(), "base": str(loaded.source)}
+    if services.head:  # after LoRA, which freezes all it does not add: the head trains either way
+        attach_head(model, services.head)
+        description |= {"head": services.head}
+    elif head_of(model):
+        raise UserError(f"{loaded.source} is a reward model (a {head_of(model)} head, no trained vocabulary "
+                        f"layer): `lmforge {trainer}` needs a language model to start from")
     check_fresh_start(cfg, run)
     check_resume_compatible(run, args, description)
     model.to(info.device)

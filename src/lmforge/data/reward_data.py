@@ -1,0 +1,79 @@
+"""Reward-model data: DPO's preference records and row layout, with whole sequences and margins.
+
+Records are DPO's (:mod:`lmforge.data.preference_data`: ``prompt``/``chosen``/``rejected``, plain text
+or conversational) plus an optional numeric ``margin`` per record (how much the chosen response
+should outscore the rejected one; 0 when absent). Rows are DPO's too (a pair's chosen then rejected
+sequence as consecutive documents, several pairs packed per row), except that each sequence is kept
+whole: a reward model reads every token and scores the last one (for a chat, the template's own
+rendering of prompt + response, its end of turn included; plain text ends in EOS).
+
+Each pair carries its margin as its value (``Example.value``, in batches ``document_values``), so a
+margin travels with its pair through the loader, microbatches and ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Sequence
+
+
+from lmforge.data.chat import ChatFormat
+from lmforge.data.preference_data import (
+    PreferenceDataset,
+    PreferenceSummary,
+    read_preference_records,
+    to_sft_records,
+    tokenize_pairs,
+)
+from lmforge.data.record_formats import prompt_messages
+from lmforge.data.sft_data import tokenize_records
+from lmforge.data.sources import Record
+from lmforge.errors import UserError
+from lmforge.models.tokenizer import Tokenizer
+
+__all__ = ["read_reward_records", "build_reward_dataset", "rendered_sequence", "margin_of"]
+
+
+def margin_of(record: dict[str, Any]) -> float:
+    """The record's ``margin`` (0 when absent); ``ValueError`` unless it is a finite number."""
+    value = record.get("margin", 0.0)
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise ValueError(f"'margin' must be a finite number (got {type(value).__name__} {str(value)[:40]!r})")
+    return float(value)
+
+
+def read_reward_records(spec: str) -> list[Record]:
+    """DPO's checked preference records, and every ``margin`` checked: one ``file:line`` error."""
+    rows = read_preference_records(spec)
+    for where, record in rows:
+        try:
+            margin_of(record)
+        except ValueError as e:
+            raise UserError(f"{where}: {e}") from None
+    return rows
+
+
+def build_reward_dataset(records: Sequence[Record], source: str, tokenizer: Tokenizer, chat: ChatFormat | None, *,
+                         seq_len: int, packing: bool = True) -> tuple[PreferenceDataset, PreferenceSummary]:
+    """Records -> whole-sequence pairs, each with its margin as its value -> rows; plus the summary."""
+    summary = PreferenceSummary(source=source, method="rm", records=len(records), seq_len=seq_len)
+    pairs = tokenize_pairs(records, tokenizer, chat, seq_len, summary, values=[margin_of(r) for _, r in records],
+                           whole=True)
+    if not pairs:
+        raise UserError(summary.line() + ": no pairs left to train on")
+    dataset = PreferenceDataset(pairs, seq_len, tokenizer.pad_id, packing)
+    summary.sequences, summary.fill = len(dataset), dataset.fill
+    return dataset, summary
+
+
+def rendered_sequence(tokenizer: Tokenizer, chat: ChatFormat, prompt: Any, response: str) -> list[int]:
+    """The tokens a reward model trained on conversational records reads for ``prompt`` (a user message,
+    or a list of chat messages) answered by ``response``: exactly the chosen sequence of the record
+    ``{"prompt": prompt, "chosen": [assistant response]}``."""
+    record = {"prompt": prompt_messages(prompt), "chosen": [{"role": "assistant", "content": response}],
+              "rejected": []}
+    ((ids, _),) = tokenize_records([("prompt", to_sft_records(record)[0])], tokenizer, chat, "assistant")
+    return list(ids)
