@@ -223,7 +223,7 @@ def test_cli_run_logs_rm_metrics_and_resume_equals_uninterrupted(tmp_path, pairs
     # a zero head scores every sequence 0: the starting loss is the mean of -log sigmoid(-margin) over the
     # evaluated pairs (the first 8 rows), log 2 where a pair has no margin
     data, _ = dataset(24, seq_len=96)
-    margins = [data.margins[j // 2] for row in data.bins[:8] for j in row[0::2]]
+    margins = [data.examples[j].value for row in data.bins[:8] for j in row[0::2]]
     assert evals[0]["loss"] == pytest.approx(sum(-log_sigmoid(-m) for m in margins) / len(margins), rel=1e-6)
     assert 0.0 in margins and len(set(margins)) > 1
     for key in ("score/rejected", "loss/bt", "pairs", "total_weights", "lr", "grad_norm", "tflops_per_device"):
