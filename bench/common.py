@@ -7,7 +7,9 @@ import os
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -76,3 +78,32 @@ def append_benchmark(title: str, body: str) -> None:
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     with open(BENCHMARKS_FILE, "a", encoding="utf-8") as f:
         f.write(f"\n## {title} ({stamp})\n\n{body.rstrip()}\n")
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def step_peak_and_seconds(step: Callable[[], None], steps: int, dev: torch.device) -> tuple[float, float]:
+    """Peak memory growth (MB) over ``steps`` calls of ``step`` after a warm-up call, and the median seconds
+    of one call: the GPU allocator's peak, or on CPU the process's peak RSS (VmHWM, reset first)."""
+    step()  # warm-up: allocates what persists across steps (e.g. parameter gradients)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+        base = _status_kb("VmRSS") * 1024
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else _status_kb("VmHWM") * 1024
+    return (peak - base) / 2**20, sorted(times)[len(times) // 2]

@@ -19,23 +19,18 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from lmforge.data.packing import Batch
-from lmforge.models.load import ModelSource
-from lmforge.models.model import ModelArgs, Transformer
-from lmforge.objectives.distill import DistillLoss, DistillSettings
-from lmforge.training.reference import FrozenReference
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import step_peak_and_seconds  # noqa: E402
 
-
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+from lmforge.data.packing import Batch  # noqa: E402
+from lmforge.models.load import ModelSource  # noqa: E402
+from lmforge.models.model import ModelArgs, Transformer  # noqa: E402
+from lmforge.objectives.distill import DistillLoss, DistillSettings  # noqa: E402
+from lmforge.training.reference import FrozenReference  # noqa: E402
 
 
 def _full_forward_kl(student: Transformer, teacher: Transformer, batch: Batch) -> torch.Tensor:
@@ -66,23 +61,8 @@ def measure_one(mode: str, vocab: int, tokens: int, seq_len: int, chunk: int, st
         student.zero_grad(set_to_none=False)
         loss_fn().backward()
 
-    step()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        Path("/proc/self/clear_refs").write_text("5")
-        base = _status_kb("VmRSS") * 1024
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else _status_kb("VmHWM") * 1024
-    return {"mode": mode, "peak_mb": round((peak - base) / 2**20, 1), "seconds": round(sorted(times)[len(times) // 2], 3)}
+    peak_mb, seconds = step_peak_and_seconds(step, steps, dev)
+    return {"mode": mode, "peak_mb": round(peak_mb, 1), "seconds": round(seconds, 3)}
 
 
 def main() -> None:

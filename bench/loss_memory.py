@@ -21,27 +21,19 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_benchmark, loadavg, machine, markdown_table  # noqa: E402
+from common import append_benchmark, loadavg, machine, markdown_table, step_peak_and_seconds  # noqa: E402
 
 from lmforge.data.packing import IGNORE_INDEX, Batch  # noqa: E402
 from lmforge.models.model import ModelArgs, Transformer  # noqa: E402
 from lmforge.objectives.next_token import cross_entropy_loss  # noqa: E402
 
 VOCABS = (32_000, 128_256, 152_064)  # Llama 2, Llama 3.1, Qwen2.5
-
-
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _full_cross_entropy(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
@@ -69,23 +61,8 @@ def measure_one(vocab: int, mode: str, tokens: int, seq_len: int, chunk: int, ta
         model.zero_grad(set_to_none=False)  # gradients of the parameters stay allocated: not loss memory
         loss_fn(model, batch).backward()
 
-    step()  # warm-up: allocates the parameter gradients
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-        base = _status_kb("VmRSS") * 1024
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else _status_kb("VmHWM") * 1024
-    return {"peak_mb": (peak - base) / 2**20, "seconds": sorted(times)[len(times) // 2]}
+    peak_mb, seconds = step_peak_and_seconds(step, steps, dev)
+    return {"peak_mb": peak_mb, "seconds": seconds}
 
 
 def run_in_subprocess(args: argparse.Namespace, vocab: int, mode: str, target_fraction: float) -> dict:

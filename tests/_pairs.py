@@ -3,7 +3,13 @@ batches split back into documents (test_dpo, test_preference_methods, _preferenc
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
 import torch
+
+from _helpers import run_lmforge, tail, torchrun
 
 from lmforge.data.packing import IGNORE_INDEX, Sample
 from lmforge.data.sources import Record
@@ -68,3 +74,19 @@ def row_sample(batch, i) -> Sample:
     """Row ``i`` of a batch as a sample again (to re-split a batch into microbatches)."""
     return Sample(batch.input_ids[i], batch.labels[i], batch.position_ids[i], batch.document_ids[i],
                   batch.document_lengths[i], batch.document_values[i] if batch.document_values else None)
+
+
+def assert_two_ddp_ranks_equal_one_process(args: Callable[..., list[str]], picked: Callable[[Path], Any],
+                                           tmp_path: Path) -> None:
+    """``args(run_dir, **overrides)`` trained for 3 steps by one process (4 rows a microbatch) and by 2
+    DDP ranks under torchrun (1 row a microbatch): ``picked(run_dir)`` (step -> logged values) agree."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    single = run_lmforge(*args(one, training_steps=3, training_micro_batch_size=4, checkpoint_enabled=False))
+    assert single.returncode == 0, tail(single)
+    ddp = torchrun(*args(two, training_steps=3, training_micro_batch_size=1, checkpoint_enabled=False,
+                         parallel_mode="ddp"))
+    assert ddp.returncode == 0, tail(ddp)
+    a, b = picked(one), picked(two)
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5), step

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import lmforge_in_process, run_lmforge, tail, tiny_run_args, torchrun
+from _helpers import lmforge_in_process, tiny_run_args
 from _pairs import (
-    Reference, full_logit_logprob, grads_and_values, row_sample, split_documents, task_pairs, tiny_model,
+    Reference, assert_two_ddp_ranks_equal_one_process, full_logit_logprob, grads_and_values, row_sample,
+    split_documents, task_pairs, tiny_model,
 )
 from lmforge.data.chat import ByteChatFormat, chat_format_for
 from lmforge.data.packing import IGNORE_INDEX, collate
@@ -274,14 +275,4 @@ def test_cli_run_logs_dpo_metrics_and_resume_equals_uninterrupted(tmp_path, pair
 
 
 def test_two_ddp_ranks_equal_one_process(tmp_path, pairs_file):
-    one, two = tmp_path / "one", tmp_path / "two"
-    single = run_lmforge(*dpo_args(pairs_file, one, training_steps=3, training_micro_batch_size=4,
-                                   checkpoint_enabled=False))
-    assert single.returncode == 0, tail(single)
-    ddp = torchrun(*dpo_args(pairs_file, two, training_steps=3, training_micro_batch_size=1,
-                             checkpoint_enabled=False, parallel_mode="ddp"))
-    assert ddp.returncode == 0, tail(ddp)
-    a, b = picked(one), picked(two)
-    assert sorted(a) == sorted(b) == [1, 2, 3]
-    for step in a:
-        assert b[step] == pytest.approx(a[step], rel=1e-5), step
+    assert_two_ddp_ranks_equal_one_process(lambda run, **kw: dpo_args(pairs_file, run, **kw), picked, tmp_path)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import lmforge_in_process, run_lmforge, tail, tiny_run_args, torchrun
-from _pairs import grads_and_values, row_sample, task_pairs
+from _helpers import lmforge_in_process, tiny_run_args
+from _pairs import assert_two_ddp_ranks_equal_one_process, grads_and_values, row_sample, task_pairs
 from lmforge.data.chat import ByteChatFormat
 from lmforge.data.packing import collate
 from lmforge.data.preference_data import pair_values, pairs_in
@@ -238,17 +238,7 @@ def test_cli_run_logs_rm_metrics_and_resume_equals_uninterrupted(tmp_path, pairs
 
 
 def test_two_ddp_ranks_equal_one_process(tmp_path, pairs_file):
-    one, two = tmp_path / "one", tmp_path / "two"
-    single = run_lmforge(*rm_args(pairs_file, one, training_steps=3, training_micro_batch_size=4,
-                                  checkpoint_enabled=False))
-    assert single.returncode == 0, tail(single)
-    ddp = torchrun(*rm_args(pairs_file, two, training_steps=3, training_micro_batch_size=1,
-                            checkpoint_enabled=False, parallel_mode="ddp"))
-    assert ddp.returncode == 0, tail(ddp)
-    a, b = picked(one), picked(two)
-    assert sorted(a) == sorted(b) == [1, 2, 3]
-    for step in a:
-        assert b[step] == pytest.approx(a[step], rel=1e-5), step
+    assert_two_ddp_ranks_equal_one_process(lambda run, **kw: rm_args(pairs_file, run, **kw), picked, tmp_path)
 
 
 # ---------------------------------------------------------------------------------------- export, GRPO
