@@ -95,10 +95,12 @@ def optimizer_parts(optimizer: Any) -> list[torch.optim.Optimizer]:
     return list(getattr(optimizer, "optimizers", [optimizer]))
 
 
+WRAPPER_NAMES = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module"})
+"""Name parts added by DDP, torch.compile and the per-block wrappers (checkpointing, offload)."""
+
+
 def _clean(name: str) -> str:
-    for wrapper in ("module.", "_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module."):
-        name = name.replace(wrapper, "")
-    return name
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
 
 
 def muon_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
