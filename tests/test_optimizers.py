@@ -14,14 +14,15 @@ import sys
 import pytest
 import torch
 
-from _helpers import lmforge_in_process, tiny_run_args
+from _helpers import lmforge_in_process, tail, tiny_run_args, torchrun
 from lmforge.checkpoint import Checkpointer
 from lmforge.checkpoint.checkpointer import load_model_weights
-from lmforge.config import OptimizerSection
+from lmforge.config import Config, OptimizerSection
+from lmforge.errors import UserError
 from lmforge.metrics.records import read_records
 from lmforge.models.model import ModelArgs, Transformer
 from lmforge.parallel.plans import apply_activation_checkpointing, apply_activation_offload
-from lmforge.training.optimizers import OptimizerGroup, make_optimizer, muon_parameters, state_bytes
+from lmforge.training.optimizers import OptimizerGroup, check_optimizer, make_optimizer, muon_parameters, state_bytes
 from lmforge.training.train_step import run_optimizer_step
 
 TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden_dim=48, max_seq_len=16)
@@ -161,6 +162,21 @@ def test_resume_equals_uninterrupted(name, tmp_path, capfd):
     assert setup["optimizer"] == name
 
 
+def test_muon_under_fsdp_equals_one_process(tmp_path, corpus, capfd):
+    """Muon steps FSDP2's sharded DTensor parameters (its Newton-Schulz matmuls gather what they need),
+    and its state goes through DCP like AdamW's."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = tiny_run_args(corpus, optimizer_name="muon", training_steps=3, checkpoint_interval=2)
+    assert lmforge_in_process("pretrain", *args, f"--run.dir={one}") == 0, capfd.readouterr().err[-2000:]
+    proc = torchrun("pretrain", *args, "--training.micro_batch_size=2", "--parallel.mode=fsdp", f"--run.dir={two}")
+    assert proc.returncode == 0, tail(proc)
+    a, b = _losses(one), _losses(two)
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for step in a:  # Newton-Schulz runs in bf16, its sums split differently over shards
+        assert b[step] == pytest.approx(a[step], rel=1e-4), step
+    assert (two / "checkpoints" / "step_00000002").is_dir()
+
+
 def test_bad_optimizer_config_is_one_line(tmp_path, capfd, monkeypatch):
     rc = lmforge_in_process("pretrain", *tiny_run_args(optimizer_name="muon", lora_enabled=True), f"--run.dir={tmp_path}/a")
     err = capfd.readouterr().err.strip()
@@ -173,3 +189,6 @@ def test_bad_optimizer_config_is_one_line(tmp_path, capfd, monkeypatch):
     err = capfd.readouterr().err.strip()
     assert rc == 2 and err == "error: optimizer.name=adamw8bit needs the bitsandbytes package: pip install 'lmforge[quant]'"
     assert not any(tmp_path.iterdir())  # refused before the run directory was made
+    monkeypatch.undo()
+    with pytest.raises(UserError, match=r"^optimizer.name=adamw8bit does not support FSDP \(parallel.dp_shard > 1\)"):
+        check_optimizer(Config(optimizer=OptimizerSection(name="adamw8bit")), sharded=True)

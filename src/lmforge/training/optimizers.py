@@ -151,7 +151,7 @@ def check_optimizer(cfg: "Config", sharded: bool) -> None:
         raise UserError("optimizer.name=muon trains full weight matrices; with lora.enabled use adamw or adamw8bit")
     if name == "adamw8bit" and sharded:
         raise UserError("optimizer.name=adamw8bit does not support FSDP (parallel.dp_shard > 1): bitsandbytes' "
-                        "8-bit state is not sharded; use parallel.mode=ddp")
+                        "8-bit kernels take plain tensors, not sharded DTensors; use parallel.mode=ddp")
     if name == "adamw8bit":
         require_bitsandbytes("optimizer.name=adamw8bit")
 
