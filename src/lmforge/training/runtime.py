@@ -31,6 +31,7 @@ from lmforge.metrics.sinks import WandbSink
 from lmforge.models.flops import peak_flops_per_device
 from lmforge.models.load import LoadedModel, ModelSource, load_model
 from lmforge.models.lora import apply_lora, trainable_parameters
+from lmforge.models.qlora import check_qlora
 from lmforge.models.args import ModelArgs
 from lmforge.models.model import Transformer
 from lmforge.models.spec import ModelSpec, spec_for_args
@@ -224,6 +225,7 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
     info = dist_utils.init_distributed(cfg.training.device)
     dims = ParallelDims.from_config(cfg.parallel, info.world_size)
     check_optimizer(cfg, sharded=bool(dims.shards))
+    check_qlora(cfg.lora, sharded=bool(dims.shards))
     run = RunDir(cfg.run.dir)
     claim_run_dir(run.root, info.is_main)
     torch.manual_seed(cfg.training.seed)
@@ -232,7 +234,7 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
     description = loaded.description()
     adapter_params = None
     if cfg.lora.enabled:  # before any wrapper: DDP/FSDP must see which parameters train
-        apply_lora(model, cfg.lora)
+        apply_lora(model, cfg.lora, info.device)
         adapter_params = trainable_parameters(model)[0]
         description |= {"lora": cfg.lora.model_dump(), "base": str(loaded.source)}
     check_fresh_start(cfg, run)
