@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import subprocess
 import sys
 import tempfile
@@ -36,8 +35,9 @@ from lmforge.metrics.records import read_records  # noqa: E402
 
 
 def run(argv: list[str], run_dir: Path, threads: int) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "lmforge", "pretrain", *argv, f"--run.dir={run_dir}", f"--training.threads={threads}",
-           "--metrics.tensorboard=false", "--metrics.progress=off", "--checkpoint.enabled=false", "--metrics.log_every=1"]
+    cmd = [sys.executable, "-m", "lmforge", "pretrain", *argv, f"--run.dir={run_dir}",
+           f"--training.threads={threads}", "--metrics.tensorboard=false", "--metrics.progress=off",
+           "--checkpoint.enabled=false", "--metrics.log_every=1"]
     env = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": str(threads), "PATH": "/usr/bin:/bin"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -90,7 +90,8 @@ def optimizer_table(args: argparse.Namespace, work: Path) -> str:
         sb = state_bytes_of(args.size, name)
         r = res[name]
         rows.append([name, f"{sb / 1e6:.2f} MB ({sb / state_bytes_of(args.size, first):.2f}x)",
-                     f"{r['rss_gb']:.3f} GB", f"{r['tokens_per_s']:,.0f} ({r['tokens_per_s'] / res[first]['tokens_per_s']:.2f}x)",
+                     f"{r['rss_gb']:.3f} GB",
+                     f"{r['tokens_per_s']:,.0f} ({r['tokens_per_s'] / res[first]['tokens_per_s']:.2f}x)",
                      f"{r['train_loss']:.4f}", f"{r['val_loss']:.4f}"])
     return markdown_table(["optimizer", "optimizer state", "peak RSS", "tokens/s", "train loss (last 10)",
                            f"val loss (step {args.steps})"], rows)

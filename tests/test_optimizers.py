@@ -177,17 +177,21 @@ def test_muon_under_fsdp_equals_one_process(tmp_path, corpus, capfd):
     assert (two / "checkpoints" / "step_00000002").is_dir()
 
 
+def _refused(capfd, *args) -> str:
+    """The error line of a run that must stop with status 2."""
+    rc = lmforge_in_process("pretrain", *args)
+    err = capfd.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    return err
+
+
 def test_bad_optimizer_config_is_one_line(tmp_path, capfd, monkeypatch):
-    rc = lmforge_in_process("pretrain", *tiny_run_args(optimizer_name="muon", lora_enabled=True), f"--run.dir={tmp_path}/a")
-    err = capfd.readouterr().err.strip()
-    assert rc == 2 and err == "error: optimizer.name=muon trains full weight matrices; with lora.enabled use adamw or adamw8bit"
-    rc = lmforge_in_process("pretrain", *tiny_run_args(optimizer_name="sgd"), f"--run.dir={tmp_path}/b")
-    err = capfd.readouterr().err.strip()
-    assert rc == 2 and len(err.splitlines()) == 1 and "optimizer.name" in err
+    err = _refused(capfd, *tiny_run_args(optimizer_name="muon", lora_enabled=True), f"--run.dir={tmp_path}/a")
+    assert err == "error: optimizer.name=muon trains full weight matrices; with lora.enabled use adamw or adamw8bit"
+    assert "optimizer.name" in _refused(capfd, *tiny_run_args(optimizer_name="sgd"), f"--run.dir={tmp_path}/b")
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import bitsandbytes -> ImportError
-    rc = lmforge_in_process("pretrain", *tiny_run_args(optimizer_name="adamw8bit"), f"--run.dir={tmp_path}/c")
-    err = capfd.readouterr().err.strip()
-    assert rc == 2 and err == "error: optimizer.name=adamw8bit needs the bitsandbytes package: pip install 'lmforge[quant]'"
+    err = _refused(capfd, *tiny_run_args(optimizer_name="adamw8bit"), f"--run.dir={tmp_path}/c")
+    assert err == "error: optimizer.name=adamw8bit needs the bitsandbytes package: pip install 'lmforge[quant]'"
     assert not any(tmp_path.iterdir())  # refused before the run directory was made
     monkeypatch.undo()
     with pytest.raises(UserError, match=r"^optimizer.name=adamw8bit does not support FSDP \(parallel.dp_shard > 1\)"):

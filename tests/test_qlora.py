@@ -35,7 +35,8 @@ def _model() -> Transformer:
 
 
 def _qlora(model: Transformer, targets: list[str] | None = None) -> Transformer:
-    lora = LoraSection(enabled=True, rank=4, alpha=8, quantize="nf4", **({"target_modules": targets} if targets else {}))
+    chosen = {"target_modules": targets} if targets else {}
+    lora = LoraSection(enabled=True, rank=4, alpha=8, quantize="nf4", **chosen)
     return apply_lora(model, lora)
 
 
@@ -104,7 +105,8 @@ def test_bad_qlora_config_is_one_line(tmp_path, capfd, monkeypatch):
     assert rc == 2 and capfd.readouterr().err.strip() == (
         "error: lora.quantize=nf4 quantizes the frozen base under LoRA adapters: set lora.enabled=true")
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import bitsandbytes -> ImportError
-    rc = lmforge_in_process("pretrain", *tiny_run_args(lora_enabled=True, lora_quantize="nf4"), f"--run.dir={tmp_path}/b")
+    args = tiny_run_args(lora_enabled=True, lora_quantize="nf4")
+    rc = lmforge_in_process("pretrain", *args, f"--run.dir={tmp_path}/b")
     assert rc == 2 and capfd.readouterr().err.strip() == (
         "error: lora.quantize=nf4 needs the bitsandbytes package: pip install 'lmforge[quant]'")
     monkeypatch.undo()
