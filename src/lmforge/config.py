@@ -98,6 +98,10 @@ class TrainingSection(Section):
     lmforge.training.precision), else fp32; the setup line says which and why."""
     compile: bool = False
     activation_checkpointing: bool = False
+    activation_offload: bool = False
+    """Keep each decoder block's saved activations in (pinned) host memory between forward and
+    backward. On a GPU it frees device memory; on a CPU activations already live in host memory, so
+    it is off there (the setup line says so)."""
     loss_chunk_tokens: int = Field(1024, gt=0)
     """Target tokens whose logits the loss computes at once (forward and backward): bounds the loss's
     memory to chunk x vocab fp32 values (``lmforge.training.chunked_loss``)."""
@@ -116,6 +120,10 @@ class TrainingSection(Section):
 
 
 class OptimizerSection(Section):
+    name: Literal["adamw", "adamw8bit", "muon"] = "adamw"
+    """``adamw``; ``adamw8bit`` (AdamW with 8-bit moments, bitsandbytes: ``pip install 'lmforge[quant]'``);
+    ``muon`` (Muon on the decoder blocks' 2-D projection matrices, AdamW on everything else): see
+    docs/optimizers.md."""
     lr: float = Field(3e-3, gt=0)
     weight_decay: float = Field(0.1, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
@@ -123,6 +131,13 @@ class OptimizerSection(Section):
     eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, ge=0)
     """Max global grad norm (0: no clipping; the norm is still reported)."""
+    muon_momentum: float = Field(0.95, ge=0, lt=1)
+    """Muon's (Nesterov) momentum."""
+    muon_ns_steps: int = Field(5, gt=0, lt=100)
+    """Newton-Schulz iterations that orthogonalize each Muon update."""
+    muon_lr_ratio: float = Field(1.0, gt=0)
+    """Muon's learning rate as a multiple of ``lr`` (the schedule scales both). Muon's updates are
+    scaled to AdamW's RMS (``match_rms_adamw``), so 1.0 reuses an lr tuned for AdamW."""
 
 
 class ScheduleSection(Section):
@@ -223,6 +238,9 @@ class LoraSection(Section):
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: list[str] = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
     """lmforge module names (``wq wk wv wo`` attention, ``w1 w2 w3`` MLP)."""
+    quantize: Literal["none", "nf4"] = "none"
+    """``nf4``: QLoRA, the frozen base's attention and MLP projections held as 4-bit NormalFloat
+    (bitsandbytes: ``pip install 'lmforge[quant]'``); see docs/lora.md."""
 
     @field_validator("target_modules", mode="before")
     @classmethod

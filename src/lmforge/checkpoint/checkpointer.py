@@ -182,7 +182,7 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         if optimizer is not None:
-            model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_ONLY)
+            model_sd, optim_sd = get_state_dict(model, _parts(optimizer), options=_TRAINABLE_ONLY)
             state = {"model": model_sd, "optim": optim_sd}
         else:
             state = {"model": get_model_state_dict(model, options=_TRAINABLE_ONLY)}
@@ -229,10 +229,10 @@ class Checkpointer:
         if optimizer is not None:
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-            model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_ONLY)
+            model_sd, optim_sd = get_state_dict(model, _parts(optimizer), options=_TRAINABLE_ONLY)
             state = {"model": model_sd, "optim": optim_sd}
             safe_dcp_load(state, path)
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+            set_state_dict(model, _parts(optimizer), model_state_dict=state["model"], optim_state_dict=state["optim"],
                            options=_load_options(model))
         else:
             load_model_weights(path, model)
@@ -333,6 +333,13 @@ def _load_options(model: nn.Module) -> StateDictOptions:
 
 
 # ---------------------------------------------------------------------------- helpers
+def _parts(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers behind the run's optimizer: Muon and AdamW side by side are two
+    (``lmforge.training.optimizers.OptimizerGroup``). DCP keys every state by parameter name, so the
+    parts' states merge into one state dict and are split back on load."""
+    return list(getattr(optimizer, "optimizers", [optimizer]))
+
+
 def _attempt(fn: Callable[[], None]) -> str | None:
     """Run one save phase; a failure becomes a one-line reason instead of an exception."""
     try:

@@ -55,11 +55,12 @@ def has_adapters(model: nn.Module) -> bool:
     return bool(_tuner_layers(model))
 
 
-def apply_lora(model: nn.Module, lora: "LoraSection") -> nn.Module:
+def apply_lora(model: nn.Module, lora: "LoraSection", device: torch.device | None = None) -> nn.Module:
     """Inject adapters into ``model`` in place and freeze everything else; returns ``model``.
 
     The adapters' B matrices start at zero (peft's default), so the adapted model starts out equal
-    to its base.
+    to its base. With ``lora.quantize=nf4`` the base's projections are first quantized to 4 bits on
+    ``device`` (QLoRA, lmforge.models.qlora).
     """
     peft = require_peft()
     unknown = sorted(set(lora.target_modules) - set(LORA_TARGETS))
@@ -75,6 +76,10 @@ def apply_lora(model: nn.Module, lora: "LoraSection") -> nn.Module:
     config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                              target_modules=list(lora.target_modules), target_parameters=experts or None, bias="none")
     model.requires_grad_(False)
+    if lora.quantize == "nf4":
+        from lmforge.models.qlora import quantize_base
+
+        quantize_base(model, device or torch.device("cpu"))
     peft.inject_adapter_in_model(config, model)
     for layer in _tuner_layers(model):  # adapters train, everything else stays frozen
         layer.enable_adapters(True)
@@ -111,9 +116,12 @@ class BaseModelView:
 
 
 def merge_adapters(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its base weight and put the plain module back (in place)."""
+    """Fold every adapter into its base weight and put the plain module back (in place); a 4-bit
+    base (QLoRA) is dequantized first, so the merged weights are full precision."""
     from peft.tuners.lora.layer import ParamWrapper
     from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from lmforge.models.qlora import dequantize_linears, is_4bit, merged_linear
 
     for name, module in list(model.named_modules()):
         if not isinstance(module, BaseTunerLayer) or ".base_layer" in name:
@@ -122,10 +130,12 @@ def merge_adapters(model: nn.Module) -> nn.Module:
         parent = model.get_submodule(parent_name) if parent_name else model
         if isinstance(module, ParamWrapper):
             setattr(parent, child, _merge_parameter_adapters(module))
+        elif is_4bit(module.get_base_layer()):
+            setattr(parent, child, merged_linear(module))
         else:
             module.merge()
             setattr(parent, child, module.get_base_layer())
-    return model
+    return dequantize_linears(model)
 
 
 @torch.no_grad()

@@ -26,6 +26,8 @@ class ParallelOptions:
     compile: bool = False
     bf16: bool = False
     """Training autocasts to bf16: on GPU, FSDP2 gathers parameters in bf16 and reduces in fp32."""
+    activation_offload: bool = False
+    """Keep each block's saved activations in pinned host memory until backward (a GPU's memory saver)."""
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -36,6 +38,34 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
     for i, block in enumerate(model.layers):
         model.layers[i] = checkpoint_wrapper(block)
+
+
+def _host_offload_wrapper() -> type:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+    class HostOffload(ActivationWrapper):
+        """A block whose saved activations wait for backward in host memory. The wrapper's state
+        dict hooks keep the block's parameter names as they were (as activation checkpointing's do)."""
+
+        def __init__(self, module: nn.Module, pin_memory: bool) -> None:
+            super().__init__(module)
+            self.pin_memory = pin_memory
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            with torch.autograd.graph.save_on_cpu(pin_memory=self.pin_memory):
+                return self._checkpoint_wrapped_module(*args, **kwargs)
+
+    return HostOffload
+
+
+def apply_activation_offload(model: nn.Module, pin_memory: bool = True) -> None:
+    """Move the tensors each block saves for backward to host memory as they are saved, and back
+    when backward needs them (``torch.autograd.graph.save_on_cpu``; pinned on CUDA, so the copies
+    can overlap compute). Gradients are unchanged: the same values come back. With activation
+    checkpointing on too, only each block's checkpointed input is saved, and that is what moves."""
+    wrapper = _host_offload_wrapper()
+    for i, block in enumerate(model.layers):
+        model.layers[i] = wrapper(block, pin_memory)
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -78,6 +108,8 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, mesh: Any, device:
     train step calls (the model itself for one process or FSDP2, a DDP wrapper for DDP)."""
     if options.activation_checkpointing:
         apply_activation_checkpointing(model)
+    if options.activation_offload:
+        apply_activation_offload(model)
     if options.compile:
         apply_compile(model)
     if mesh is None:

@@ -32,6 +32,7 @@ from lmforge.models.flops import peak_flops_per_device
 from lmforge.models.heads import attach_head, head_of
 from lmforge.models.load import LoadedModel, ModelSource, load_model
 from lmforge.models.lora import apply_lora, trainable_parameters
+from lmforge.models.qlora import check_qlora
 from lmforge.models.args import ModelArgs
 from lmforge.models.model import Transformer
 from lmforge.models.spec import ModelSpec, spec_for_args
@@ -39,7 +40,7 @@ from lmforge.models.tokenizer import Tokenizer
 from lmforge.parallel import ParallelDims, ParallelOptions, parallelize_decoder
 from lmforge.training.precision import choose_dtype
 from lmforge.training.startup_checks import check_fresh_start, check_resume_compatible
-from lmforge.training.train_step import build_optimizer
+from lmforge.training.optimizers import check_optimizer, make_optimizer
 
 StepHook = Callable[["Runtime", Any, Any], None]
 """``hook(rt, state, source)``, called at the very end of every step of the loop."""
@@ -181,7 +182,16 @@ def parallelize(model: Transformer, spec: ModelSpec, cfg: Config, dims: Parallel
     brings its own)."""
     plan = spec.parallelize or parallelize_decoder
     t = cfg.training
-    return plan(model, dims, mesh, device, ParallelOptions(t.activation_checkpointing, t.compile, bf16))
+    offload = t.activation_offload and device.type == "cuda"  # on a CPU activations already live in host memory
+    return plan(model, dims, mesh, device, ParallelOptions(t.activation_checkpointing, t.compile, bf16, offload))
+
+
+def _offload_note(cfg: Config, device: torch.device) -> str:
+    if not cfg.training.activation_offload:
+        return "off"
+    if device.type != "cuda":
+        return f"off on {device.type}: activations already live in host memory, offloading would only copy them"
+    return "on: each block's saved activations in pinned host memory"
 
 
 def build_metrics(cfg: Config, info: dist_utils.DistInfo, run: RunDir, fpt: float, peak: float,
@@ -218,6 +228,8 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
         torch.set_num_threads(cfg.training.threads)
     info = dist_utils.init_distributed(cfg.training.device)
     dims = ParallelDims.from_config(cfg.parallel, info.world_size)
+    check_optimizer(cfg, sharded=bool(dims.shards))
+    check_qlora(cfg.lora, sharded=bool(dims.shards))
     run = RunDir(cfg.run.dir)
     claim_run_dir(run.root, info.is_main)
     torch.manual_seed(cfg.training.seed)
@@ -226,7 +238,7 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
     description = loaded.description()
     adapter_params = None
     if cfg.lora.enabled:  # before any wrapper: DDP/FSDP must see which parameters train
-        apply_lora(model, cfg.lora)
+        apply_lora(model, cfg.lora, info.device)
         adapter_params = trainable_parameters(model)[0]
         description |= {"lora": cfg.lora.model_dump(), "base": str(loaded.source)}
     if services.head:  # after LoRA, which freezes all it does not add: the head trains either way
@@ -242,8 +254,7 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
     mesh = dims.build_mesh(info.device.type)
     spec = spec_for_args(args)
     wrapped = parallelize(model, spec, cfg, dims, mesh, info.device, bf16=dtype == "bfloat16")
-    o = cfg.optimizer
-    optimizer = build_optimizer(wrapped, o.lr, o.weight_decay, (o.beta1, o.beta2), o.eps)
+    optimizer = make_optimizer(wrapped, cfg.optimizer)
     peak, peak_src = peak_flops_per_device(  # MFU is measured against the peak of the dtype in use
         info.device, torch.bfloat16 if dtype == "bfloat16" else torch.float32,
         cfg.metrics.peak_tflops * 1e12 if cfg.metrics.peak_tflops else None)
@@ -256,7 +267,8 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
         "trainable_share": round(trainable / total, 6), "flops_per_token": fpt,
         "peak_tflops_per_device": peak / 1e12, "peak_source": peak_src,
         "world_size": info.world_size, "device": str(info.device), "parallel": dims.kind,
-        "mesh": dims.describe_mesh(), "dtype": dtype, "dtype_reason": dtype_why, "threads": torch.get_num_threads(), "run_dir": str(run.root),
+        "mesh": dims.describe_mesh(), "dtype": dtype, "dtype_reason": dtype_why,
+        "optimizer": cfg.optimizer.name, "activation_offload": _offload_note(cfg, info.device), "threads": torch.get_num_threads(), "run_dir": str(run.root),
     }, cfg.to_toml())
     return Runtime(cfg=cfg, dist=info, dims=dims, mesh=mesh, tokenizer=loaded.tokenizer, model_args=args,
                    spec=spec, raw_model=model, model=wrapped, optimizer=optimizer, metrics=metrics,

@@ -75,9 +75,10 @@ def _check_same_adapters(run_dir: Path, saved: dict[str, Any], now: dict[str, An
                         f"{'true' if 'lora' in saved else 'false'} to resume it, or use a new run.dir")
     if "lora" not in saved:
         return
-    if saved["lora"] != now["lora"]:
-        k = next(k for k in now["lora"] if saved["lora"].get(k) != now["lora"][k])
-        raise UserError(f"run.dir={run_dir} holds adapters with lora.{k}={saved['lora'].get(k)!r}, "
+    saved_lora = {"quantize": "none"} | saved["lora"]  # checkpoints from before lora.quantize existed
+    if saved_lora != now["lora"]:
+        k = next(k for k in now["lora"] if saved_lora.get(k) != now["lora"][k])
+        raise UserError(f"run.dir={run_dir} holds adapters with lora.{k}={saved_lora.get(k)!r}, "
                         f"not {now['lora'][k]!r}; use the same [lora] settings or a new run.dir")
     if saved.get("base") != now.get("base"):
         raise UserError(f"run.dir={run_dir} holds adapters for the base model {saved.get('base')}, not "

@@ -69,7 +69,10 @@ def run_optimizer_step(
     model: nn.Module, optimizer: torch.optim.Optimizer, lr: float, max_grad_norm: float,
     skip_nonfinite: bool = False,
 ) -> torch.Tensor:
-    """Clip to ``max_grad_norm`` (0: only measure), set ``lr``, step AdamW, zero grads.
+    """Clip to ``max_grad_norm`` (0: only measure), set ``lr``, step the optimizer, zero grads.
+
+    Each param group's lr is ``lr`` times the group's ``lr_scale`` where it has one (Muon's share in
+    ``optimizer.name=muon``, see training.optimizers), so one schedule drives every group.
 
     Returns the pre-clip global grad norm as a device tensor (no host sync), unless
     ``skip_nonfinite``: then the norm is read on the host, and a non-finite one drops the update
@@ -83,7 +86,7 @@ def run_optimizer_step(
         optimizer.zero_grad(set_to_none=True)
         return norm
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm
