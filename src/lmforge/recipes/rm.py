@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from pydantic import Field
 
-from lmforge.config import Config, RunSection, Section, StartEvalSection
+from lmforge.config import Config, RunSection, StartEvalSection
 from lmforge.data.chat import training_chat_format
-from lmforge.data.inputs import train_and_validation, train_spec
+from lmforge.data.inputs import train_and_validation
 from lmforge.data.preference_data import PreferenceDataset
 from lmforge.data.reward_data import build_reward_dataset, read_reward_records
 from lmforge.data.sources import Record
@@ -27,18 +27,15 @@ from lmforge.objectives.reward import RewardObjective
 from lmforge.recipes.base import Recipe, register
 from lmforge.training.loop import Job
 from lmforge.training.next_token import LoaderSource
+from lmforge.training.preference import PairDataSection, check_preference_data
 from lmforge.training.runtime import RecipeServices, Runtime
 
 
-class RMSection(Section):
+class RMSection(PairDataSection):
     center_rewards_coefficient: float = Field(0.0, ge=0)
     """Weight of ``(r_chosen + r_rejected)^2`` added to each pair's loss: keeps scores centred on 0."""
     holdout: float = Field(0.0, ge=0, lt=1)
     """Share of data.train's records (the last ones) held out as validation pairs (needs data.validation=none)."""
-    packing: bool = True
-    """Pack several pairs per row (isolated by document masks); false: one pair per row."""
-    chat_template: str | None = None
-    """A jinja file to use instead of the tokenizer's own chat template."""
 
 
 class RMConfig(Config):
@@ -77,9 +74,7 @@ class RM(Recipe):
     summary = "reward model (Bradley-Terry, optional margins and centring) on preference pairs"
 
     def check(self, cfg: RMConfig) -> RMInputs:
-        if train_spec(cfg.data).kind != "path":
-            raise UserError(f"data.train={cfg.data.train}: a reward model trains on preference records "
-                            "(.jsonl/.parquet with prompt, chosen, rejected and an optional numeric margin)")
+        check_preference_data(cfg, "a reward model", "prompt, chosen, rejected and an optional numeric margin")
         return read_inputs(cfg)
 
     def services(self, cfg: RMConfig, inputs: RMInputs) -> RecipeServices:

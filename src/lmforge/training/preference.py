@@ -24,13 +24,18 @@ from lmforge.training.reference import FrozenReference
 from lmforge.training.runtime import Runtime
 
 
-class PreferenceSection(Section):
-    """Options every preference recipe has (its own section adds the method's)."""
+class PairDataSection(Section):
+    """How every recipe on preference pairs lays out its data (reward models too)."""
 
     packing: bool = True
     """Pack several pairs per row (isolated by document masks); false: one pair per row."""
     chat_template: str | None = None
     """A jinja file to use instead of the tokenizer's own chat template."""
+
+
+class PreferenceSection(PairDataSection):
+    """Options every preference recipe has (its own section adds the method's)."""
+
     task_eval: bool = False
     """Also score held-out exact match on the embedded tasks at every eval (for pairs built from them)."""
 
