@@ -46,7 +46,10 @@ class ModelSection(Section):
     tokenizer: str = "byte"
     """``byte`` (needs no files) or a local directory holding ``tokenizer.json``."""
     from_hf: str | None = None
-    """A local Hugging Face model directory to start from (Llama, Qwen2/2.5/3, Mistral: weights, config, tokenizer)."""
+    """A Hugging Face model to start from (Llama, Qwen2/2.5/3, Mistral, ...: weights, config, tokenizer): a
+    local directory, a ``.gguf`` file, or a Hub name ``org/name[@revision]`` read from the Hugging Face cache
+    and downloaded into it unless ``HF_HUB_OFFLINE=1`` (``lmforge.models.hub``; a local path that exists
+    wins). Checkpoints record the commit a Hub name resolved to."""
     from_checkpoint: str | None = None
     """An lmforge run directory or checkpoint to take the starting weights from (model only)."""
 
