@@ -116,3 +116,76 @@ def test_checkpoints_keep_the_commit_a_reference_was_loaded_from(offline, tmp_pa
         (offline / "hub" / "models--org--tiny" / "refs" / "main").write_text(MAIN)
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any(f"reference model: hub:org/tiny@{MAIN}" in str(e.get("message", "")) for e in events)
+
+
+# ---------------------------------------------------------------------------------------- datasets
+def _cache_dataset(cache: Path, repo_id: str, splits: dict[str, list[dict]]) -> None:
+    """Prepare ``repo_id`` into the datasets cache as ``load_dataset`` does after a download: the library's
+    own json builder writes the Arrow files and dataset_info.json, under the ``org___name`` directory the
+    offline loader looks in."""
+    from datasets.packaged_modules.json.json import Json
+
+    org, name = repo_id.split("/")
+    raw = cache / "raw" / name
+    raw.mkdir(parents=True)
+    files = {}
+    for split, rows in splits.items():
+        files[split] = str(raw / f"{split}.jsonl")
+        Path(files[split]).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    Json(cache_dir=str(cache / "build"), dataset_name=name, config_name="default", config_id="default",
+         hash="0123456789abcdef", data_files=files).download_and_prepare()
+    (cache / "build" / name).rename(cache / f"{org}___{name}")
+
+
+@pytest.fixture
+def datasets_cache(tmp_path, monkeypatch) -> Path:
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache = tmp_path / "hf_home" / "datasets"
+    rows = lambda n: [{"prompt": f"What is {i} plus 1?", "completion": f" {i + 1}", "text": f"doc {i}"} for i in range(n)]  # noqa: E731
+    _cache_dataset(cache, "org/chats", {"train": rows(12), "test": rows(4)})
+    _cache_dataset(cache, "org/one", {"train": rows(3)})
+    return cache
+
+
+def test_a_cached_hub_dataset_is_read_by_name(datasets_cache, tmp_path, capfd):
+    from lmforge.data.sources import read_documents, read_records
+
+    recs = read_records("org/chats:test")
+    assert [r for _, r in recs] == [{"prompt": f"What is {i} plus 1?", "completion": f" {i + 1}", "text": f"doc {i}"}
+                                    for i in range(4)]
+    assert recs[2][0] == "org/chats:test: row 2"
+    assert read_documents("org/one") == ["doc 0", "doc 1", "doc 2"]  # one split: no need to name it
+    run = tmp_path / "run"
+    args = tiny_run_args(training_steps=1, training_global_batch_size=2, training_micro_batch_size=2,
+                         checkpoint_enabled=False)
+    assert lmforge_in_process("sft", *args, "--data.train=org/chats:train", "--data.validation=org/chats:test",
+                              f"--run.dir={run}") == 0, capfd.readouterr().err[-2000:]
+    lines = [r["message"] for r in read_records_of(run) if r["kind"] == "sft_data"]
+    assert lines[0].startswith("sft data org/chats:train: 12 records") and "org/chats:test: 4 records" in lines[1]
+
+
+def read_records_of(run: Path) -> list[dict]:
+    from lmforge.metrics.records import read_records
+
+    return read_records(run)
+
+
+def test_hub_dataset_errors_are_one_line(datasets_cache, tmp_path, monkeypatch):
+    from lmforge.data.sources import read_records
+
+    with pytest.raises(UserError, match=r"^org/chats: the Hub dataset org/chats has splits train, test; name one, "
+                                        r"e\.g\. org/chats:train$"):
+        read_records("org/chats")
+    with pytest.raises(UserError) as e:
+        read_records("org/missing")
+    assert "\n" not in str(e.value) and str(datasets_cache) in str(e.value) and "HF_HUB_OFFLINE=0" in str(e.value)
+    with pytest.raises(UserError, match="data file not found"):  # a missing file is not a Hub name
+        read_records("org/chats.jsonl")
+    local = tmp_path / "org" / "chats"
+    local.mkdir(parents=True)
+    (local / "a.jsonl").write_text('{"prompt": "local", "completion": " wins"}\n')
+    monkeypatch.chdir(tmp_path)
+    assert [r for _, r in read_records("org/chats")] == [{"prompt": "local", "completion": " wins"}]
