@@ -91,13 +91,13 @@ def test_loss_on_all_and_skip_truncate_summary():
         ("x:4", {"messages": [{"role": "user", "content": "no answer here"}]}),
         ("x:5", {"prompt": "long " * 40, "completion": "y"}),
     ]
-    ds, summary = build_sft_dataset(recs, "x", tok, chat, seq_len=64, too_long="skip")
+    ds, summary = build_sft_dataset(recs, "x", tok, chat, seq_len=64, overlong="skip")
     assert (summary.no_loss_tokens, summary.too_long, summary.truncated) == (1, 1, 0)
     assert summary.examples == len(recs) - 2
-    assert "skipped 1 without loss tokens, 1 longer than 65 tokens" in summary.line()
-    ds, summary = build_sft_dataset(recs, "x", tok, chat, seq_len=64, too_long="truncate")
-    # Truncated to the prompt only: nothing to learn, so it is skipped too (and counted as such).
-    assert (summary.no_loss_tokens, summary.too_long, summary.truncated) == (2, 0, 1)
+    assert "skipped 1 without loss tokens; 1 of 9 records (11.1%) longer than 65 tokens: SKIPPED" in summary.line()
+    ds, summary = build_sft_dataset(recs, "x", tok, chat, seq_len=64, overlong="truncate")
+    # The prompt loses its start; the completion stays whole (tests/test_overlong.py has the details).
+    assert (summary.no_loss_tokens, summary.too_long, summary.truncated) == (1, 0, 1)
     all_ds, all_summary = build_sft_dataset(recs[:4], "x", tok, chat, seq_len=64, loss_on="all")
     assert all_summary.loss_tokens == sum(len(chat.encode(r["messages"]).ids) - 1 for _, r in recs[:4])
 
@@ -153,13 +153,13 @@ def test_sft_cli_end_to_end(tmp_path):
                                           eval_interval=2, eval_steps=2, eval_batch_size=4, metrics_log_every=2),
                     f"--run.dir={run}")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "skipped 1 without loss tokens, 1 longer than 65 tokens" in r.stdout
+    assert "skipped 1 without loss tokens; 1 of 45 records (2.2%) longer than 65 tokens: TRUNCATED" in r.stdout
     recs = read_records(run)
     train = [x for x in recs if x["kind"] == "train"]
     assert train and all(k in train[-1] for k in ("loss", "total_weights", "accuracy", "tokens_per_sec_per_device"))
     evals = [x for x in recs if x["kind"] == "eval"]
     assert [e["step"] for e in evals] == [0, 2, 4] and "accuracy" in evals[-1]
-    assert any(x["kind"] == "sft_data" and x["skipped_too_long"] == 1 for x in recs)
+    assert any(x["kind"] == "sft_data" and x["truncated"] == 1 and x["skipped_too_long"] == 0 for x in recs)
     assert (run / "checkpoints").is_dir()
 
 

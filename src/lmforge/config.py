@@ -46,7 +46,10 @@ class ModelSection(Section):
     tokenizer: str = "byte"
     """``byte`` (needs no files) or a local directory holding ``tokenizer.json``."""
     from_hf: str | None = None
-    """A local Hugging Face model directory to start from (Llama, Qwen2/2.5/3, Mistral: weights, config, tokenizer)."""
+    """A Hugging Face model to start from (Llama, Qwen2/2.5/3, Mistral, ...: weights, config, tokenizer): a
+    local directory, a ``.gguf`` file, or a Hub name ``org/name[@revision]`` read from the Hugging Face cache
+    and downloaded into it unless ``HF_HUB_OFFLINE=1`` (``lmforge.models.hub``; a local path that exists
+    wins). Checkpoints record the commit a Hub name resolved to."""
     from_checkpoint: str | None = None
     """An lmforge run directory or checkpoint to take the starting weights from (model only)."""
 
@@ -75,6 +78,15 @@ class DataSection(Section):
     """Record format of SFT files: ``auto`` detects it from each record's keys, a file's first record
     settling records that fit several (see ``lmforge.data.record_formats``)."""
     seq_len: int = Field(256, gt=1)
+    overlong: Literal["skip", "truncate"] = "truncate"
+    """Records longer than a row (SFT and distillation: ``seq_len + 1`` tokens; a preference pair: both
+    sequences together in one row): ``truncate`` cuts the prompt from the left first and keeps the
+    response whole where it fits, cutting the response's end only when it alone is too long
+    (``lmforge.data.overlong``); ``skip`` drops them. The data summary line gives their count and share
+    either way, and how many responses were cut. Truncation is the default because silently losing a
+    large share of a dataset (long chats are common) surprises more than a cut context, and this
+    truncation keeps what is trained on, the response, whole in the usual case of a long prompt; use
+    ``skip`` when a cut context would make an answer wrong."""
     shuffle: bool = True
     prefetch: int = Field(2, ge=0)
 
@@ -371,10 +383,16 @@ def validate_config(cls: type[C], data: dict[str, Any], source: str = "config") 
         raise UserError(_describe(cls, e, source)) from None
 
 
+RENAMED = {"sft.too_long": "data.overlong"}
+"""Keys that moved, named in the unknown-key error."""
+
+
 def _describe(cls: type[BaseModel], err: ValidationError, source: str) -> str:
     first = err.errors()[0]
     loc = [str(x) for x in first["loc"]]
     key = ".".join(loc)
+    if first["type"] == "extra_forbidden" and key in RENAMED:
+        return f"{source}: config key `{key}` is now `{RENAMED[key]}` (skip or truncate, for every trainer)"
     if first["type"] == "extra_forbidden":
         known = _known_keys(cls, loc[:-1])
         prefix = ".".join(loc[:-1])

@@ -111,8 +111,9 @@ def export_adapter(run_or_ckpt: str | Path, adapter_dir: str | Path, base_dir: s
     Tensor and module names are the Hugging Face ones (``model.layers.N.self_attn.q_proj`` ...), so
     ``peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), adapter_dir)`` gives
     the model lmforge trained. ``BASE`` is the run's base model: a Hugging Face directory it started
-    from is named as it is; any other base (an lmforge checkpoint, a fresh init) is written to
-    ``base_dir`` as a Hugging Face directory, which is then required.
+    from is named as it is (a Hub model by its name, with the commit as the adapter's ``revision``); any
+    other base (an lmforge checkpoint, a fresh init) is written to ``base_dir`` as a Hugging Face
+    directory, which is then required.
     """
     from lmforge.models.load import checkpoint_description, load_model
 
@@ -121,20 +122,23 @@ def export_adapter(run_or_ckpt: str | Path, adapter_dir: str | Path, base_dir: s
     if "lora" not in described:
         raise UserError(f"--adapter: {run_or_ckpt} holds no LoRA adapters (a full model: export it with --hf)")
     base = ModelSource.parse(str(described.get("base", "")))
-    if base_dir is None and base.kind != "hf":
+    if base_dir is None and base.kind not in ("hf", "hub"):
         raise UserError(f"--adapter: the base model ({base}) is not a Hugging Face directory; add --base DIR "
                         "to export it alongside the adapter")
     out = _check_out(adapter_dir, "--adapter", "adapter_config.json")
     loaded = load_model(source, merge_lora=False)
     base_path = Path(base.where).resolve() if base_dir is None else _check_out(base_dir, "--base", "config.json")
+    base_name, revision = str(base_path), None
     if base_dir is not None:
         plain = load_model(base, tokenizer=loaded.tokenizer_spec, args=loaded.args)
         _write_atomically(base_path, "--base", lambda d: write_hf_dir(plain.model, plain.tokenizer, d))
+    elif base.kind == "hub":  # named as on the Hub, at the commit the run started from
+        base_name, _, revision = base.where.partition("@")
     return _write_atomically(out, "--adapter", lambda d: write_peft_adapter(loaded.model, described["lora"],
-                                                                            str(base_path), d))
+                                                                            base_name, d, revision))
 
 
-def write_peft_adapter(model: Transformer, lora: dict, base_name: str, out: Path) -> None:
+def write_peft_adapter(model: Transformer, lora: dict, base_name: str, out: Path, revision: str | None = None) -> None:
     from peft import LoraConfig
     from safetensors.torch import save_file
 
@@ -149,7 +153,7 @@ def write_peft_adapter(model: Transformer, lora: dict, base_name: str, out: Path
     targets = sorted(hf_module_name(f"layers.0.{TARGET_PATHS[t]}", model.args).rpartition(".")[2]
                      for t in lora["target_modules"])
     config = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"], target_modules=targets,
-                        bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_name)
+                        bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_name, revision=revision)
     config.save_pretrained(str(out))
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
 

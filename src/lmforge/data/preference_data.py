@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from lmforge.data.chat import ChatFormat, validate_messages
+from lmforge.data.overlong import Overlong, fit_pair, overlong_phrase
 from lmforge.data.packing import IGNORE_INDEX, Batch
 from lmforge.data.record_formats import PROMPT_TURNS
 from lmforge.data.sft_data import Example, SFTDataset, tokenize_records
@@ -62,7 +63,12 @@ class PreferenceSummary:
     pairs: int = 0
     sequences: int = 0
     seq_len: int = 0
+    overlong: Overlong = "truncate"
     too_long: int = 0
+    """Pairs skipped for not fitting one row (``data.overlong=skip``)."""
+    truncated: int = 0
+    responses_cut: int = 0
+    """Of the truncated pairs, those where a response lost its end."""
     no_loss_tokens: int = 0
     loss_tokens: int = 0
     fill: float = 0.0
@@ -75,17 +81,17 @@ class PreferenceSummary:
         u = self.unit
         text = (f"{self.method} data {self.source}: {self.records} records -> {self.pairs} {u}, {self.loss_tokens} "
                 f"response tokens, {self.sequences} rows of {self.seq_len} ({100 * self.fill:.1f}% of tokens used)")
-        skipped = []
-        if self.too_long:
-            skipped.append(f"{self.too_long} {u} longer than {self.seq_len} tokens (both sequences)")
-        if self.no_loss_tokens:
-            skipped.append(f"{self.no_loss_tokens} {u} with an empty response")
         text += f"; {self.note}" if self.note else ""
-        return text + ("; skipped " + ", ".join(skipped) if skipped else "")
+        if self.no_loss_tokens:
+            text += f"; skipped {self.no_loss_tokens} {u} with an empty response"
+        overlong = overlong_phrase(self.too_long + self.truncated, self.records, u,
+                                   f"a row of {self.seq_len} tokens (both sequences)", self.overlong, self.responses_cut)
+        return text + (f"; {overlong}" if overlong else "")
 
     def counts(self) -> dict[str, int]:
         return {"records": self.records, "pairs": self.pairs, "sequences": self.sequences,
-                "skipped_too_long": self.too_long, "skipped_no_loss_tokens": self.no_loss_tokens,
+                "skipped_too_long": self.too_long, "truncated": self.truncated, "responses_cut": self.responses_cut,
+                "skipped_no_loss_tokens": self.no_loss_tokens,
                 "loss_tokens": self.loss_tokens}
 
 
@@ -155,10 +161,11 @@ def _whole(ids: list[int], mask: list[bool]) -> Example | None:
 def tokenize_pairs(records: Sequence[Record], tokenizer: Tokenizer, chat: ChatFormat | None, seq_len: int,
                    summary: PreferenceSummary, values: Sequence[float] | None = None,
                    whole: bool = False) -> list[PreferencePair]:
-    """Records to pairs; pairs that do not fit one row, or with a response of no tokens, are counted and
-    skipped (a DPO pair is only meaningful whole). ``values[k]``: the number both sequences of record
-    ``k``'s pair carry into their batch (``Example.value``). ``whole``: keep each sequence whole rather
-    than shifted into next-token inputs and labels (reward models)."""
+    """Records to pairs. A pair with a response of no tokens is counted and skipped; one whose two
+    sequences do not fit one row is truncated together (:func:`lmforge.data.overlong.fit_pair`) or
+    skipped, as ``summary.overlong`` says. ``values[k]``: the number both sequences of record ``k``'s
+    pair carry into their batch (``Example.value``). ``whole``: keep each sequence whole rather than
+    shifted into next-token inputs and labels (reward models)."""
     if chat is None and any(isinstance(r.get("prompt"), list) for _, r in records):
         where = next(w for w, r in records if isinstance(r.get("prompt"), list))
         raise UserError(f"{where}: conversational records need a chat template and {tokenizer!r} has none "
@@ -172,12 +179,21 @@ def tokenize_pairs(records: Sequence[Record], tokenizer: Tokenizer, chat: ChatFo
         if chosen is None or rejected is None:
             summary.no_loss_tokens += 1
             continue
+        if len(chosen) + len(rejected) > seq_len:
+            if summary.overlong == "skip":
+                summary.too_long += 1
+                continue
+            shift = 0 if whole else 2  # a shifted sequence of L tokens is an example of L - 1
+            (c_ids, c_mask), (r_ids, r_mask), response_cut = fit_pair((c_ids, c_mask), (r_ids, r_mask), seq_len + shift)
+            chosen, rejected = example(c_ids, c_mask), example(r_ids, r_mask)
+            summary.truncated += 1
+            summary.responses_cut += response_cut
+            if chosen is None or rejected is None:  # a row too short for even one response token each
+                summary.no_loss_tokens += 1
+                continue
         if values is not None:
             chosen.value = rejected.value = float(values[k])
         pair = PreferencePair(chosen, rejected)
-        if len(pair) > seq_len:
-            summary.too_long += 1
-            continue
         summary.loss_tokens += int((chosen.labels != IGNORE_INDEX).sum() + (rejected.labels != IGNORE_INDEX).sum())
         pairs.append(pair)
     summary.pairs = len(pairs)
@@ -204,9 +220,10 @@ class PreferenceDataset(SFTDataset):
 
 
 def build_preference_dataset(records: Sequence[Record], source: str, tokenizer: Tokenizer, chat: ChatFormat | None,
-                             *, seq_len: int, packing: bool = True) -> tuple[PreferenceDataset, PreferenceSummary]:
+                             *, seq_len: int, packing: bool = True, overlong: Overlong = "truncate"
+                             ) -> tuple[PreferenceDataset, PreferenceSummary]:
     """Records -> tokenized pairs -> rows; plus the summary to report."""
-    summary = PreferenceSummary(source=source, records=len(records), seq_len=seq_len)
+    summary = PreferenceSummary(source=source, records=len(records), seq_len=seq_len, overlong=overlong)
     pairs = tokenize_pairs(records, tokenizer, chat, seq_len, summary)
     if not pairs:
         raise UserError(summary.line() + ": no pairs left to train on")

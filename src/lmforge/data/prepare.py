@@ -26,6 +26,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from lmforge.data.chunks import Chunk, chunk_documents, input_files, plan_chunks
+from lmforge.data.sources import load_hf_dataset
+from lmforge.data.hub_datasets import hub_dataset_name
 from lmforge.data.shards import FORMAT, INDEX_FILE, SHARD_TOKENS, ShardWriter, read_index, token_dtype
 from lmforge.errors import UserError
 from lmforge.models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -57,7 +59,11 @@ def source_stamps(inputs: Sequence[str | Path]) -> list[dict[str, Any]]:
     stamps = []
     for spec in inputs:
         for f in input_files(spec):
-            for g in (sorted(p for p in f.rglob("*") if p.is_file()) if f.is_dir() else [f]):
+            if hub_dataset_name(f) is not None:  # the cache's Arrow files, which change with a new version
+                files = sorted(Path(c["filename"]) for c in load_hf_dataset(f).cache_files)
+            else:
+                files = sorted(p for p in f.rglob("*") if p.is_file()) if f.is_dir() else [f]
+            for g in files:
                 st = g.stat()
                 stamps.append({"path": str(g.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
     return stamps

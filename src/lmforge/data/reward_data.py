@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 
 from lmforge.data.chat import ChatFormat
+from lmforge.data.overlong import Overlong
 from lmforge.data.preference_data import (
     PreferenceDataset,
     PreferenceSummary,
@@ -57,9 +58,10 @@ def read_reward_records(spec: str) -> list[Record]:
 
 
 def build_reward_dataset(records: Sequence[Record], source: str, tokenizer: Tokenizer, chat: ChatFormat | None, *,
-                         seq_len: int, packing: bool = True) -> tuple[PreferenceDataset, PreferenceSummary]:
+                         seq_len: int, packing: bool = True, overlong: Overlong = "truncate"
+                         ) -> tuple[PreferenceDataset, PreferenceSummary]:
     """Records -> whole-sequence pairs, each with its margin as its value -> rows; plus the summary."""
-    summary = PreferenceSummary(source=source, method="rm", records=len(records), seq_len=seq_len)
+    summary = PreferenceSummary(source=source, method="rm", records=len(records), seq_len=seq_len, overlong=overlong)
     pairs = tokenize_pairs(records, tokenizer, chat, seq_len, summary, values=[margin_of(r) for _, r in records],
                            whole=True)
     if not pairs:

@@ -19,8 +19,9 @@ attention) and ``position_ids`` restarting at 0 per example, or gives each examp
 sequence. Both give exactly the same per-token losses; packing wastes less compute on padding.
 
 Problems with the data's *shape* (bad JSON, missing fields) stop the run at start with ``file:line``;
-examples that merely cannot be trained on (no loss tokens, too long) are counted, skipped (or
-truncated) and reported in one summary line.
+examples that merely cannot be trained on as they are (no loss tokens: skipped; longer than a row:
+truncated or skipped, ``data.overlong``, see :mod:`lmforge.data.overlong`) are counted and reported in
+one summary line.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 from lmforge.data.chat import ChatFormat, validate_messages
+from lmforge.data.overlong import Overlong, fit_sequence, overlong_phrase
 from lmforge.data.packing import IGNORE_INDEX, Sample
 from lmforge.data.record_formats import PROMPT_TURNS, RecordFormat, detect_format, to_sft_record
 from lmforge.data.sources import Record, read_file_records, record_files
@@ -66,8 +68,12 @@ class DataSummary:
     seq_len: int = 0
     packing: bool = True
     no_loss_tokens: int = 0
+    overlong: Overlong = "truncate"
     too_long: int = 0
+    """Examples skipped for being longer than a row (``data.overlong=skip``)."""
     truncated: int = 0
+    responses_cut: int = 0
+    """Of the truncated, those whose response lost its end (it did not fit even without its prompt)."""
     loss_tokens: int = 0
     fill: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -76,21 +82,17 @@ class DataSummary:
         mode = f"packed, {100 * self.fill:.1f}% of tokens used" if self.packing else "padded"
         text = (f"sft data {self.source}: {self.records} records -> {self.examples} examples, "
                 f"{self.loss_tokens} loss tokens, {self.sequences} sequences of {self.seq_len} ({mode})")
-        skipped = []
         if self.no_loss_tokens:
-            skipped.append(f"{self.no_loss_tokens} without loss tokens")
-        if self.too_long:
-            skipped.append(f"{self.too_long} longer than {self.seq_len + 1} tokens")
-        if skipped:
-            text += "; skipped " + ", ".join(skipped)
-        if self.truncated:
-            text += f"; truncated {self.truncated} to {self.seq_len + 1} tokens"
-        return text
+            text += f"; skipped {self.no_loss_tokens} without loss tokens"
+        overlong = overlong_phrase(self.too_long + self.truncated, self.records, "records",
+                                   f"{self.seq_len + 1} tokens", self.overlong,
+                                   self.responses_cut)
+        return text + (f"; {overlong}" if overlong else "")
 
     def counts(self) -> dict[str, int]:
         return {"records": self.records, "examples": self.examples, "sequences": self.sequences,
                 "skipped_no_loss_tokens": self.no_loss_tokens, "skipped_too_long": self.too_long,
-                "truncated": self.truncated, "loss_tokens": self.loss_tokens}
+                "truncated": self.truncated, "responses_cut": self.responses_cut, "loss_tokens": self.loss_tokens}
 
 
 # ---------------------------------------------------------------------------------------- reading
@@ -173,16 +175,18 @@ def tokenize_records(records: Sequence[Record], tokenizer: Tokenizer, chat: Chat
 
 
 def prepare_examples(tokenized: Sequence[tuple[list[int], list[bool]]], seq_len: int,
-                     too_long: Literal["skip", "truncate"], summary: DataSummary) -> list[Example]:
-    """Shift each example into (inputs, labels); skip or truncate those that do not fit ``seq_len``."""
+                     overlong: Overlong, summary: DataSummary) -> list[Example]:
+    """Shift each example into (inputs, labels); skip or truncate (:func:`lmforge.data.overlong.fit_sequence`)
+    those longer than ``seq_len + 1`` tokens (``seq_len`` after the shift)."""
     examples: list[Example] = []
     for ids, mask in tokenized:
         if len(ids) - 1 > seq_len:
-            if too_long == "skip":
+            if overlong == "skip":
                 summary.too_long += 1
                 continue
-            ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]
+            (ids, mask), response_cut = fit_sequence((ids, mask), seq_len + 1)
             summary.truncated += 1
+            summary.responses_cut += response_cut
         targets = np.asarray(ids[1:], dtype=np.int64)
         carries = np.asarray(mask[1:], dtype=bool)
         if len(ids) < 2 or not carries.any():
@@ -261,12 +265,11 @@ class SFTDataset:
 
 def build_sft_dataset(records: Sequence[Record], source: str, tokenizer: Tokenizer, chat: ChatFormat | None, *,
                       seq_len: int, loss_on: Literal["assistant", "all"] = "assistant",
-                      too_long: Literal["skip", "truncate"] = "skip", packing: bool = True
-                      ) -> tuple[SFTDataset, DataSummary]:
+                      overlong: Overlong = "truncate", packing: bool = True) -> tuple[SFTDataset, DataSummary]:
     """Records -> tokenized, masked, filtered examples -> samples; plus the summary to report."""
-    summary = DataSummary(source=source, records=len(records), seq_len=seq_len, packing=packing)
+    summary = DataSummary(source=source, records=len(records), seq_len=seq_len, packing=packing, overlong=overlong)
     tokenized = tokenize_records(records, tokenizer, chat, loss_on)
-    examples = prepare_examples(tokenized, seq_len, too_long, summary)
+    examples = prepare_examples(tokenized, seq_len, overlong, summary)
     if not examples:
         raise UserError(summary.line() + ": no examples left to train on")
     dataset = SFTDataset(examples, seq_len, tokenizer.pad_id, packing)

@@ -22,8 +22,6 @@ class SFTSection(Section):
     """``assistant``: loss on assistant turns / completions only; ``all``: on every token."""
     packing: bool = True
     """Pack several examples per sequence (isolated by document masks); false: one padded example each."""
-    too_long: Literal["skip", "truncate"] = "skip"
-    """Examples longer than ``data.seq_len + 1`` tokens are skipped, or cut to fit."""
     chat_template: str | None = None
     """A jinja file to use instead of the tokenizer's own chat template."""
 
@@ -44,7 +42,7 @@ def sft_datasets(cfg: Any, tokenizer: Tokenizer, chat: ChatFormat | None,
     def build(spec: DataSpec, split: str) -> SFTDataset:
         records, source = _records(spec, split, cfg)
         dataset, summary = build_sft_dataset(records, source, tokenizer, chat, seq_len=d.seq_len,
-                                             loss_on=s.loss_on, too_long=s.too_long, packing=s.packing)
+                                             loss_on=s.loss_on, overlong=d.overlong, packing=s.packing)
         report(split, summary)
         return dataset
 

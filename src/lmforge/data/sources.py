@@ -10,7 +10,9 @@ Supported inputs:
   lmforge[data]``). Null values are skipped.
 * a directory - every file above, found recursively, read in sorted path order.
 * a Hugging Face ``datasets`` directory (written by ``Dataset.save_to_disk``; needs ``datasets``:
-  ``pip install lmforge[data]``) - the string column ``text_field``.
+  ``pip install lmforge[data]``) - the string column ``text_field``;
+* a Hub dataset in the ``datasets`` cache, ``org/name`` or ``org/name:split`` (when no such local path
+  exists; :mod:`lmforge.data.hub_datasets`) - read as a ``datasets`` directory.
 
 Records (SFT examples, GRPO prompts) are JSON objects of ``.jsonl`` lines, ``.parquet`` rows or
 ``datasets`` rows, and ``{"text": block}`` for each block of a ``.txt`` file; :func:`read_records`
@@ -27,6 +29,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from lmforge.data.hub_datasets import hub_dataset_name, load_hub_dataset
 from lmforge.errors import UserError
 
 __all__ = ["Record", "data_files", "read_documents", "read_records", "read_file_records", "record_files", "read_jsonl_records",
@@ -101,12 +104,19 @@ def _read_txt(path: Path) -> list[str]:
 
 
 def is_hf_dataset_dir(path: Path) -> bool:
-    """A directory written by ``datasets.Dataset.save_to_disk`` (or ``DatasetDict.save_to_disk``)."""
+    """A directory written by ``datasets.Dataset.save_to_disk`` (or ``DatasetDict.save_to_disk``), or a
+    Hub dataset's name (``org/name[:split]``, :mod:`lmforge.data.hub_datasets`): both are read as a
+    ``datasets.Dataset``."""
+    if hub_dataset_name(path) is not None:
+        return True
     return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
 
 
 def load_hf_dataset(path: Path):
-    """The ``datasets.Dataset`` saved in ``path`` (memory-mapped Arrow files: nothing is read yet)."""
+    """The ``datasets.Dataset`` saved in ``path``, or of the Hub dataset it names (memory-mapped Arrow
+    files: nothing is read yet)."""
+    if hub_dataset_name(path) is not None:
+        return load_hub_dataset(path)
     try:
         import datasets
     except ImportError as e:

@@ -22,6 +22,7 @@ import json
 from typing import Any, Sequence
 
 from lmforge.data.chat import ChatFormat, validate_messages
+from lmforge.data.overlong import Overlong
 from lmforge.data.preference_data import (
     PreferenceDataset,
     PreferenceSummary,
@@ -90,7 +91,7 @@ def _partners(prompts: Sequence[str], kinds: Sequence[type]) -> list[int]:
 
 
 def build_unpaired_dataset(path: str, tokenizer: Tokenizer, chat: ChatFormat | None, seq_len: int,
-                           packing: bool) -> tuple[PreferenceDataset, PreferenceSummary]:
+                           packing: bool, overlong: Overlong = "truncate") -> tuple[PreferenceDataset, PreferenceSummary]:
     """Examples of ``path`` -> (example, mismatched) pairs -> rows; plus the summary to report."""
     examples, records = read_unpaired_examples(path)
     keys = [json.dumps(p, sort_keys=True) for _, p, _, _ in examples]
@@ -98,7 +99,7 @@ def build_unpaired_dataset(path: str, tokenizer: Tokenizer, chat: ChatFormat | N
     pseudo: list[Record] = [(where, {"prompt": p, "chosen": y, "rejected": examples[j][2]})
                             for (where, p, y, _), j in zip(examples, partners)]
     summary = PreferenceSummary(source=path, method="kto", records=records, seq_len=seq_len,
-                                unit="examples")
+                                unit="examples", overlong=overlong)
     pairs = tokenize_pairs(pseudo, tokenizer, chat, seq_len, summary, values=[float(e[3]) for e in examples])
     desirable = sum(1 for p in pairs if p.chosen.value == 1.0)
     summary.note = (f"{desirable} desirable and {len(pairs) - desirable} undesirable examples, each with a "

@@ -1,8 +1,11 @@
-"""One way to get a model: from a :class:`ModelSource` (fresh, a Hugging Face directory, a GGUF file,
-an lmforge run or checkpoint), used by the runtime, inference, generation, export and GRPO's reference model.
+"""One way to get a model: from a :class:`ModelSource` (fresh, a Hugging Face directory, a model on the
+Hugging Face Hub, a GGUF file, an lmforge run or checkpoint), used by the runtime, inference, generation,
+export and GRPO's reference model.
 
-A source has a one-line spelling, ``init:SEED``, ``hf:DIR``, ``gguf:FILE`` or ``checkpoint:DIR``, which GRPO keeps in
-its checkpoints to rebuild the same reference model on resume. lmforge checkpoints describe their
+A source has a one-line spelling, ``init:SEED``, ``hf:DIR``, ``hub:ORG/NAME@COMMIT``, ``gguf:FILE`` or
+``checkpoint:DIR``, which GRPO keeps in its checkpoints to rebuild the same reference model on resume. A
+Hub name is pinned to the commit its revision resolved to (:mod:`lmforge.models.hub`), so the spelling
+always means the same weights. lmforge checkpoints describe their
 own model (``trainer_state.json`` holds the model shape and tokenizer), so a checkpoint directory is
 enough to rebuild it; older ones fall back to their run directory's ``model_args.json``.
 """
@@ -18,19 +21,20 @@ from lmforge.checkpoint import RunDir, STATE_FILE, load_model_weights, read_trai
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
 from lmforge.models.heads import attach_head, head_of
+from lmforge.models.hub import is_hub_name, resolve_hub_model
 from lmforge.models.model import Transformer
 from lmforge.models.spec import spec_for_args
 from lmforge.models.tokenizer import Tokenizer, load_tokenizer
 
-SourceKind = Literal["init", "hf", "gguf", "checkpoint"]
+SourceKind = Literal["init", "hf", "hub", "gguf", "checkpoint"]
 
 
 @dataclass(frozen=True)
 class ModelSource:
     kind: SourceKind
     where: str
-    """The seed (``init``), a Hugging Face directory (``hf``), a GGUF file (``gguf``) or a resolved
-    checkpoint directory."""
+    """The seed (``init``), a Hugging Face directory (``hf``), ``org/name@commit`` (``hub``), a GGUF file
+    (``gguf``) or a resolved checkpoint directory."""
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.where}"
@@ -38,15 +42,38 @@ class ModelSource:
     @classmethod
     def parse(cls, spec: str) -> "ModelSource":
         kind, _, where = spec.partition(":")
-        if kind not in ("init", "hf", "gguf", "checkpoint") or not where:
-            raise UserError(f"model source {spec!r}: expected init:SEED, hf:DIR, gguf:FILE or checkpoint:DIR")
+        if kind not in ("init", "hf", "hub", "gguf", "checkpoint") or not where:
+            raise UserError(f"model source {spec!r}: expected init:SEED, hf:DIR, hub:ORG/NAME@COMMIT, gguf:FILE "
+                            "or checkpoint:DIR")
         return cls(kind, where)  # type: ignore[arg-type]
+
+    @classmethod
+    def hub(cls, name: str) -> "ModelSource":
+        """The Hub model ``name`` (``org/name[@revision]``), resolved to a commit in the cache now."""
+        return cls("hub", resolve_hub_model(name).pinned)
+
+    @classmethod
+    def from_hf(cls, value: str, key: str = "model.from_hf") -> "ModelSource":
+        """What ``model.from_hf`` names: a local Hugging Face directory or ``.gguf`` file (a path that
+        exists always wins), else a Hub model ``org/name[@revision]``."""
+        p = Path(value).expanduser()
+        if not p.exists() and is_hub_name(value):
+            try:
+                return cls.hub(value)
+            except UserError as e:
+                raise UserError(f"{key}={value}: no such local directory, and {e}") from None
+        return cls("gguf" if value.lower().endswith(".gguf") else "hf", value)
 
     @classmethod
     def at(cls, path: str | Path) -> "ModelSource":
         """The model stored at ``path``: a Hugging Face directory, a ``*.gguf`` file, or an lmforge run /
-        checkpoint directory."""
+        checkpoint directory; a ``path`` that does not exist may name a Hub model (``org/name[@revision]``)."""
         p = Path(path).expanduser()
+        if not p.exists() and is_hub_name(str(path)):
+            try:
+                return cls.hub(str(path))
+            except UserError as e:
+                raise UserError(f"{path}: no such run, checkpoint or model directory, and as a Hub model {e}") from None
         if not p.exists():
             raise UserError(f"{p}: no such run, checkpoint or model directory")
         if p.is_file() and p.suffix.lower() == ".gguf":
@@ -98,8 +125,8 @@ def load_model(source: ModelSource, *, tokenizer: str = "byte", args: ModelArgs 
     """Build the model ``source`` names, with its tokenizer, in fp32 on the CPU.
 
     ``init`` sources are new models: ``args`` if given, else the named ``size`` with ``overrides``
-    and the vocabulary of ``tokenizer``. ``hf`` and ``checkpoint`` sources bring their own shape and
-    tokenizer (``tokenizer`` other than ``byte`` overrides a Hugging Face directory's own). A ``gguf``
+    and the vocabulary of ``tokenizer``. ``hf``, ``hub`` and ``checkpoint`` sources bring their own shape
+    and tokenizer (``tokenizer`` other than ``byte`` overrides a Hugging Face directory's own). A ``gguf``
     file brings its shape but needs ``tokenizer``: lmforge cannot load the tokenizer GGUF embeds.
 
     A LoRA checkpoint holds only its adapters and names its base model: the base is loaded (the same
@@ -114,12 +141,13 @@ def load_model(source: ModelSource, *, tokenizer: str = "byte", args: ModelArgs 
             args = model_args_for(size, tok.vocab_size, **(overrides or {}))
         model = spec_for_args(args).build(args)
         model.init_weights(seed=int(source.where))
-    elif source.kind == "hf":
+    elif source.kind in ("hf", "hub"):
         from lmforge.models.hf import load_hf_model
 
-        spec = _tokenizer_spec(tokenizer if tokenizer != "byte" else source.where)
+        directory = source.where if source.kind == "hf" else str(resolve_hub_model(source.where).directory)
+        spec = _tokenizer_spec(tokenizer if tokenizer != "byte" else directory)
         tok = load_tokenizer(spec)
-        model = load_hf_model(source.where)
+        model = load_hf_model(directory)
     elif source.kind == "gguf":
         from lmforge.models.gguf import load_gguf_model
 
@@ -169,7 +197,7 @@ def _load_adapted(ckpt: Path, described: dict[str, Any], tokenizer: str, merge: 
         lora = LoraSection(**described["lora"])
     except (UserError, TypeError, ValueError) as e:
         raise UserError(f"{ckpt}: unreadable LoRA description in its trainer state ({e})") from None
-    if base_source.kind != "init" and not Path(base_source.where).exists():
+    if base_source.kind not in ("init", "hub") and not Path(base_source.where).exists():
         raise UserError(f"{ckpt}: holds LoRA adapters for the base model {base_source}, which no longer exists")
     base = load_model(base_source, tokenizer=tokenizer, args=ModelArgs.from_dict(described["model_args"])).model
     apply_lora(base, lora)

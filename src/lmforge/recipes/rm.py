@@ -85,7 +85,7 @@ class RM(Recipe):
 
         def build(records: list[Record], source: str, split: str) -> PreferenceDataset:
             dataset, summary = build_reward_dataset(records, source, rt.tokenizer, chat, seq_len=cfg.data.seq_len,
-                                                    packing=cfg.rm.packing)
+                                                    packing=cfg.rm.packing, overlong=cfg.data.overlong)
             rt.metrics.record_event("rm_data", 0, summary.line(), split=split, **summary.counts())
             return dataset
 

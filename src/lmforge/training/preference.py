@@ -13,6 +13,7 @@ from pydantic import Field
 from lmforge.config import Config, Section
 from lmforge.data.chat import ChatFormat, training_chat_format
 from lmforge.data.inputs import DataSpec, train_and_validation, train_spec
+from lmforge.data.overlong import Overlong
 from lmforge.data.preference_data import PreferenceDataset, PreferenceSummary, build_preference_dataset, read_preference_records
 from lmforge.errors import UserError
 from lmforge.evaluation.loss import validation_eval
@@ -44,15 +45,16 @@ class BetaSection(PreferenceSection):
     beta: float = Field(0.1, gt=0)
 
 
-PairBuilder = Callable[[str, Tokenizer, "ChatFormat | None", int, bool], "tuple[PreferenceDataset, PreferenceSummary]"]
-"""``(data file or directory, tokenizer, chat, seq_len, packing) -> (rows of pairs, summary)``."""
+PairBuilder = Callable[[str, Tokenizer, "ChatFormat | None", int, bool, Overlong],
+                      "tuple[PreferenceDataset, PreferenceSummary]"]
+"""``(data file or directory, tokenizer, chat, seq_len, packing, data.overlong) -> (rows of pairs, summary)``."""
 
 
 def preference_pairs(path: str, tokenizer: Tokenizer, chat: ChatFormat | None, seq_len: int,
-                     packing: bool) -> tuple[PreferenceDataset, PreferenceSummary]:
+                     packing: bool, overlong: Overlong) -> tuple[PreferenceDataset, PreferenceSummary]:
     """``prompt``/``chosen``/``rejected`` records to rows of pairs (DPO, ORPO, SimPO)."""
     return build_preference_dataset(read_preference_records(path), path, tokenizer, chat, seq_len=seq_len,
-                                    packing=packing)
+                                    packing=packing, overlong=overlong)
 
 
 def check_preference_data(cfg: Config, method: str, records: str = "prompt, chosen, rejected") -> None:
@@ -97,7 +99,7 @@ def preference_datasets(rt: Runtime, section: PreferenceSection, method: str,
     chat = training_chat_format(rt.tokenizer, rt.model_args.vocab_size, section.chat_template)
 
     def one(spec: DataSpec, split: str) -> PreferenceDataset:
-        dataset, summary = build(spec.value, rt.tokenizer, chat, d.seq_len, section.packing)
+        dataset, summary = build(spec.value, rt.tokenizer, chat, d.seq_len, section.packing, d.overlong)
         summary.method = method
         rt.metrics.record_event(f"{method}_data", 0, summary.line(), split=split, **summary.counts())
         return dataset

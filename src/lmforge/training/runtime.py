@@ -148,11 +148,11 @@ def claim_run_dir(run_dir: Path, is_main: bool) -> None:
 
 
 def model_source(cfg: Config) -> ModelSource:
-    """Where a run's starting weights come from: a Hugging Face directory, an lmforge checkpoint, or
-    a fresh initialization with the run's seed."""
+    """Where a run's starting weights come from: a Hugging Face directory or Hub model (pinned to its
+    commit), an lmforge checkpoint, or a fresh initialization with the run's seed."""
     m = cfg.model
-    if m.from_hf:  # a Hugging Face directory, or a llama.cpp .gguf file (lmforge.models.gguf)
-        return ModelSource("gguf" if m.from_hf.lower().endswith(".gguf") else "hf", m.from_hf)
+    if m.from_hf:  # a Hugging Face directory, a llama.cpp .gguf file (lmforge.models.gguf) or a Hub name
+        return ModelSource.from_hf(m.from_hf)
     if m.from_checkpoint:
         p = Path(m.from_checkpoint)
         if not (p / STATE_FILE).is_file() and not list_checkpoints(RunDir(p).checkpoints):
