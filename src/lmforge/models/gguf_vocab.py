@@ -73,7 +73,7 @@ def _merges(model: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _is_sentencepiece_style(data: dict[str, Any]) -> bool:
-    text = json.dumps(data.get("normalizer")) + json.dumps(data.get("pre_tokenizer"))
+    text = json.dumps(data.get("normalizer"), ensure_ascii=False) + json.dumps(data.get("pre_tokenizer"), ensure_ascii=False)
     return bool(data["model"].get("byte_fallback")) and "\u2581" in text
 
 
