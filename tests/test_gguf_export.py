@@ -108,7 +108,7 @@ def test_q8_0_logits_and_greedy_tokens_stay_close(tmp_path):
     rel = ((q8 - ref).norm() / ref.norm()).item()
     agree = (q8.argmax(-1) == ref.argmax(-1)).float().mean().item()
     print(f"q8_0: relative logit error {rel:.2e}, greedy agreement {agree:.3f}")
-    assert rel < 1e-2 and agree > 0.95
+    assert rel < 2e-2 and agree > 0.9  # measured: 9.4e-3 and 0.982 (random weights: near-uniform logits)
 
 
 # ---------------------------------------------------------------------------- tokenizers
