@@ -61,17 +61,23 @@ def _export(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lmforge export", description="Export a checkpoint.")
     p.add_argument("--hf", metavar="OUT_DIR", help="write a Hugging Face model directory here (config.json, "
                    "safetensors, tokenizer); a LoRA run's adapters are merged into it")
+    p.add_argument("--gguf", metavar="FILE", help="write a llama.cpp GGUF file here (weights, tokenizer, chat "
+                   "template); a LoRA run's adapters are merged into it")
+    p.add_argument("--gguf-type", default="f16", metavar="TYPE",
+                   help="GGUF tensor type: f16 (default), bf16, q8_0 or f32")
     p.add_argument("--adapter", metavar="OUT_DIR", help="LoRA runs: write a PEFT adapter directory here")
     p.add_argument("--base", metavar="OUT_DIR", help="with --adapter: also write the adapter's base model here "
                    "(required unless the run started from a Hugging Face directory)")
-    p.add_argument("run_dir", help="run directory or checkpoint directory")
+    p.add_argument("run_dir", help="run directory or checkpoint directory (--gguf: also a Hugging Face directory)")
     a = p.parse_args(argv)
-    if not a.hf and not a.adapter:
-        p.error("give --hf OUT_DIR and/or --adapter OUT_DIR")
+    if not a.hf and not a.adapter and not a.gguf:
+        p.error("give --hf OUT_DIR, --gguf FILE and/or --adapter OUT_DIR")
     if a.base and not a.adapter:
         p.error("--base goes with --adapter")
-    from lmforge.export import export_adapter, export_hf
+    from lmforge.export import export_adapter, export_gguf, export_hf
 
+    if a.gguf:  # first: it checks its arguments (type, file) before anything is written
+        print(f"exported GGUF ({a.gguf_type}) to {export_gguf(a.run_dir, a.gguf, a.gguf_type)}")
     if a.hf:
         print(f"exported Hugging Face model to {export_hf(a.run_dir, a.hf)}")
     if a.adapter:
@@ -155,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 
     trainers = recipes()
     usage = (f"usage: lmforge {{{','.join(trainers)}}} --config FILE [--section.key=value ...]\n"
-             "       lmforge generate CHECKPOINT --prompt TEXT | export --hf OUT [--adapter OUT] RUN_DIR | report RUN_DIR...\n"
+             "       lmforge generate CHECKPOINT --prompt TEXT | export --hf OUT [--gguf FILE] [--adapter OUT] RUN_DIR | report RUN_DIR...\n"
              "       lmforge eval RUN_OR_MODEL_DIR --tasks T1,T2 [--limit N] [--apply-chat-template]\n"
              "       lmforge prepare INPUT... --out DIR [--tokenizer T] [--workers N] [--text-field F] | --out DIR --verify")
     if not argv or argv[0] in ("-h", "--help"):

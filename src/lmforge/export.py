@@ -1,5 +1,6 @@
-"""Export a checkpoint as a Hugging Face model directory (config, safetensors, tokenizer files), or a
-LoRA run's adapters as a PEFT adapter directory.
+"""Export a checkpoint as a Hugging Face model directory (config, safetensors, tokenizer files), a
+llama.cpp GGUF file (weights, tokenizer and chat template in one file), or a LoRA run's adapters as
+a PEFT adapter directory.
 
 The byte tokenizer is exported as an equivalent ``tokenizer.json`` with the chat template, so
 ``transformers`` can tokenize, chat-format and decode exactly as lmforge does.
@@ -103,6 +104,44 @@ def write_hf_dir(model: Transformer, tokenizer: Tokenizer, out: Path) -> None:
     save_hf_model(state, model.args, out, bos_token_id=tokenizer.bos_id,
                   eos_token_id=stops if len(stops) > 1 else stops[0], pad_token_id=tokenizer.pad_id, score=score)
     _write_tokenizer(tokenizer, out)
+
+
+def export_gguf(source: str | Path, out_file: str | Path, gguf_type: str = "f16") -> Path:
+    """Write a GGUF file (:mod:`lmforge.models.gguf_write`) for a run, checkpoint or Hugging Face
+    directory; a LoRA run's adapters are merged into its base weights.
+
+    ``out_file`` must not exist. The file is written as ``out_file.partial`` and renamed when
+    complete, so an interrupted or failed export never leaves a half-written file at ``out_file``.
+    """
+    from lmforge.models.gguf_write import GGUF_TYPES, gguf_architecture, write_gguf
+    from lmforge.models.hf import hf_state_dict_from_lmforge
+    from lmforge.models.hf_config import check_exportable
+
+    if gguf_type not in GGUF_TYPES:
+        raise UserError(f"--gguf-type {gguf_type!r}: choose from {', '.join(GGUF_TYPES)}")
+    out = Path(out_file).expanduser()
+    if out.exists():
+        raise UserError(f"--gguf {out}: exists; choose a new file name")
+    if not out.parent.is_dir():
+        raise UserError(f"--gguf {out}: no such directory {out.parent}")
+    model, tokenizer = load_for_inference(source)
+    if hasattr(model, "score"):
+        raise UserError(f"--gguf: {source} is a reward model; GGUF export writes language models only")
+    gguf_architecture(model.args)  # refuse before writing anything
+    check_exportable(model.args)
+    partial = out.with_name(out.name + ".partial")
+    name = Path(str(source)).expanduser().resolve().name
+    try:
+        write_gguf(hf_state_dict_from_lmforge(dict(model.state_dict()), model.args), model.args, partial,
+                   tokenizer=tokenizer, gguf_type=gguf_type, name=name)
+        os.replace(partial, out)
+    except OSError as e:
+        partial.unlink(missing_ok=True)
+        raise UserError(f"--gguf {out}: cannot write the export ({e.strerror or e})") from None
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return out
 
 
 def export_adapter(run_or_ckpt: str | Path, adapter_dir: str | Path, base_dir: str | Path | None = None) -> Path:

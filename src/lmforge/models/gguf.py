@@ -17,8 +17,8 @@ sliding (unless ``attention.sliding_window_pattern`` says otherwise), local RoPE
 ``rope.freq_base_swa``), and ``query_pre_attn_scalar`` = ``head_dim`` (the 62-layer 27B model:
 ``hidden_size / num_heads``; ``attention.scale`` when given).
 
-Training needs full-precision weights, so everything is dequantized on load (fp32, then ``dtype``);
-writing GGUF files is not supported. The file's embedded tokenizer is not read: pair the weights with
+Training needs full-precision weights, so everything is dequantized on load (fp32, then ``dtype``)
+(:mod:`lmforge.models.gguf_write` writes GGUF files). The file's embedded tokenizer is not read: pair the weights with
 the model's Hugging Face tokenizer files (``model.tokenizer=DIR``).
 """
 
