@@ -24,7 +24,7 @@ padding, unlike padding every sequence to the longest. ``packing=False`` puts on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -117,13 +117,15 @@ def _check(record: dict[str, Any]) -> None:
                 raise ValueError(f"{key!r} has no assistant message")
 
 
-def read_preference_records(spec: str) -> list[Record]:
+def read_preference_records(spec: str, check: Callable[[dict[str, Any]], Any] | None = None) -> list[Record]:
     """Every record of a ``.jsonl``/``.parquet`` file or directory (the shared record reader),
-    checked: one ``file:line`` error for the first bad record."""
+    checked (and by ``check``, which raises ``ValueError``): one ``file:line`` error for the first bad record."""
     rows = read_records(spec)
     for where, record in rows:
         try:
             _check(record)
+            if check is not None:
+                check(record)
         except ValueError as e:
             raise UserError(f"{where}: {e}") from None
     return rows

@@ -48,13 +48,7 @@ def margin_of(record: dict[str, Any]) -> float:
 
 def read_reward_records(spec: str) -> list[Record]:
     """DPO's checked preference records, and every ``margin`` checked: one ``file:line`` error."""
-    rows = read_preference_records(spec)
-    for where, record in rows:
-        try:
-            margin_of(record)
-        except ValueError as e:
-            raise UserError(f"{where}: {e}") from None
-    return rows
+    return read_preference_records(spec, check=margin_of)
 
 
 def build_reward_dataset(records: Sequence[Record], source: str, tokenizer: Tokenizer, chat: ChatFormat | None, *,
