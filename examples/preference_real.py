@@ -62,12 +62,14 @@ def run(method: str, steps: int, lora: bool, weights: Path) -> float:
 def row(method: str, wall: float) -> str:
     evals = [r for r in read_records(OUT / method, "eval") if "loss" in r]
     train = read_records(OUT / method, "train")
-    acc = next((k for k in ("rewards/accuracies", "pair_accuracy") if k in evals[0]), "accuracy")
     first, last = evals[0], evals[-1]
+    acc = next((k for k in ("rewards/accuracies", "pair_accuracy") if k in first), None)
+    margin = next(k for k in ("rewards/margins", "score/margin") if k in first)
     per_step = statistics.median(r["seconds"] for r in train[1:] or train)
     n = int(first.get("pairs", first.get("examples", 0)))
-    return (f"| {method} | {n} | {first.get(acc, float('nan')):.3f} | {last.get(acc, float('nan')):.3f} | "
-            f"{first['loss']:.4f} | {last['loss']:.4f} | {len(train)} | {per_step:.1f} | {wall:.0f} |")
+    accuracy = f"{first[acc]:.3f} | {last[acc]:.3f}" if acc else "n/a | n/a"
+    return (f"| {method} | {n} | {accuracy} | {first[margin]:.4f} | {last[margin]:.4f} | {first['loss']:.4f} | "
+            f"{last['loss']:.4f} | {len(train)} | {per_step:.1f} | {wall:.0f} |")
 
 
 def main() -> None:
@@ -79,14 +81,21 @@ def main() -> None:
     weights = smollm2_gguf()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     walls = {m: run(m, args.steps, args.lora, weights) for m in methods}
+    table(methods, walls, args)
+
+
+def table(methods: list[str], walls: dict[str, float], args: argparse.Namespace) -> None:
     import torch
 
-    print(f"\n{datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.machine())
+    print(f"\n{datetime.date.today()}, {cpu}, torch {torch.__version__}, "
           f"SmolLM2-135M-Instruct {'LoRA' if args.lora else 'full'}, {args.steps} steps of 4 rows of 256 tokens, "
           "training.dtype=auto")
-    print("| method | held-out pairs (KTO: examples) | accuracy before | after | eval loss before | after | steps "
-          "| s/step | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"load average {' '.join(Path('/proc/loadavg').read_text().split()[:3])} at the end")
+    print("| method | held-out pairs (KTO: examples) | accuracy before | after | margin before | after "
+          "| eval loss before | after | steps | s/step | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for m in methods:
         print(row(m, walls[m]))
 
