@@ -82,13 +82,6 @@ def stage_info(stage: str, wall: float) -> tuple[str, str]:
     return str(steps), f"{wall:.0f} s ({evals:.0f} s eval)"
 
 
-def reward_line() -> str:
-    rewards = [r["reward/mean"] for r in read_records(OUT / "grpo", "train") if "reward/mean" in r]
-    k = max(1, len(rewards) // 4)
-    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-    return f"GRPO reward/mean (sampled at temperature 1), first {k} steps {first:.3f} -> last {k} steps {last:.3f}"
-
-
 def table(wall: dict[str, float]) -> str:
     sft_steps, sft_wall = stage_info("sft", wall["sft"])
     grpo_steps, grpo_wall = stage_info("grpo", wall["grpo"])
@@ -120,7 +113,6 @@ def main() -> int:
           f"{sum(wall.values()):.0f} s wall in all (load average {load_before} at start, "
           f"{load_average()} at end)\n")
     print(table(wall))
-    print(f"\n{reward_line()}")
     print(f"Task: embedded `add` (2-digit sums), {GGUF} dequantized to fp32, bf16 autocast. "
           f"Run directories: {OUT.relative_to(ROOT)}/{{sft,grpo}}")
     return 0
