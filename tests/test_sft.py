@@ -187,3 +187,20 @@ def test_missing_starting_checkpoint_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2
     assert err.startswith("error: model.from_checkpoint=") and "lmforge pretrain" in err
+
+
+def test_a_subset_of_the_embedded_tasks_keeps_their_share_of_each_split():
+    """SFT on `add` alone trains on add's 4,000 train problems and scores add's 200 held-out ones (as GRPO
+    does), instead of asking add for the whole split's 12,000 or taking 600 test problems, 400 of them
+    beyond add's held-out share."""
+    from lmforge.data.sft_inputs import sft_datasets
+    from lmforge.recipes.sft import SFTConfig
+
+    cfg = SFTConfig()
+    cfg.tasks.names = ["add"]
+    tok = ByteTokenizer()
+    seen = {}
+    sft_datasets(cfg, tok, ByteChatFormat(tok), lambda split, summary: seen.setdefault(split, summary.records))
+    assert seen == {"train": 4000, "test": 200}
+    test = {e.prompt for e in task_examples("test", 600)} & {e.prompt for e in task_examples("test", 200, ["add"])}
+    assert len(test) == 200  # the held-out add problems are the full split's add problems

@@ -13,7 +13,7 @@ from lmforge.data.chat import ChatFormat
 from lmforge.data.inputs import DataSpec, train_and_validation
 from lmforge.data.sft_data import DataSummary, SFTDataset, build_sft_dataset, read_sft_records, task_records
 from lmforge.data.sources import Record
-from lmforge.data.tasks import task_examples
+from lmforge.data.tasks import task_examples, task_share
 from lmforge.models.tokenizer import Tokenizer
 
 
@@ -28,7 +28,9 @@ class SFTSection(Section):
 
 def _records(spec: DataSpec, split: str, cfg: Any) -> tuple[list[Record], str]:
     if spec.kind == "embedded":
-        n = (cfg.tasks.train_examples or None) if split == "train" else None
+        # a subset of the tasks keeps each task's default share of each split, as GRPO's prompts do
+        share = task_share(split, cfg.tasks.names)
+        n = (cfg.tasks.train_examples or share) if split == "train" else share
         return task_records(task_examples(split, n, cfg.tasks.names), split), f"embedded tasks ({split})"
     return read_sft_records(spec.value, cfg.data.format), spec.value
 
