@@ -124,9 +124,11 @@ def test_parallel_dims_from_every_spelling(section, world, want):
 
 
 @pytest.mark.parametrize("section, message", [
-    ({"tp": 2}, "parallel.tp=2: tensor parallelism is not available yet"),
-    ({"pp": 2}, "parallel.pp=2: pipeline parallelism is not available yet"),
-    ({"dp_replicate": 3, "dp_shard": 2}, r"dp_replicate \(3\) x dp_shard \(2\) x tp x cp x pp = 6, but the world size is 4"),
+    ({"tp": 3}, r"tp \(3\) x cp \(1\) x pp \(1\) = 3 does not divide the world size 4"),
+    ({"dp_replicate": 3, "dp_shard": 2}, r"dp_replicate \(3\) x dp_shard \(2\) x tp \(1\) x cp \(1\) x pp \(1\) = 6, "
+                                         r"but the world size is 4"),
+    ({"ep": 4, "dp_shard": 2, "dp_replicate": 2}, r"parallel.ep=4 must divide parallel.dp_shard=2"),
+    ({"tp": 2, "mode": "ddp", "dp_replicate": 2}, r"parallel.tp=2 with parallel.dp_replicate=2: .*not with DDP"),
 ])
 def test_parallel_dims_refusals_name_the_key(section, message):
     with pytest.raises(UserError, match=message):

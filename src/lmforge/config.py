@@ -268,16 +268,23 @@ class ParallelSection(Section):
     """Shorthand for the data dimensions: ``ddp`` replicates the model on every rank, ``fsdp`` shards it."""
     dp_replicate: int = Field(0, ge=0)
     """Ranks holding whole copies (0: from ``mode``); with ``dp_shard`` > 1 too, HSDP."""
-    dp_shard: int = Field(0, ge=0)
-    """Ranks sharding parameters, gradients and optimizer state with FSDP2 (0: from ``mode``)."""
+    dp_shard: int = Field(0, ge=-1)
+    """Ranks sharding parameters, gradients and optimizer state with FSDP2 (0 or -1: what the other
+    degrees leave of the world size)."""
     tp: int = Field(1, ge=1)
-    """Tensor-parallel degree (not available yet: must be 1)."""
+    """Tensor-parallel degree: attention heads, MLP columns and the vocabulary split over ``tp`` ranks."""
+    sequence_parallel: bool = True
+    """With ``tp`` > 1, norms and residuals run on sequence shards too (activation memory / tp)."""
     cp: int = Field(1, ge=1)
-    """Context-parallel degree (not available yet: must be 1)."""
+    """Context-parallel degree: every sequence split over ``cp`` ranks, attention exact across them."""
     ep: int = Field(1, ge=1)
-    """Expert-parallel degree (not available yet: must be 1)."""
+    """Expert-parallel degree (MoE): experts split over ``ep`` of the data-shard ranks."""
     pp: int = Field(1, ge=1)
-    """Pipeline-parallel degree (not available yet: must be 1)."""
+    """Pipeline-parallel degree: the layers split into ``pp`` stages, microbatches pipelined."""
+    pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
+    """The pipeline schedule; ``interleaved_1f1b`` runs ``pp_stages_per_rank`` stages per rank."""
+    pp_stages_per_rank: int = Field(1, ge=1)
+    """Virtual stages per pipeline rank (2 or more for ``interleaved_1f1b``)."""
 
 
 class Config(Section):

@@ -18,9 +18,9 @@ from lmforge.training.train_step import LossFn, compute_global_loss
 def validation_batches(rt: Runtime, dataset: SampleDataset) -> Iterable[Batch]:
     """This rank's share of ``eval.steps`` batches of ``eval.batch_size`` rows; a validation set smaller
     than one batch still gives one (smaller) batch, at least one row per rank."""
-    W = rt.dist.world_size
+    W = rt.dist.data_world
     size = max(min(rt.cfg.eval.batch_size, len(dataset)) // W * W, W)
-    return eval_batches(dataset, size, rt.cfg.eval.steps, rt.dist.rank, W)
+    return eval_batches(dataset, size, rt.cfg.eval.steps, rt.dist.data_rank, W)
 
 
 def evaluate_loss(rt: Runtime, batches: Iterable[Batch], loss_fn: LossFn) -> dict[str, torch.Tensor]:

@@ -86,7 +86,7 @@ class TaskEval:
             return {}
         with dist_utils.full_parameters(rt.raw_model) as model:  # FSDP2: gathered once for the whole pass
             acc = task_accuracy(model, rt.tokenizer, self.examples, max_new_tokens=self.max_new_tokens,
-                                batch_size=self.batch_size, rank=rt.dist.rank, world_size=rt.dist.world_size)
+                                batch_size=self.batch_size, rank=rt.dist.data_rank, world_size=rt.dist.data_world)
         return {"exact_match": acc.pop("all")} | {f"exact_match_{task}": v for task, v in acc.items()}
 
 

@@ -1,12 +1,18 @@
 """One description of how the ranks divide the work, and the device mesh it builds.
 
 The ranks form a grid ``pp x dp_replicate x dp_shard x cp x tp`` (outermost first, torchtitan's
-order: the inner dimensions, which talk most, sit on neighbouring ranks). Today the data dimensions
-are applied: ``dp_replicate`` ranks hold whole copies (DDP), ``dp_shard`` ranks shard parameters,
-gradients and optimizer state (FSDP2), both together are HSDP. ``tp``, ``cp``, ``ep`` and ``pp`` are
-part of the description so that configs, meshes and plans have their place, and are refused with one
-line until their plans exist. ``ep`` shards experts over the data-shard ranks, so it is not a factor
-of the world size.
+order: the inner dimensions, which talk most, sit on neighbouring ranks):
+
+* ``dp_replicate`` ranks hold whole copies (DDP); ``dp_shard`` ranks shard parameters, gradients and
+  optimizer state (FSDP2); both together are HSDP. Each data rank reads its own share of the batch.
+* ``cp`` ranks split every sequence of the same batch (context parallel); they hold different tokens,
+  so gradients are averaged over ``dp_replicate x dp_shard x cp`` (the *gradient group*).
+* ``tp`` ranks split every matrix (tensor parallel) and ``pp`` ranks split the layers (pipeline); both
+  see the same tokens as their neighbours, so token counts and losses are summed over the *data
+  group* only: the ranks of one ``(pp, tp)`` coordinate.
+* ``ep`` shards the experts of MoE layers over ranks borrowed from inside ``dp_shard``
+  (``dp_shard = dp_shard_mod_ep x ep``), so it is not a factor of the world size: each ep rank keeps
+  its own tokens and sends them to the experts' owners.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from typing import Any
 from lmforge.errors import UserError
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-NOT_YET = {"tp": "tensor", "cp": "context", "ep": "expert", "pp": "pipeline"}
+GRADIENT_DIMS = ("dp_replicate", "dp_shard", "cp")
+"""The dimensions whose ranks hold different tokens: gradients and token counts are summed over them."""
 
 
 @dataclass(frozen=True)
@@ -34,58 +41,144 @@ class ParallelDims:
     def from_config(cls, p: Any, world_size: int) -> "ParallelDims":
         """From the ``[parallel]`` section. ``mode`` is shorthand for the data dimensions: ``ddp`` puts
         every rank in ``dp_replicate``, ``fsdp`` in ``dp_shard``; explicit degrees (> 0) win, and one
-        left at 0 takes what the others leave of the world size."""
-        for key, what in NOT_YET.items():
-            if getattr(p, key) > 1:
-                raise UserError(f"parallel.{key}={getattr(p, key)}: {what} parallelism is not available yet "
-                                f"(data parallelism is: parallel.dp_replicate / parallel.dp_shard)")
-        rest = world_size // (p.tp * p.cp * p.pp)
-        replicate, shard = p.dp_replicate, p.dp_shard
+        left at 0 (or -1) takes what the others leave of the world size."""
+        model_split = p.tp * p.cp * p.pp
+        if world_size % model_split:
+            raise UserError(f"parallel: tp ({p.tp}) x cp ({p.cp}) x pp ({p.pp}) = {model_split} does not divide "
+                            f"the world size {world_size}")
+        rest = world_size // model_split
+        replicate, shard = p.dp_replicate, max(p.dp_shard, 0)
         if not replicate and not shard:
-            replicate, shard = (rest, 1) if p.mode == "ddp" else (1, rest)
+            # one data dimension takes the rest; beside tp/cp/ep (DTensor parameters) that is FSDP2
+            fsdp = p.mode == "fsdp" or p.tp > 1 or p.cp > 1 or p.ep > 1
+            replicate, shard = (1, rest) if fsdp else (rest, 1)
         elif not replicate:
             replicate = max(rest // shard, 1)
         elif not shard:
             shard = max(rest // replicate, 1)
         dims = cls(world_size, replicate, shard, p.tp, p.cp, p.ep, p.pp)
-        product = replicate * shard * p.tp * p.cp * p.pp
+        product = replicate * shard * model_split
         if product != world_size:
-            raise UserError(f"parallel: dp_replicate ({replicate}) x dp_shard ({shard}) x tp x cp x pp = {product}, "
-                            f"but the world size is {world_size}")
+            raise UserError(f"parallel: dp_replicate ({replicate}) x dp_shard ({shard}) x tp ({p.tp}) x cp ({p.cp}) "
+                            f"x pp ({p.pp}) = {product}, but the world size is {world_size}")
+        if p.ep > 1 and shard % p.ep:
+            raise UserError(f"parallel.ep={p.ep} must divide parallel.dp_shard={shard}: expert parallelism borrows "
+                            f"its ranks from the data-shard ranks")
+        if p.tp > 1 and replicate > 1 and shard == 1:
+            raise UserError(f"parallel.tp={p.tp} with parallel.dp_replicate={replicate}: tensor parallelism composes "
+                            f"with FSDP2 (parallel.dp_shard) or HSDP (dp_replicate and dp_shard > 1), not with DDP")
         return dims
+
+    # --- where a rank sits --------------------------------------------------------------------------
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's coordinate along each mesh dimension (row-major over MESH_ORDER, as
+        ``init_device_mesh`` lays ranks out)."""
+        out = {}
+        for name in reversed(MESH_ORDER):
+            size = getattr(self, name)
+            out[name] = rank % size
+            rank //= size
+        return out
+
+    @property
+    def data_world(self) -> int:
+        """How many shares each global batch is cut into (the data-parallel ranks)."""
+        return self.dp_replicate * self.dp_shard
+
+    def data_rank(self, rank: int) -> int:
+        """Which share of the global batch ``rank`` reads (tp, cp and pp neighbours read the same one)."""
+        c = self.coords(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    @property
+    def gradient_world(self) -> int:
+        """Ranks whose gradients are averaged (the data ranks times the context shards)."""
+        return self.dp_replicate * self.dp_shard * self.cp
+
+    @property
+    def splits_model(self) -> bool:
+        """Anything beyond data parallelism is in use."""
+        return self.tp > 1 or self.cp > 1 or self.pp > 1 or self.ep > 1
 
     @property
     def shards(self) -> bool:
         """Parameters are sharded (FSDP2, or HSDP with replicas)."""
-        return self.dp_shard > 1
+        return self.dp_shard > 1 or self.cp > 1
 
     @property
     def replicates_only(self) -> bool:
         """Whole copies on every data rank (DDP)."""
-        return self.dp_replicate > 1 and self.dp_shard == 1
+        return self.dp_replicate > 1 and self.dp_shard == 1 and self.cp == 1
+
+    # --- the mesh -----------------------------------------------------------------------------------
 
     def mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
-        """Sizes and names of the mesh dimensions used (degree > 1), outermost first."""
-        used = [(getattr(self, n), n) for n in MESH_ORDER if getattr(self, n) > 1]
+        """Sizes and names of the mesh dimensions used (degree > 1), outermost first; with ``ep``,
+        ``dp_shard`` appears as ``dp_shard_mod_ep x ep`` (flattened back to ``dp_shard`` by build_mesh)."""
+        used: list[tuple[int, str]] = []
+        for n in MESH_ORDER:
+            size = getattr(self, n)
+            if n == "dp_shard" and self.ep > 1:
+                if size // self.ep > 1:
+                    used.append((size // self.ep, "dp_shard_mod_ep"))
+                used.append((self.ep, "ep"))
+            elif size > 1:
+                used.append((size, n))
         return tuple(s for s, _ in used), tuple(n for _, n in used)
 
     def build_mesh(self, device_type: str) -> Any:
-        """The ``DeviceMesh`` over this run's ranks, or None when the run is one process."""
+        """The ``DeviceMesh`` over this run's ranks, or None when the run is one process. Besides its
+        own dimensions it carries the flattened ones the plans use: ``dp_shard`` (when ep splits it),
+        ``dp_shard_cp`` (FSDP2's shard group under cp) and ``data`` (the gradient group)."""
         if self.world_size == 1:
             return None
         from torch.distributed.device_mesh import init_device_mesh
 
         shape, names = self.mesh_shape()
-        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        if self.ep > 1 and "dp_shard_mod_ep" in names:
+            mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+        shard = [n for n in ("dp_shard", "cp") if getattr(self, n) > 1]
+        if len(shard) == 2:
+            mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        grads = [n for n in GRADIENT_DIMS if getattr(self, n) > 1]
+        if len(grads) > 1:
+            mesh[tuple(grads)]._flatten("data")
+        return mesh
+
+    def fsdp_mesh_names(self) -> tuple[str, ...]:
+        """The mesh dimensions FSDP2 shards/replicates over: ``(dp_replicate, dp_shard[_cp])`` present."""
+        names = []
+        if self.dp_replicate > 1:
+            names.append("dp_replicate")
+        if self.dp_shard > 1 and self.cp > 1:
+            names.append("dp_shard_cp")
+        elif self.dp_shard > 1 or self.cp > 1:
+            names.append("dp_shard" if self.dp_shard > 1 else "cp")
+        return tuple(names)
+
+    def gradient_group_name(self) -> str | None:
+        """The mesh dimension (maybe flattened) spanning the gradient group; None when it is one rank."""
+        grads = [n for n in GRADIENT_DIMS if getattr(self, n) > 1]
+        if not grads:
+            return None
+        return grads[0] if len(grads) == 1 else "data"
 
     @property
     def kind(self) -> str:
-        """``none`` (one process), ``ddp``, ``fsdp`` or ``hsdp``: the setup record's ``parallel``."""
+        """``none`` (one process), ``ddp``, ``fsdp`` or ``hsdp``, with ``+tp``/``+cp``/``+ep``/``+pp``:
+        the setup record's ``parallel``."""
         if self.world_size == 1:
             return "none"
-        return "hsdp" if self.shards and self.dp_replicate > 1 else "fsdp" if self.shards else "ddp"
+        base = "hsdp" if self.dp_shard > 1 and self.dp_replicate > 1 else "fsdp" if self.shards else \
+            "ddp" if self.dp_replicate > 1 else ""
+        extra = [n for n in ("tp", "cp", "ep", "pp") if getattr(self, n) > 1]
+        return "+".join(([base] if base else []) + extra)
 
     def describe_mesh(self) -> str:
         """The mesh's dimensions, e.g. ``dp_replicate=2 x dp_shard=4`` (empty for one process)."""
-        shape, names = self.mesh_shape()
-        return " x ".join(f"{n}={s}" for s, n in zip(shape, names))
+        parts = [f"{n}={getattr(self, n)}" for n in MESH_ORDER if getattr(self, n) > 1]
+        if self.ep > 1:
+            parts.append(f"ep={self.ep} (in dp_shard)")
+        return " x ".join(parts)

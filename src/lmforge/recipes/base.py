@@ -28,6 +28,10 @@ class Recipe:
     config: ClassVar[type[Config]] = Config
     summary: ClassVar[str] = ""
     """One line for ``lmforge --help``."""
+    splits_model: ClassVar[bool] = False
+    """Runs with tensor, context, expert or pipeline parallelism (``parallel.tp/cp/ep/pp``): its step
+    source yields packed :class:`~lmforge.data.packing.Batch` microbatches and its objective reaches the
+    model only through ``model(..., head=...)``."""
 
     def check(self, cfg: Any) -> Any:
         """Read and check the recipe's inputs before the runtime exists (nothing is written yet); what it

@@ -144,7 +144,7 @@ class DistillSource(LoaderSource):
         sampled, lengths = [], []
         with dist_utils.full_parameters(rt.raw_model) as policy:
             for j, mb in enumerate(micro):
-                index = (step * rt.dist.world_size + rt.dist.rank) * len(micro) + j
+                index = (step * rt.dist.data_world + rt.dist.data_rank) * len(micro) + j
                 gen = torch.Generator(device=rt.dist.device).manual_seed(self.seed * 1_000_003 + 7919 * index + 1)
                 sb, n = sample_on_policy(policy, mb, max_new_tokens=self.d.max_new_tokens,
                                          temperature=self.d.sampling_temperature, stop_ids=self.stop_ids,

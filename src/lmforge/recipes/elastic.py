@@ -194,6 +194,7 @@ class Elastic(Recipe):
     name = "elastic"
     config = ElasticConfig
     summary = "pretraining that survives losing workers (torchrun's elastic agent)"
+    splits_model = True
 
     def check(self, cfg: ElasticConfig) -> ElasticInputs:
         attempt = faults.current_attempt()

@@ -147,7 +147,7 @@ class GRPO(Recipe):
 
     def build(self, rt: Runtime, cfg: GRPOConfig, inputs: GRPOInputs) -> Job:
         g = cfg.grpo
-        check_batch_shape(cfg, rt.dist.world_size)
+        check_batch_shape(cfg, rt.dist.data_world)
         objective = GRPOObjective(eps_low=g.epsilon_low, eps_high=g.epsilon_high, beta=g.beta,
                                   aggregation=g.loss_aggregation, max_new_tokens=g.max_new_tokens,
                                   temperature=g.temperature, chunk_tokens=cfg.training.loss_chunk_tokens,

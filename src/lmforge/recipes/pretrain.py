@@ -16,6 +16,7 @@ class Pretrain(Recipe):
     name = "pretrain"
     config = Config
     summary = "next-token pretraining on packed documents"
+    splits_model = True
 
     def check(self, cfg: Config) -> Corpora:
         return read_corpora(cfg)

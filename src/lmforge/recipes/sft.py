@@ -42,6 +42,7 @@ class SFT(Recipe):
     name = "sft"
     config = SFTConfig
     summary = "supervised fine-tuning on chats, completions or the embedded tasks"
+    splits_model = True
 
     def check(self, cfg: SFTConfig) -> None:
         if train_spec(cfg.data).kind == "none":

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from lmforge.data.inputs import validation_spec
+from lmforge.errors import UserError
 from lmforge.evaluation.downstream import with_downstream
 from lmforge.evaluation.tasks import record_task_summary
-from lmforge.recipes.base import Recipe
+from lmforge.recipes.base import Recipe, recipes
 from lmforge.training.loop import Job, train
 from lmforge.training.runtime import Runtime, build_runtime
 
@@ -20,6 +21,7 @@ def run_recipe(recipe: Recipe, cfg: Any) -> Runtime:
     :mod:`lmforge.data.inputs`) is said once. ``eval.tasks`` (harness tasks) join every recipe's eval, and a run
     scored on held-out tasks ends with its before/after summary.
     """
+    check_recipe_layout(recipe, cfg)
     inputs = recipe.check(cfg)
     rt = build_runtime(cfg, recipe.name, recipe.services(cfg, inputs))
     note = validation_spec(cfg.data)[1]
@@ -36,3 +38,15 @@ def run_recipe(recipe: Recipe, cfg: Any) -> Runtime:
             job.source.close()
         rt.metrics.close()
     return rt
+
+
+def check_recipe_layout(recipe: Recipe, cfg: Any) -> None:
+    """Tensor, context, expert and pipeline parallelism only for the recipes built for them."""
+    p = cfg.parallel
+    split = [f"parallel.{k}={getattr(p, k)}" for k in ("tp", "cp", "ep", "pp") if getattr(p, k) > 1]
+    if split and not recipe.splits_model:
+        able = ", ".join(name for name, r in recipes().items() if r.splits_model)
+        raise UserError(f"{', '.join(split)}: `lmforge {recipe.name}` runs with data parallelism only "
+                        f"(parallel.dp_replicate / parallel.dp_shard); {able} take the other degrees")
+    if split and cfg.lora.enabled:
+        raise UserError(f"{', '.join(split)} with lora.enabled: adapters train with data parallelism only")

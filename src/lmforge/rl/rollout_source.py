@@ -47,8 +47,8 @@ class RolloutSource:
     def __init__(self, rt: Runtime, g: Any, rewards: list[WeightedReward], prompts: list[dict[str, Any]]) -> None:
         t = rt.cfg.training
         self.rt, self.g, self.rewards, self.prompts = rt, g, rewards, prompts
-        self.sampler = PromptSampler(len(prompts), t.global_batch_size // g.num_generations, rt.dist.rank,
-                                     rt.dist.world_size, t.seed)
+        self.sampler = PromptSampler(len(prompts), t.global_batch_size // g.num_generations, rt.dist.data_rank,
+                                     rt.dist.data_world, t.seed)
         self.settings = RolloutSettings(g.num_generations, g.max_new_tokens, g.temperature, g.top_p,
                                         t.micro_batch_size, g.scale_rewards, g.mask_truncated,
                                         need_old_logprobs=g.num_iterations > 1,

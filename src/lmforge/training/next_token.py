@@ -25,7 +25,7 @@ class LoaderSource:
         self.on_data_change = rt.cfg.checkpoint.on_data_change
         self.warn = rt.metrics.console
         self.flops = rt.training_flops
-        self.loader = StepLoader(dataset, t.global_batch_size, t.micro_batch_size, rt.dist.rank, rt.dist.world_size,
+        self.loader = StepLoader(dataset, t.global_batch_size, t.micro_batch_size, rt.dist.data_rank, rt.dist.data_world,
                                  seed=t.seed, shuffle=rt.cfg.data.shuffle, prefetch=rt.cfg.data.prefetch,
                                  device=rt.dist.device)
 
@@ -57,7 +57,7 @@ def next_token_job(rt: Runtime, corpora: Corpora) -> Job:
     validation corpus (a validation set too small for one eval batch fails now, not after training)."""
     cfg = rt.cfg
     train_set, val_set = build_datasets(cfg, rt.tokenizer, corpora)
-    e, rank, world = cfg.eval, rt.dist.rank, rt.dist.world_size
+    e, rank, world = cfg.eval, rt.dist.data_rank, rt.dist.data_world
     if val_set is not None and e.interval:
         try:
             eval_batches(val_set, e.batch_size, e.steps, rank, world)

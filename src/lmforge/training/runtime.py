@@ -228,6 +228,7 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
         torch.set_num_threads(cfg.training.threads)
     info = dist_utils.init_distributed(cfg.training.device)
     dims = ParallelDims.from_config(cfg.parallel, info.world_size)
+    info.data_rank, info.data_world = dims.data_rank(info.rank), dims.data_world
     check_optimizer(cfg, sharded=bool(dims.shards))
     check_qlora(cfg.lora, sharded=bool(dims.shards))
     run = RunDir(cfg.run.dir)
@@ -252,6 +253,8 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
     model.to(info.device)
     dtype, dtype_why = choose_dtype(cfg.training.dtype, info.device, model.num_params(exclude_embeddings=True))
     mesh = dims.build_mesh(info.device.type)
+    group = dims.gradient_group_name()
+    dist_utils.set_data_group(mesh[group].get_group() if group else None, dims.gradient_world)
     spec = spec_for_args(args)
     wrapped = parallelize(model, spec, cfg, dims, mesh, info.device, bf16=dtype == "bfloat16")
     optimizer = make_optimizer(wrapped, cfg.optimizer)

@@ -9,7 +9,9 @@ Loss normalization: a loss function returns the *sum* of its per-token (or per-s
 :func:`gradient_computation` divides by one global normalizer (e.g. the number of target tokens over
 all microbatches and all data-parallel ranks), so N microbatches on K ranks produce the same gradient
 as one big batch on one rank. DDP and FSDP average gradients over ranks, so each rank multiplies its
-objective by the world size to turn that average back into the global sum.
+objective by the size of the gradient group (the ranks holding different tokens: data and context
+shards, not tensor or pipeline neighbours, see lmforge.parallel.dims) to turn that average back into
+the global sum.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def gradient_computation(
     too, because that is when DDP and FSDP2 read the flag (the reduction is launched by backward
     hooks). Returns the summed statistics (device tensors).
     """
-    scale = dist_utils.world_size() / normalizer.clamp(min=1)
+    scale = dist_utils.data_world_size() / normalizer.clamp(min=1)
     totals: LossStats | None = None
     for i, mb in enumerate(microbatches):
         last = i == len(microbatches) - 1
