@@ -58,11 +58,11 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm().clamp(min=1e-30)).item()
 
 
-def check(name: str, got: torch.Tensor, want: torch.Tensor, errors: dict[str, float]) -> None:
+def check(name: str, got: torch.Tensor, want: torch.Tensor, errors: dict[str, float], what: str = "") -> None:
     err = rel_err(got, want)
     errors[name] = max(errors.get(name, 0.0), err)
     if not err < 1e-5:
-        raise AssertionError(f"{name}: relative error {err:.2e}")
+        raise AssertionError(f"{name}{what}: relative error {err:.2e}")
 
 
 def loss_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
@@ -95,7 +95,7 @@ def part1(args: ModelArgs, batch: Batch, cp_mesh, name: str, errors: dict[str, f
     for (pname, p), q in zip(model.named_parameters(), ref.parameters()):
         g = p.grad.clone()
         dist.all_reduce(g, group=group)
-        check(f"{name}.grad", g, q.grad, errors)
+        check(f"{name}.grad", g, q.grad, errors, f" ({pname})")
 
 
 def part2(mesh, errors: dict[str, float]) -> None:
@@ -116,8 +116,8 @@ def part2(mesh, errors: dict[str, float]) -> None:
                                rows.document_ids[i:i + 1]), c, 2) for i in range(2)]
     # dist_utils.world_size() (4) is the size of the gradient-averaging mesh here, as it must be
     gradient_computation(model, micro, cross_entropy_loss, global_target_count(micro))
-    for p, q in zip(model.parameters(), ref.parameters()):
-        check("fsdp_dp_shard_cp.grad", p.grad.full_tensor(), q.grad, errors)
+    for (pname, p), q in zip(model.named_parameters(), ref.parameters()):
+        check("fsdp_dp_shard_cp.grad", p.grad.full_tensor(), q.grad, errors, f" ({pname})")
 
 
 def main() -> None:
