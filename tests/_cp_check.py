@@ -4,7 +4,7 @@ The mesh is ``dp_shard=2 x cp=2``. Part 1, on each cp pair without any wrapper: 
 (several documents per row, per-document positions), a plain causal batch and a Gemma-3-like model
 with sliding and full layers; the cp ranks' summed loss, their hidden states put back in row order
 and their gradients summed over the pair equal one process's on the whole batch. Part 2: FSDP2 over
-the flattened ``(dp_shard, cp)`` mesh and the train step's ``gradient_computation`` over two
+the flattened ``(dp_shard, cp)`` mesh, with activation checkpointing, and the train step's ``gradient_computation`` over two
 microbatches per rank; the full gradients equal one process's over the global batch. Rank 0 writes
 the largest relative errors to ``argv[1]`` (the test asserts on them); any rank raises on a mismatch.
 """
@@ -22,7 +22,7 @@ from lmforge.models.args import ModelArgs
 from lmforge.models.model import Transformer
 from lmforge.objectives.next_token import cross_entropy_loss
 from lmforge.parallel.context_parallel import apply_cp, shard_batch, unshard_tokens
-from lmforge.parallel.plans import apply_fsdp
+from lmforge.parallel.plans import apply_activation_checkpointing, apply_fsdp
 from lmforge.training.train_step import global_target_count, gradient_computation
 
 T = 16
@@ -108,6 +108,7 @@ def part2(mesh, errors: dict[str, float]) -> None:
 
     model = apply_cp(Transformer(LLAMA), mesh["cp"])
     model.init_weights(seed=0)
+    apply_activation_checkpointing(model)  # backward recomputes each block, its all-gathers included
     apply_fsdp(model, mesh["dp_shard", "cp"]._flatten("dp_shard_cp"), torch.device("cpu"))
     d, c = mesh["dp_shard"].get_local_rank(), mesh["cp"].get_local_rank()
     rows = Batch(batch.input_ids[2 * d:2 * d + 2], batch.labels[2 * d:2 * d + 2], batch.position_ids[2 * d:2 * d + 2],
