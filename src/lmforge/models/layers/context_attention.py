@@ -42,7 +42,7 @@ def shard_index(rank: int, cp: int, seq_len: int, device: torch.device | str | N
 class ContextParallelLayout:
     """This rank's share of a context-parallel batch; built once per forward, shared by all layers.
 
-    ``visible`` [B, 1, T/cp, T] is the causal, same-document mask of the local queries over the keys in
+    ``visible`` [B or 1, 1, T/cp, T] is the causal, same-document mask of the local queries over the keys in
     gathered order; ``mask`` is what a layer uses (``visible`` narrowed to a sliding window, or itself).
     ``query_index`` [T/cp] and ``key_index`` [T] are the positions in the row of the local tokens and of
     the gathered keys.
@@ -107,8 +107,10 @@ def context_layout(group: Any, document_ids: Tensor | None, batch: int, local_le
     T = cp * local_len
     query_index = shard_index(rank, cp, T, device)
     key_index = torch.cat([shard_index(r, cp, T, device) for r in range(cp)])
-    visible = key_index[None, :] <= query_index[:, None]  # [T/cp, T]
-    if document_ids is not None:
+    causal = key_index[None, :] <= query_index[:, None]  # [T/cp, T]
+    if document_ids is None:
+        visible = causal[None, None]  # SDPA broadcasts it over rows and heads
+    else:
         ids = document_ids.to(device, torch.long).contiguous()
         gathered = ids.new_empty(cp * batch, local_len)
         dist.all_gather_into_tensor(gathered, ids, group=group)
@@ -116,10 +118,7 @@ def context_layout(group: Any, document_ids: Tensor | None, batch: int, local_le
         row[:, key_index] = gathered.view(cp, batch, local_len).permute(1, 0, 2).reshape(batch, T)
         runs = torch.cat([row.new_zeros(batch, 1), (row[:, 1:] != row[:, :-1]).long()], dim=1).cumsum(1)
         same = runs[:, query_index, None] == runs[:, None, key_index]  # [B, T/cp, T]
-        visible = visible & same
-    else:
-        visible = visible.expand(batch, local_len, T)
-    visible = visible.unsqueeze(1)
+        visible = (causal & same).unsqueeze(1)
     return ContextParallelLayout(group, query_index, key_index, visible, visible)
 
 
