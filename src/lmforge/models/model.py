@@ -95,6 +95,8 @@ class Transformer(nn.Module):
         self.local_rope = RotaryEmbedding(args, local=True) if args.local_rope_theta is not None else None
         # Per layer, decided once: (its sliding window, whether it uses the local RoPE).
         self.layer_plan = [(args.layer_window(i), args.layer_uses_local_rope(i)) for i in range(args.n_layers)]
+        # Set by lmforge.parallel.context_parallel.apply_cp: tokens are this rank's shard of longer rows.
+        self.context_parallel: Any = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -158,10 +160,12 @@ class Transformer(nn.Module):
 
         Exposed so callers can project only the positions they need (generation, chunked loss).
         """
-        _, T = tokens.shape
-        if T > self.args.max_seq_len:
+        B, T = tokens.shape
+        cp = self.context_parallel if kv_cache is None else None
+        full_len = T if cp is None else T * cp.size  # under context parallelism, the whole rows' length
+        if full_len > self.args.max_seq_len:
             raise UserError(
-                f"sequence length {T} exceeds the model's max_seq_len {self.args.max_seq_len}; "
+                f"sequence length {full_len} exceeds the model's max_seq_len {self.args.max_seq_len}; "
                 "use shorter sequences or a larger max_seq_len"
             )
         start = 0 if kv_cache is None else kv_cache.pos
@@ -175,7 +179,10 @@ class Transformer(nn.Module):
             ropes[True] = self.local_rope(position_ids, h.dtype)
         if kv_cache is not None and document_ids is not None:
             raise ValueError("document_ids cannot be combined with a kv_cache")
-        layout = packed_layout(document_ids) if document_ids is not None and kv_cache is None else None
+        if cp is not None:  # this rank's queries over the keys of the whole rows
+            layout = cp.layout(document_ids, B, T, tokens.device)
+        else:
+            layout = packed_layout(document_ids) if document_ids is not None and kv_cache is None else None
         attention = {window: self._attention_pattern(T, window, tokens.device, kv_cache, layout)
                      for window in {w for w, _ in self.layer_plan}}
 

@@ -4,6 +4,7 @@
 - :mod:`.rope`: rotary embeddings (``RotaryEmbedding``, ``apply_rope``) and their frequency schemes;
 - :mod:`.attention`: the grouped-query ``Attention`` module and ``attend``, its SDPA dispatch;
 - :mod:`.packed_attention`: per-document causal attention for packed batches (``packed_layout``);
+- :mod:`.context_attention`: attention over keys all-gathered from a context-parallel group;
 - :mod:`.masks`: ``sliding_window_mask`` and the dense reference ``document_mask``;
 - :mod:`.mlp`: the SwiGLU ``FeedForward``;
 - :mod:`.kv_cache`: the ``KVCache`` generation fills and attention reads.

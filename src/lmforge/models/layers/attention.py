@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmforge.models.args import ModelArgs
+from lmforge.models.layers.context_attention import ContextParallelLayout, attend_context_parallel
 from lmforge.models.layers.norm import RMSNorm
 from lmforge.models.layers.packed_attention import PackedLayout, attend_packed
 from lmforge.models.layers.rope import apply_rope
@@ -76,6 +77,8 @@ def attend(
     """
     if isinstance(mask, PackedLayout):
         return attend_packed(q, k, v, mask, enable_gqa, scale)
+    if isinstance(mask, ContextParallelLayout):  # this rank's queries over the cp group's keys
+        return attend_context_parallel(q, k, v, mask, enable_gqa, scale)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=enable_gqa,
                                          scale=scale)
     return out.transpose(1, 2)
