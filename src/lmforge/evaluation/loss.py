@@ -32,7 +32,7 @@ def evaluate_loss(rt: Runtime, batches: Iterable[Batch], loss_fn: LossFn) -> dic
     totals: LossStats | None = None
     with torch.no_grad(), rt.autocast():
         for batch in batches:
-            _, stats = loss_fn(model, batch.to(rt.dist.device))
+            _, stats = loss_fn(model, rt.context_shard(batch.to(rt.dist.device)))
             totals = accumulate(totals, stats)
     model.train(was_training)
     if totals is None:

@@ -17,6 +17,7 @@ order: the inner dimensions, which talk most, sit on neighbouring ranks):
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,14 +138,16 @@ class ParallelDims:
 
         shape, names = self.mesh_shape()
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        flat: dict[str, Any] = {}
+        mesh.lmforge_flattened = flat  # kept here: slicing a flattened dimension from the root is deprecated
         if self.ep > 1 and "dp_shard_mod_ep" in names:
-            mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+            flat["dp_shard"] = mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
         shard = [n for n in ("dp_shard", "cp") if getattr(self, n) > 1]
         if len(shard) == 2:
-            mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            flat["dp_shard_cp"] = _flatten(mesh, ("dp_shard", "cp"), "dp_shard_cp")
         grads = [n for n in GRADIENT_DIMS if getattr(self, n) > 1]
         if len(grads) > 1:
-            mesh[tuple(grads)]._flatten("data")
+            flat["data"] = _flatten(mesh, tuple(grads), "data")
         return mesh
 
     def fsdp_mesh_names(self) -> tuple[str, ...]:
@@ -182,3 +185,28 @@ class ParallelDims:
         if self.ep > 1:
             parts.append(f"ep={self.ep} (in dp_shard)")
         return " x ".join(parts)
+
+
+
+def sub_mesh(mesh: Any, *names: str) -> Any:
+    """The sub-mesh over ``names``: own or flattened dimensions of :meth:`ParallelDims.build_mesh`.
+    A flattened dimension alone comes from where build_mesh kept it; beside another one (HSDP's
+    ``(dp_replicate, dp_shard_cp)``) it is sliced from the root mesh, which torch still allows."""
+    flat = getattr(mesh, "lmforge_flattened", {})
+    if len(names) == 1:
+        return flat.get(names[0]) or mesh[names[0]]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return mesh[names]
+
+
+def _flatten(mesh: Any, names: tuple[str, ...], name: str) -> Any:
+    """``names`` of ``mesh`` as one dimension called ``name`` (``dp_shard`` may itself be ``ep`` inside)."""
+    flat = getattr(mesh, "lmforge_flattened", {})
+    parts: list[str] = []
+    for n in names:
+        if n == "dp_shard" and "dp_shard" in flat:
+            parts += [p for p in ("dp_shard_mod_ep", "ep") if p in mesh.mesh_dim_names]
+        else:
+            parts.append(n)
+    return mesh[tuple(parts)]._flatten(name)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmforge.parallel.dims import ParallelDims
+from lmforge.parallel.dims import ParallelDims, sub_mesh
 
 
 @dataclass(frozen=True)
@@ -97,15 +97,27 @@ def apply_ddp(model: nn.Module, mesh: Any, device: torch.device) -> nn.Module:
 
 
 def data_mesh(mesh: Any, dims: ParallelDims) -> Any:
-    """The part of the mesh the data-parallel wrapper spans."""
-    names = [n for n in ("dp_replicate", "dp_shard") if getattr(dims, n) > 1]
-    return mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
+    """The part of the mesh the data-parallel wrapper spans (FSDP2's shard dimension covers the context
+    shards too: they hold different tokens, so their gradients are averaged like data ranks')."""
+    return sub_mesh(mesh, *(dims.fsdp_mesh_names() if dims.shards else ("dp_replicate",)))
+
+
+def split_model(model: nn.Module, dims: ParallelDims, mesh: Any, options: ParallelOptions) -> None:
+    """The model-splitting dimensions, innermost first: tensor (with sequence) parallel, experts over
+    ``ep``, sequences over ``cp``. Each is a no-op at degree 1."""
+    if dims.cp > 1:
+        from lmforge.parallel.context_parallel import apply_cp
+
+        apply_cp(model, sub_mesh(mesh, "cp"))
 
 
 def parallelize_decoder(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.device,
                         options: ParallelOptions) -> nn.Module:
-    """The decoder plan: checkpointing, compile, then the data-parallel wrapper. Returns the module the
-    train step calls (the model itself for one process or FSDP2, a DDP wrapper for DDP)."""
+    """The decoder plan: the model-splitting dimensions, checkpointing, compile, then the data-parallel
+    wrapper. Returns the module the train step calls (the model itself for one process, FSDP2 or a
+    model split without data parallelism; a DDP wrapper for DDP)."""
+    if mesh is not None:
+        split_model(model, dims, mesh, options)
     if options.activation_checkpointing:
         apply_activation_checkpointing(model)
     if options.activation_offload:
@@ -116,7 +128,9 @@ def parallelize_decoder(model: nn.Module, dims: ParallelDims, mesh: Any, device:
         return model
     if dims.shards:
         return apply_fsdp(model, data_mesh(mesh, dims), device, bf16=options.bf16)
-    return apply_ddp(model, data_mesh(mesh, dims), device)
+    if dims.dp_replicate > 1:
+        return apply_ddp(model, data_mesh(mesh, dims), device)
+    return model
 
 
 def data_parallel(model: nn.Module, mode: str, device: torch.device) -> nn.Module:

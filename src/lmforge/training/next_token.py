@@ -25,6 +25,7 @@ class LoaderSource:
         self.on_data_change = rt.cfg.checkpoint.on_data_change
         self.warn = rt.metrics.console
         self.flops = rt.training_flops
+        self.context_shard, self.cp = rt.context_shard, rt.dims.cp
         self.loader = StepLoader(dataset, t.global_batch_size, t.micro_batch_size, rt.dist.data_rank, rt.dist.data_world,
                                  seed=t.seed, shuffle=rt.cfg.data.shuffle, prefetch=rt.cfg.data.prefetch,
                                  device=rt.dist.device)
@@ -32,8 +33,10 @@ class LoaderSource:
     def next_step(self, step: int) -> StepBatch:
         microbatches = self.loader.next_step()
         lengths = [n for mb in microbatches for n in mb.real_document_lengths()]
+        # under context parallelism this rank holds 1/cp of every sequence, and (load-balanced) of the work
+        microbatches = [self.context_shard(mb) for mb in microbatches]
         return StepBatch(microbatches, tokens=sum(mb.input_ids.numel() for mb in microbatches),
-                         flops=self.flops(lengths))
+                         flops=self.flops(lengths) / self.cp)
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.loader.state_dict(), "fingerprint": self.fingerprint}

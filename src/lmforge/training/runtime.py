@@ -38,6 +38,8 @@ from lmforge.models.model import Transformer
 from lmforge.models.spec import ModelSpec, spec_for_args
 from lmforge.models.tokenizer import Tokenizer
 from lmforge.parallel import ParallelDims, ParallelOptions, parallelize_decoder
+from lmforge.parallel.dims import sub_mesh
+from lmforge.parallel.layout_checks import check_layout
 from lmforge.training.precision import choose_dtype
 from lmforge.training.startup_checks import check_fresh_start, check_resume_compatible
 from lmforge.training.optimizers import check_optimizer, make_optimizer
@@ -112,6 +114,15 @@ class Runtime:
                 write_json(run.model_args, self.model_description)
             except OSError as e:
                 raise UserError(f"run.dir={self.run_dir}: cannot write the run directory ({e.strerror or e})") from None
+
+    def context_shard(self, batch: Any) -> Any:
+        """This rank's share of every sequence of ``batch`` under context parallelism (``parallel.cp``:
+        load-balanced chunks, see lmforge.parallel.context_parallel); the batch itself otherwise."""
+        if self.dims.cp == 1:
+            return batch
+        from lmforge.parallel.context_parallel import shard_batch
+
+        return shard_batch(batch, self.dims.coords(self.dist.rank)["cp"], self.dims.cp)
 
     def autocast(self) -> Any:
         if self.dtype == "bfloat16":
@@ -248,13 +259,14 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
     elif head_of(model):
         raise UserError(f"{loaded.source} is a reward model (a {head_of(model)} head, no trained vocabulary "
                         f"layer): `lmforge {trainer}` needs a language model to start from")
+    check_layout(dims, args, cfg)
     check_fresh_start(cfg, run)
     check_resume_compatible(run, args, description)
     model.to(info.device)
     dtype, dtype_why = choose_dtype(cfg.training.dtype, info.device, model.num_params(exclude_embeddings=True))
     mesh = dims.build_mesh(info.device.type)
     group = dims.gradient_group_name()
-    dist_utils.set_data_group(mesh[group].get_group() if group else None, dims.gradient_world)
+    dist_utils.set_data_group(sub_mesh(mesh, group).get_group() if group else None, dims.gradient_world)
     spec = spec_for_args(args)
     wrapped = parallelize(model, spec, cfg, dims, mesh, info.device, bf16=dtype == "bfloat16")
     optimizer = make_optimizer(wrapped, cfg.optimizer)

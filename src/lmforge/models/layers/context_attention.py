@@ -68,9 +68,9 @@ class ContextParallelLayout:
 class _GatherKV(torch.autograd.Function):
     """All-gather of stacked keys and values ``[2, B, H, T/cp, D]`` along the token dimension.
 
-    Forward: ``all_gather_into_tensor`` (ranks stacked first), then the rank dimension moved next to
+    Forward: ``all_gather_single`` (ranks stacked first), then the rank dimension moved next to
     the token one, giving ``[2, B, H, T, D]`` in gathered order. Backward: each rank holds gradient for
-    every key from its own queries; ``reduce_scatter_tensor`` sums them over the group and hands each
+    every key from its own queries; ``reduce_scatter_single`` sums them over the group and hands each
     rank the slice of the keys it owns (gloo on CPU has it in torch 2.13).
     """
 
@@ -80,7 +80,7 @@ class _GatherKV(torch.autograd.Function):
         cp = dist.get_world_size(group)
         two, B, H, n, D = kv.shape
         out = kv.new_empty(cp * two, B, H, n, D)
-        dist.all_gather_into_tensor(out, kv.contiguous(), group=group)
+        dist.all_gather_single(out, kv.contiguous(), group=group)
         return out.view(cp, two, B, H, n, D).permute(1, 2, 3, 0, 4, 5).reshape(two, B, H, cp * n, D)
 
     @staticmethod
@@ -90,7 +90,7 @@ class _GatherKV(torch.autograd.Function):
         n = T // cp
         per_rank = grad.reshape(two, B, H, cp, n, D).permute(3, 0, 1, 2, 4, 5).contiguous()
         out = grad.new_empty(two, B, H, n, D)
-        dist.reduce_scatter_tensor(out, per_rank.view(cp * two, B, H, n, D), group=ctx.group)
+        dist.reduce_scatter_single(out, per_rank.view(cp * two, B, H, n, D), group=ctx.group)
         return out, None
 
 
@@ -113,7 +113,7 @@ def context_layout(group: Any, document_ids: Tensor | None, batch: int, local_le
     else:
         ids = document_ids.to(device, torch.long).contiguous()
         gathered = ids.new_empty(cp * batch, local_len)
-        dist.all_gather_into_tensor(gathered, ids, group=group)
+        dist.all_gather_single(gathered, ids, group=group)
         row = torch.empty(batch, T, dtype=torch.long, device=device)
         row[:, key_index] = gathered.view(cp, batch, local_len).permute(1, 0, 2).reshape(batch, T)
         runs = torch.cat([row.new_zeros(batch, 1), (row[:, 1:] != row[:, :-1]).long()], dim=1).cumsum(1)
