@@ -1,0 +1,69 @@
+"""Model-splitting layouts end to end (real torchrun, 4 CPU processes, gloo): tensor, context, pipeline
+and expert parallelism, each beside FSDP2, reproduce one process's losses and gradient norms, and their
+checkpoints continue in another layout.
+
+Each layout trains steps 1-4 of the tiny run (saving a checkpoint on a token budget) and the run then
+continues in a different layout for steps 5-8; every step's loss and pre-clip gradient norm must equal
+the uninterrupted single-process run's (fp32, 1e-5 relative: sums in another order round differently in
+the last bits only). The module-level checks of each dimension (gradients of every parameter against
+one process) are in test_tensor_parallel.py, test_context_parallel.py, test_pipeline_parallel.py and
+test_expert_parallel.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from _helpers import STEPS, TOKENS_PER_STEP, run_lmforge, tail, tiny_run_args, torchrun
+from lmforge.metrics.records import read_records
+
+HALF = STEPS // 2
+
+
+def curves(run: Path) -> dict[int, tuple[float, float]]:
+    """(loss, grad norm) per step; a step logged twice must agree."""
+    out: dict[int, tuple[float, float]] = {}
+    for r in read_records(run, "train"):
+        out.setdefault(r["step"], (r["loss"], r["grad_norm"]))
+    return out
+
+
+def assert_curves_match(got: dict[int, tuple[float, float]], want: dict[int, tuple[float, float]], steps,
+                        rel: float = 1e-5) -> None:
+    for s in steps:
+        assert s in got, f"step {s} missing from {sorted(got)}"
+        for name, g, w in zip(("loss", "grad_norm"), got[s], want[s]):
+            assert abs(g - w) <= rel * abs(w), f"step {s} {name}: {g} vs {w}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus) -> dict[int, tuple[float, float]]:
+    run = tmp_path_factory.mktemp("layouts") / "reference"
+    proc = run_lmforge("pretrain", *tiny_run_args(corpus, training_micro_batch_size=8), f"--run.dir={run}")
+    assert proc.returncode == 0, tail(proc)
+    return curves(run)
+
+
+def train(run: Path, corpus: Path, nproc: int, layout: dict, *, half: bool = False, **overrides) -> None:
+    budget = {"training_max_tokens": HALF * TOKENS_PER_STEP} if half else {}
+    args = ("pretrain", *tiny_run_args(corpus, training_micro_batch_size=2, **budget, **overrides,
+                                       **{f"parallel_{k}": v for k, v in layout.items()}), f"--run.dir={run}")
+    proc = run_lmforge(*args) if nproc == 1 else torchrun(*args, nproc=nproc)
+    assert proc.returncode == 0, tail(proc)
+
+
+@pytest.mark.parametrize("first, then", [
+    ((4, {"cp": 2, "dp_shard": 2}), (1, {})),
+], ids=["cp2xdp_shard2-then-one-process"])
+def test_layout_matches_one_process_and_continues_in_another(tmp_path, corpus, reference, first, then):
+    run = tmp_path / "run"
+    (n1, layout1), (n2, layout2) = first, then
+    train(run, corpus, n1, layout1, half=True)
+    setup = read_records(run, "setup")[0]
+    assert setup["world_size"] == n1 and all(f"{k}={v}" in setup["mesh"] for k, v in layout1.items())
+    assert_curves_match(curves(run), reference, range(1, HALF + 1))
+    train(run, corpus, n2, layout2)
+    assert read_records(run, "resume")[-1]["step"] == HALF
+    assert_curves_match(curves(run), reference, range(1, STEPS + 1))
