@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lmforge import distributed as dist_utils
 from lmforge.data.packing import IGNORE_INDEX, Batch
+from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
 from lmforge.models.model import Transformer
 from lmforge.objectives.next_token import cross_entropy_loss
@@ -67,7 +68,10 @@ def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 def compare_grads(model: torch.nn.Module, ref: torch.nn.Module, what: str) -> None:
     got = dict(model.named_parameters())
     for name, p in ref.named_parameters():
-        assert got[name].grad is not None, f"{what}: no gradient for {name}"
+        g = got[name].grad
+        assert g is not None, f"{what}: no gradient for {name}"
+        # a partial sum would pass full_tensor() (which sums it) but mislead the optimizer and the clip
+        assert g.placements == got[name].placements, f"{what}: {name} grad is {g.placements}"
         close(got[name].grad, p.grad, f"{what} grad {name}")
 
 
@@ -84,7 +88,7 @@ def models(cfg: dict) -> tuple[Transformer, Transformer]:
 def check_tp(mesh: object) -> None:
     batch = packed_batch()
     for name, cfg in CONFIGS.items():
-        for sp in (True, False):
+        for sp in (False, True):
             what = f"{name} sp={sp}"
             model, ref = models(cfg)
             apply_tp(model, mesh, sequence_parallel=sp)
@@ -115,6 +119,11 @@ def check_tp(mesh: object) -> None:
             compare_grads(model, ref, f"{what} per-token")
             if dist.get_rank() == 0:
                 print(f"OK tp=2 {what}", flush=True)
+    try:  # sequence parallelism splits the sequence evenly or refuses
+        model(batch.input_ids[:, :15])
+        raise AssertionError("an odd sequence length was accepted under sequence parallelism")
+    except UserError as e:
+        assert "parallel.tp=2" in str(e), e
 
 
 def check_2d(mesh: object) -> None:
@@ -123,29 +132,33 @@ def check_2d(mesh: object) -> None:
 
     batch = packed_batch()
     dp, dp_rank = mesh["dp_shard"].size(), mesh["dp_shard"].get_local_rank()
-    for name in ("gqa_bias_untied", "moe"):
-        for sp in (True, False):
-            what = f"{name} sp={sp}"
-            model, ref = models(CONFIGS[name])
-            apply_tp(model, mesh["tp"], sequence_parallel=sp)
-            for block in model.layers:
-                fully_shard(block, mesh=mesh["dp_shard"])
-            fully_shard(model, mesh=mesh["dp_shard"])
-            half = batch.input_ids.shape[0] // dp
-            mine = rows(batch, dp_rank * half, (dp_rank + 1) * half)
-            micro = [rows(mine, 0, half // 2), rows(mine, half // 2, half)]
-            # the tokens of the step: summed over the data ranks only (tp ranks hold the same tokens)
-            targets = torch.stack([(mb.labels != IGNORE_INDEX).sum() for mb in micro]).sum().float()
-            dist.all_reduce(targets, group=mesh["dp_shard"].get_group())
-            scale = dp / targets  # FSDP2 averages over the data ranks: times dp gives the sum back
-            for i, mb in enumerate(micro):
-                with dist_utils.no_grad_sync(model, enabled=i < len(micro) - 1):
-                    (cross_entropy_loss(model, mb, chunk_tokens=5)[0] * scale).backward()
-            ref_loss, _ = cross_entropy_loss(ref, batch, chunk_tokens=5)
-            (ref_loss / (batch.labels != IGNORE_INDEX).sum()).backward()
-            compare_grads(model, ref, f"2d {what}")
-            if dist.get_rank() == 0:
-                print(f"OK dp_shard=2 x tp=2 {what}", flush=True)
+    for name, sp in (("gqa_bias_untied", True), ("moe", False)):
+        what = f"{name} sp={sp}"
+        model, ref = models(CONFIGS[name])
+        apply_tp(model, mesh["tp"], sequence_parallel=sp)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh["dp_shard"])
+        fully_shard(model, mesh=mesh["dp_shard"])
+        half = batch.input_ids.shape[0] // dp
+        mine = rows(batch, dp_rank * half, (dp_rank + 1) * half)
+        micro = [rows(mine, 0, half // 2), rows(mine, half // 2, half)]
+        # the tokens of the step: summed over the data ranks only (tp ranks hold the same tokens)
+        targets = torch.stack([(mb.labels != IGNORE_INDEX).sum() for mb in micro]).sum().float()
+        dist.all_reduce(targets, group=mesh["dp_shard"].get_group())
+        scale = dp / targets  # FSDP2 averages over the data ranks: times dp gives the sum back
+        loss_sum = torch.zeros(())
+        for i, mb in enumerate(micro):
+            with dist_utils.no_grad_sync(model, enabled=i < len(micro) - 1):
+                loss, _ = cross_entropy_loss(model, mb, chunk_tokens=5)
+                (loss * scale).backward()
+            loss_sum += loss.detach()
+        dist.all_reduce(loss_sum, group=mesh["dp_shard"].get_group())  # equal on the tp ranks: not summed there
+        ref_loss, _ = cross_entropy_loss(ref, batch, chunk_tokens=5)
+        close(loss_sum, ref_loss.detach(), f"2d {what} loss")
+        (ref_loss / (batch.labels != IGNORE_INDEX).sum()).backward()
+        compare_grads(model, ref, f"2d {what}")
+        if dist.get_rank() == 0:
+            print(f"OK dp_shard=2 x tp=2 {what}", flush=True)
 
 
 def main() -> None:
