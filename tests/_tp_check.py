@@ -1,11 +1,13 @@
 """Run under torchrun (gloo, CPU): tensor (+ sequence) parallel decoders against the same model in one process.
 
 ``tp`` (2 ranks): for several model shapes, with and without sequence parallelism, on a packed batch
-(document and position ids): full logits, the chunked cross-entropy's value and argmax hits, the per-token
-log-probs / hits / entropy head at a temperature, and every parameter's gradient (gathered to full
-tensors) equal the one-process run's. ``2d`` (4 ranks): dp_shard=2 x tp=2 with FSDP2 over TP, each data
-rank its half of the batch in 2 microbatches: gradients equal one process over the whole batch.
-Every rank computes the one-process reference itself (same seed). Prints ``OK`` lines; raises on a mismatch.
+(document and position ids; the mixture of experts under activation checkpointing): full logits, the
+chunked cross-entropy's value and argmax hits, the per-token log-probs / hits / entropy head at a
+temperature, every parameter's gradient (gathered to full tensors, in the parameter's placement) and
+the gradient norm equal the one-process run's. ``2d`` (4 ranks): dp_shard=2 x tp=2 with FSDP2 over TP,
+each data rank its half of the batch in 2 microbatches: loss and gradients equal one process over the
+whole batch. Every rank computes the one-process reference itself (same seed). Prints ``OK`` lines;
+raises on a mismatch.
 """
 
 import sys
@@ -20,6 +22,7 @@ from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
 from lmforge.models.model import Transformer
 from lmforge.objectives.next_token import cross_entropy_loss
+from lmforge.parallel.plans import apply_activation_checkpointing
 from lmforge.parallel.tensor_parallel import apply_tp
 from lmforge.training.chunked_loss import TargetLogprobHead
 
@@ -66,7 +69,7 @@ def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 
 def compare_grads(model: torch.nn.Module, ref: torch.nn.Module, what: str) -> None:
-    got = dict(model.named_parameters())
+    got = {k.replace("_checkpoint_wrapped_module.", ""): p for k, p in model.named_parameters()}
     for name, p in ref.named_parameters():
         g = got[name].grad
         assert g is not None, f"{what}: no gradient for {name}"
@@ -92,6 +95,8 @@ def check_tp(mesh: object) -> None:
             what = f"{name} sp={sp}"
             model, ref = models(cfg)
             apply_tp(model, mesh, sequence_parallel=sp)
+            if name == "moe":  # checkpointing goes on after tensor parallelism (its recompute stops early)
+                apply_activation_checkpointing(model)
             if cfg.get("tie_embeddings"):
                 assert model.output.weight is model.tok_embeddings.weight, f"{what}: tie lost"
             kw = dict(position_ids=batch.position_ids, document_ids=batch.document_ids)
@@ -104,6 +109,8 @@ def check_tp(mesh: object) -> None:
             loss.backward()
             ref_loss.backward()
             compare_grads(model, ref, what)
+            norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), float("inf"))  # as the train step
+            close(norm, torch.nn.utils.clip_grad_norm_(list(ref.parameters()), float("inf")), f"{what} grad norm")
             # per-token head (GRPO's): temperature, entropy, per-token upstream gradients
             model.zero_grad(set_to_none=True)
             ref.zero_grad(set_to_none=True)

@@ -97,28 +97,28 @@ class _ReplicatedCompute(ParallelStyle):
                 if p is not None and not isinstance(p, DTensor):
                     sub.register_parameter(name, nn.Parameter(
                         DTensor.from_local(p.data, device_mesh, [Replicate()], run_check=False), p.requires_grad))
-        swapped: list[tuple[nn.Module, str, Tensor]] = []
+        inner = module.forward
 
-        def pre(_: nn.Module, args: tuple) -> tuple:
+        def forward(x: Tensor, *args: Any) -> Tensor:
             # Whatever parameter is in place now (FSDP2 puts its unsharded one there first) is swapped
-            # for its local tensor; the swap is differentiable, so the gradient reaches the parameter.
-            for sub in module.modules():
-                for name, p in list(sub._parameters.items()):
-                    if isinstance(p, DTensor):
-                        swapped.append((sub, name, p))
-                        sub._parameters[name] = p.to_local()
-            full = _local(args[0], self.layout, device_mesh).redistribute(device_mesh, [Replicate()])
-            return (full.to_local(), *args[1:])
-
-        def post(_: nn.Module, args: tuple, out: Tensor) -> Tensor:
-            while swapped:
-                sub, name, p = swapped.pop()
-                sub._parameters[name] = p
+            # for its local tensor, differentiably, so the gradient reaches the parameter. Swapped back in
+            # `finally`: activation checkpointing stops a recompute midway by raising.
+            swapped = []
+            try:
+                for sub in module.modules():
+                    for name, p in list(sub._parameters.items()):
+                        if isinstance(p, DTensor):
+                            swapped.append((sub, name, p))
+                            sub._parameters[name] = p.to_local()
+                full = _local(x, self.layout, device_mesh).redistribute(device_mesh, [Replicate()]).to_local()
+                out = inner(full, *args)
+            finally:
+                for sub, name, p in swapped:
+                    sub._parameters[name] = p
             out = DTensor.from_local(out, device_mesh, [Replicate()], run_check=False)
             return out.redistribute(device_mesh, [self.layout]).to_local()
 
-        module.register_forward_pre_hook(pre)
-        module.register_forward_hook(post)
+        module.forward = forward  # type: ignore[method-assign]
         return module
 
 
