@@ -24,6 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lmforge.training.vocab_parallel_loss import (
+    gathered_hidden,
+    is_vocab_sharded,
+    vocab_parallel_logprob_sum,
+    vocab_parallel_logprobs,
+)
+
 DEFAULT_CHUNK_TOKENS = 1024
 """Tokens per chunk: 1024 x 152k fp32 logits are 0.6 GB, and a 1024-row matmul still fills a GPU."""
 
@@ -208,9 +215,15 @@ class TargetLogprobSumHead:
         self.targets, self.mask, self.chunk_tokens = targets, mask.bool(), chunk_tokens
 
     def __call__(self, hidden: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+        sharded = is_vocab_sharded(weight)  # tensor parallelism: see lmforge.training.vocab_parallel_loss
+        if sharded:
+            hidden = gathered_hidden(hidden, weight)
         positions = self.mask.flatten().nonzero().squeeze(1)
         rows = hidden.flatten(0, -2).index_select(0, positions)
         targets = self.targets.flatten().index_select(0, positions)
+        if sharded:
+            return vocab_parallel_logprob_sum(rows, weight, targets, chunk_tokens=self.chunk_tokens,
+                                              cdtype=_compute_dtype(rows, weight))
         return chunked_target_logprob_sum(rows, weight, targets, chunk_tokens=self.chunk_tokens)
 
 
@@ -227,9 +240,17 @@ class TargetLogprobHead:
         self.mask = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask.bool()
 
     def __call__(self, hidden: Tensor, weight: Tensor) -> TargetLogprobs:
+        sharded = is_vocab_sharded(weight)  # tensor parallelism: see lmforge.training.vocab_parallel_loss
+        if sharded:
+            hidden = gathered_hidden(hidden, weight)
         positions = self.mask.flatten().nonzero().squeeze(1)
         rows = hidden.flatten(0, -2).index_select(0, positions)
         targets = self.targets.flatten().index_select(0, positions)
+        if sharded:
+            logp, hits, ent = vocab_parallel_logprobs(rows, weight, targets, chunk_tokens=self.chunk_tokens,
+                                                      temperature=self.temperature, entropy=self.entropy,
+                                                      cdtype=_compute_dtype(rows, weight))
+            return TargetLogprobs(logp, hits, ent, positions)
         logp, hits, ent = chunked_target_logprobs(rows, weight, targets, chunk_tokens=self.chunk_tokens,
                                                   temperature=self.temperature, entropy=self.entropy)
         return TargetLogprobs(logp, hits, ent, positions)

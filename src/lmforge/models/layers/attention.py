@@ -53,17 +53,18 @@ class Attention(nn.Module):
         q, k = self.wq(x), self.wk(x)
         if self.q_norm is not None and self.k_norm is not None and not self.norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(B, T, self.n_heads, self.head_dim)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism a rank holds only its share of the heads.
+        q = q.view(B, T, -1, self.head_dim)
+        k = k.view(B, T, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None and self.norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(layer_idx, k, v)
         out = attend(q, k, v, mask, is_causal, enable_gqa=self.n_kv_heads != self.n_heads, scale=self.scale)
-        return self.wo(out.reshape(B, T, self.n_heads * self.head_dim))
+        return self.wo(out.reshape(B, T, -1))
 
 
 def attend(
