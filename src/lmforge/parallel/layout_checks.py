@@ -5,12 +5,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
 from lmforge.parallel.dims import ParallelDims
 
 
 def check_layout(dims: ParallelDims, args: ModelArgs, cfg: Any) -> None:
     """Every model-splitting degree against the model's shape and the data's sequence length."""
+    if dims.tp > 1:
+        from lmforge.parallel.tensor_parallel import check_tp
+
+        check_tp(args, dims.tp)
+        if cfg.parallel.sequence_parallel and (cfg.data.seq_len // dims.cp) % dims.tp:
+            raise UserError(f"data.seq_len={cfg.data.seq_len} / parallel.cp={dims.cp} must be divisible by "
+                            f"parallel.tp={dims.tp} with parallel.sequence_parallel (each tensor-parallel rank "
+                            f"holds a slice of the sequence)")
     if dims.cp > 1:
         from lmforge.parallel.context_parallel import check_cp
 

@@ -26,6 +26,8 @@ class ParallelOptions:
     compile: bool = False
     bf16: bool = False
     """Training autocasts to bf16: on GPU, FSDP2 gathers parameters in bf16 and reduces in fp32."""
+    sequence_parallel: bool = True
+    """Under tensor parallelism, norms and residuals run on sequence shards too."""
     activation_offload: bool = False
     """Keep each block's saved activations in pinned host memory until backward (a GPU's memory saver)."""
 
@@ -105,6 +107,10 @@ def data_mesh(mesh: Any, dims: ParallelDims) -> Any:
 def split_model(model: nn.Module, dims: ParallelDims, mesh: Any, options: ParallelOptions) -> None:
     """The model-splitting dimensions, innermost first: tensor (with sequence) parallel, experts over
     ``ep``, sequences over ``cp``. Each is a no-op at degree 1."""
+    if dims.tp > 1:
+        from lmforge.parallel.tensor_parallel import apply_tp
+
+        apply_tp(model, sub_mesh(mesh, "tp"), sequence_parallel=options.sequence_parallel)
     if dims.cp > 1:
         from lmforge.parallel.context_parallel import apply_cp
 

@@ -194,7 +194,8 @@ def parallelize(model: Transformer, spec: ModelSpec, cfg: Config, dims: Parallel
     plan = spec.parallelize or parallelize_decoder
     t = cfg.training
     offload = t.activation_offload and device.type == "cuda"  # on a CPU activations already live in host memory
-    return plan(model, dims, mesh, device, ParallelOptions(t.activation_checkpointing, t.compile, bf16, offload))
+    return plan(model, dims, mesh, device, ParallelOptions(t.activation_checkpointing, t.compile, bf16,
+                                                           cfg.parallel.sequence_parallel, offload))
 
 
 def _offload_note(cfg: Config, device: torch.device) -> str:

@@ -72,7 +72,7 @@ def _softmax_stats(z: Tensor, y: Tensor, offset: int, group: Any,
     pairs = torch.stack([z.gather(-1, local_arg.unsqueeze(-1)).squeeze(-1).double(),
                          (local_arg + offset).double()], -1)
     gathered = torch.empty(world * n, 2, dtype=pairs.dtype, device=z.device)  # gloo wants it flat
-    dist.all_gather_into_tensor(gathered, pairs, group=group)
+    dist.all_gather_single(gathered, pairs, group=group)
     gathered = gathered.view(world, n, 2)
     maxes = gathered[..., 0]
     m = maxes.max(0).values
