@@ -1,11 +1,13 @@
-"""Run under torchrun: pipeline parallelism against one process (see test_pipeline.py).
+"""Run under torchrun, 4 ranks on the mesh pp=2 x dp_shard=2: pipeline parallelism against one process
+(see test_pipeline.py). One launch, two parts:
 
-``pp`` (2 ranks): 1F1B, GPipe and interleaved 1F1B (2 stages per rank) over 4 microbatches of a
-packed batch, then 1F1B again on another shape; pipeline eval; the pipeline's gradient norm.
-``pp_fsdp`` (4 ranks): mesh pp=2 x dp_shard=2, FSDP2 on each stage over dp_shard, each data rank
-its half of the batch. Every rank also runs the one-process reference itself (the whole model,
-``gradient_computation`` over the whole step's microbatches, no collective) and compares its own
-parameters' gradients by name; rank 0 writes the largest relative errors and the counts to argv[2].
+* plain pipelines: each pp pair runs 1F1B, GPipe and interleaved 1F1B (2 stages per rank) over the same
+  4 microbatches of a packed batch, then 1F1B again on another shape; pipeline eval; the gradient norm;
+* FSDP2 on each stage over dp_shard, each data rank its half of the batch.
+
+Every rank also runs the one-process reference itself (the whole model, ``gradient_computation`` over
+the whole step's microbatches, no collective) and compares its own parameters' gradients by name;
+rank 0 writes the largest relative errors, the flags and the counts to argv[1].
 """
 
 import json
@@ -13,6 +15,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from lmforge import distributed as dist_utils
 from lmforge.data.packing import IGNORE_INDEX, Batch
@@ -25,9 +28,12 @@ from lmforge.training.stats import accumulate
 from lmforge.training.train_step import global_target_count, gradient_computation
 
 ARGS = ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32)
-mode, out = sys.argv[1], sys.argv[2]
+out = sys.argv[1]
 info = dist_utils.init_distributed("cpu")
 world = info.world_size
+mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
+pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp_shard")
+pp_group = mesh.get_group("pp")
 results: dict[str, float] = {}
 
 
@@ -105,13 +111,14 @@ def compare_stats(name: str, stats, ref_stats, group) -> None:
     results[f"{name}/correct"] = rel(c, ref_stats.sums["correct"])
 
 
-if mode == "pp":
-    group = dist.group.WORLD
+def plain_pipelines() -> None:
+    """The two pp pairs run the same step side by side, without a data-parallel wrapper."""
+    group = pp_group
     micro = packed_microbatches(4, 2, 12, seed=1)
     ref, ref_stats = reference(micro)
     for schedule, per_rank in (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)):
-        pipe = fresh_pipeline(info.rank, 2, per_rank, group, schedule)
-        if schedule == "1f1b":  # the integrator's normalizer: all-reduced over every rank, so scale by the world
+        pipe = fresh_pipeline(pp_rank, 2, per_rank, group, schedule)
+        if schedule == "1f1b":  # a normalizer all-reduced over every rank (4 x the count), scaled by the world
             stats = pipeline_gradient_computation(pipe, micro, cross_entropy_loss, global_target_count(micro), None,
                                                   scale_world=world)
         else:
@@ -143,21 +150,20 @@ if mode == "pp":
         if schedule == "interleaved_1f1b":
             # the stages' state dicts use the whole model's names and together cover it exactly once
             names = [k for part in pipe.parts for k in part.state_dict()]
-            gathered = [None] * world
-            dist.all_gather_object(gathered, names)
+            gathered = [None] * 2
+            dist.all_gather_object(gathered, names, group=group)
             flat = [k for g in gathered for k in g]
             results["state_dict_cover"] = float(sorted(flat) == sorted(Transformer(ARGS).state_dict()))
-elif mode == "pp_fsdp":
-    from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
-    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp_shard")
+
+def fsdp_stages() -> None:
+    """FSDP2 on each stage over dp_shard: each data rank its half of the batch."""
     micro = packed_microbatches(4, 2, 12, seed=5)
     ref, ref_stats = reference(micro)
     mine = micro[2 * dp_rank: 2 * dp_rank + 2]  # this data rank's half, the same on both pp ranks
     n = torch.tensor(float(sum(int(mb.num_targets) for mb in mine)))
     dist.all_reduce(n, group=mesh.get_group("dp_shard"))  # counted over the data ranks only
-    pipe = fresh_pipeline(pp_rank, 2, 1, mesh.get_group("pp"), "1f1b", fsdp_mesh=mesh["dp_shard"])
+    pipe = fresh_pipeline(pp_rank, 2, 1, pp_group, "1f1b", fsdp_mesh=mesh["dp_shard"])
     stats = pipeline_gradient_computation(pipe, mine, cross_entropy_loss, n, None, scale_world=2)
     compare("fsdp", pipe, ref)
     compare_stats("fsdp", stats, ref_stats, dist.group.WORLD)
@@ -167,6 +173,9 @@ elif mode == "pp_fsdp":
     results["fsdp/clip"] = max(rel(p.grad, 0.5 * ref[k]) for part in pipe.parts for k, p in part.named_parameters())
     results["fsdp/clip_returns_preclip"] = rel(clipped, norm)
 
+
+plain_pipelines()
+fsdp_stages()
 gathered = [None] * world
 dist.all_gather_object(gathered, results)
 if info.rank == 0:
