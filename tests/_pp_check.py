@@ -2,7 +2,8 @@
 (see test_pipeline.py). One launch, two parts:
 
 * plain pipelines: each pp pair runs 1F1B, GPipe and interleaved 1F1B (2 stages per rank) over the same
-  4 microbatches of a packed batch, then 1F1B again on another shape; pipeline eval; the gradient norm;
+  4 microbatches of a packed batch, then 1F1B again on another shape (also under bf16 autocast);
+  pipeline eval; the gradient norm;
 * FSDP2 on each stage over dp_shard, each data rank its half of the batch.
 
 Every rank also runs the one-process reference itself (the whole model, ``gradient_computation`` over
@@ -59,13 +60,13 @@ def packed_microbatches(n: int, rows: int, t: int, seed: int) -> list[Batch]:
     return out
 
 
-def reference(microbatches: list[Batch]) -> tuple[dict[str, torch.Tensor], dict]:
+def reference(microbatches: list[Batch], autocast=None) -> tuple[dict[str, torch.Tensor], dict]:
     """Gradients by name and summed statistics of the whole model in this process alone."""
     model = Transformer(ARGS)
     model.init_weights(seed=0)
     n = sum(int(mb.num_targets) for mb in microbatches)
     # gradient_computation scales by the world size: a normalizer world x the count gives 1 / count exactly
-    stats = gradient_computation(model, microbatches, cross_entropy_loss, torch.tensor(float(n * world)))
+    stats = gradient_computation(model, microbatches, cross_entropy_loss, torch.tensor(float(n * world)), autocast)
     return {k: p.grad for k, p in model.named_parameters()}, stats
 
 
@@ -137,6 +138,12 @@ def plain_pipelines() -> None:
             n = torch.tensor(float(sum(int(mb.num_targets) for mb in other)))
             pipeline_gradient_computation(pipe, other, cross_entropy_loss, n, None, scale_world=1)
             compare("1f1b_reshaped", pipe, reference(other)[0])
+            # bf16 autocast: the stages' forwards run under it, as the one-process forward does
+            for part in pipe.parts:
+                part.zero_grad(set_to_none=True)
+            bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
+            pipeline_gradient_computation(pipe, other, cross_entropy_loss, n, bf16, scale_world=1)
+            compare("1f1b_bf16", pipe, reference(other, bf16)[0])
             # eval: batches of two shapes, forward only
             evals = packed_microbatches(3, 2, 12, seed=3) + packed_microbatches(1, 1, 12, seed=4)
             got = pipeline_eval_forward(pipe, evals, cross_entropy_loss)

@@ -87,8 +87,9 @@ def _assert_matches(results: dict, prefix: str, n_params: int) -> None:
 def test_pipeline_matches_one_process(tmp_path):
     """4 ranks, mesh pp=2 x dp_shard=2 (tests/_pp_check.py). Each pp pair alone: 1F1B (its normalizer
     all-reduced over every rank, scaled by the world), GPipe and interleaved 1F1B (2 stages per rank)
-    over 4 packed microbatches; another shape; eval; the gradient norm. Then FSDP2 per stage over
-    dp_shard, each data rank half the batch. Losses and every gradient against one process."""
+    over 4 packed microbatches; another shape, also under bf16 autocast; eval; the gradient norm. Then
+    FSDP2 per stage over dp_shard, each data rank half the batch. Losses and every gradient against one
+    process."""
     out = tmp_path / "pp.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
            str(Path(__file__).with_name("_pp_check.py")), str(out)]
@@ -99,7 +100,8 @@ def test_pipeline_matches_one_process(tmp_path):
     for prefix in ("1f1b", "gpipe", "interleaved_1f1b", "fsdp"):
         _assert_matches(r, prefix, n_params)
     assert all(r[f"{s}/stats_keys_match"] == 1.0 for s in ("1f1b", "gpipe", "interleaved_1f1b"))
-    assert r["1f1b_reshaped/grad"] < 1e-5 and r["1f1b_reshaped/params"] == n_params
+    for prefix in ("1f1b_reshaped", "1f1b_bf16"):  # a step of another shape; one under bf16 autocast
+        assert r[f"{prefix}/grad"] < 1e-5 and r[f"{prefix}/params"] == n_params, r
     assert max(r["eval/loss_sum"], r["eval/target_tokens"], r["eval/correct"]) < 1e-5
     assert r["state_dict_cover"] == 1.0
     assert max(r["1f1b/grad_norm"], r["fsdp/grad_norm"], r["fsdp/clip"]) < 1e-5
