@@ -114,15 +114,20 @@ class Transformer(nn.Module):
         The scaling keeps the residual stream's variance from growing with depth (GPT-2).
         A per-call generator (not the global RNG) makes the result depend only on ``seed``.
         Also rebuilds the RoPE tables, so this completes a meta-device ``to_empty`` init.
+        A pipeline stage (absent pieces are None) draws only its own pieces, so its values differ from
+        those of the whole model with the same seed: initialise the whole model, then split it, to match.
         """
-        device = self.tok_embeddings.weight.device
+        device = next(self.parameters()).device
         gen = None
         if seed is not None and device.type != "meta":
             gen = torch.Generator(device=device).manual_seed(seed)
         std = 0.02
         resid_std = std / math.sqrt(2 * self.args.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, 0.0, std, generator=gen)
+        if self.tok_embeddings is not None:  # None (and layers, norm, output below): a pipeline stage's absent pieces
+            nn.init.normal_(self.tok_embeddings.weight, 0.0, std, generator=gen)
         for layer in self.layers:
+            if layer is None:
+                continue
             at, ff = layer.attention, layer.feed_forward
             if isinstance(ff, MoEFeedForward):
                 inputs, outputs = (at.wq.weight, at.wk.weight, at.wv.weight, ff.router.weight, ff.experts.w1,
@@ -141,8 +146,9 @@ class Transformer(nn.Module):
                          at.q_norm, at.k_norm):
                 if norm is not None:
                     norm.reset_parameters()
-        self.norm.reset_parameters()
-        if not self.args.tie_embeddings:
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if not self.args.tie_embeddings and self.output is not None:
             nn.init.normal_(self.output.weight, 0.0, std, generator=gen)
         self.rebuild_rope(device)
 
@@ -160,7 +166,7 @@ class Transformer(nn.Module):
 
         Exposed so callers can project only the positions they need (generation, chunked loss).
         """
-        B, T = tokens.shape
+        T = tokens.shape[1]
         cp = self.context_parallel if kv_cache is None else None
         full_len = T if cp is None else T * cp.size  # under context parallelism, the whole rows' length
         if full_len > self.args.max_seq_len:
@@ -171,8 +177,10 @@ class Transformer(nn.Module):
         start = 0 if kv_cache is None else kv_cache.pos
         if position_ids is None:
             position_ids = torch.arange(start, start + T, device=tokens.device).unsqueeze(0)
-        h = self.tok_embeddings(tokens)
-        if self.args.embed_scale:  # Gemma: the scale rounded to the activation dtype, as transformers does
+        # A pipeline stage without the embedding (lmforge.parallel.pipeline) gets hidden states [B, T, dim].
+        embedded = self.tok_embeddings is not None
+        h = self.tok_embeddings(tokens) if embedded else tokens
+        if self.args.embed_scale and embedded:  # Gemma: the scale rounded to the activation dtype, as transformers does
             h = h * torch.tensor(self.args.dim ** 0.5, dtype=h.dtype)
         ropes = {False: self.rope(position_ids, h.dtype)}
         if self.local_rope is not None:
@@ -180,17 +188,19 @@ class Transformer(nn.Module):
         if kv_cache is not None and document_ids is not None:
             raise ValueError("document_ids cannot be combined with a kv_cache")
         if cp is not None:  # this rank's queries over the keys of the whole rows
-            layout = cp.layout(document_ids, B, T, tokens.device)
+            layout = cp.layout(document_ids, tokens.shape[0], T, tokens.device)
         else:
             layout = packed_layout(document_ids) if document_ids is not None and kv_cache is None else None
         attention = {window: self._attention_pattern(T, window, tokens.device, kv_cache, layout)
                      for window in {w for w, _ in self.layer_plan}}
 
         for layer, (window, local) in zip(self.layers, self.layer_plan):
+            if layer is None:  # owned by another pipeline stage
+                continue
             h = layer(h, *ropes[local], *attention[window], kv_cache)
         if kv_cache is not None:
             kv_cache.advance(T)
-        return self.norm(h)
+        return self.norm(h) if self.norm is not None else h
 
     @staticmethod
     def _attention_pattern(T: int, window: int | None, device: torch.device, kv_cache: KVCache | None,
@@ -223,6 +233,8 @@ class Transformer(nn.Module):
         call: FSDP2 unshards the root's parameters (the output weight among them) for that call only.
         """
         h = self.hidden_states(tokens, position_ids, document_ids, kv_cache)
+        if self.output is None:  # a pipeline stage before the last: its hidden states go to the next stage
+            return h
         if head is not None:
             return head(h, self.output.weight)
         return self.output(h)
