@@ -12,7 +12,7 @@ from lmforge.data.packing import Batch, SampleDataset
 from lmforge.errors import UserError
 from lmforge.training.runtime import Runtime
 from lmforge.training.stats import LossStats, accumulate
-from lmforge.training.train_step import LossFn, compute_global_loss
+from lmforge.training.train_step import LossFn, compute_global_loss, is_pipeline
 
 
 def validation_batches(rt: Runtime, dataset: SampleDataset) -> Iterable[Batch]:
@@ -30,8 +30,13 @@ def evaluate_loss(rt: Runtime, batches: Iterable[Batch], loss_fn: LossFn) -> dic
     was_training = model.training
     model.eval()
     totals: LossStats | None = None
+    if is_pipeline(model):  # the stages run the batches as one forward-only schedule
+        from lmforge.parallel.pipeline_step import pipeline_eval_forward
+
+        totals = pipeline_eval_forward(model, [rt.context_shard(b.to(rt.dist.device)) for b in batches],  # type: ignore[arg-type]
+                                       loss_fn, rt.autocast())
     with torch.no_grad(), rt.autocast():
-        for batch in batches:
+        for batch in batches if totals is None else ():
             _, stats = loss_fn(model, rt.context_shard(batch.to(rt.dist.device)))
             totals = accumulate(totals, stats)
     model.train(was_training)

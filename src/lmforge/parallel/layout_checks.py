@@ -24,3 +24,9 @@ def check_layout(dims: ParallelDims, args: ModelArgs, cfg: Any) -> None:
         from lmforge.parallel.context_parallel import check_cp
 
         check_cp(cfg.data.seq_len, dims.cp)
+    if dims.pp > 1:
+        from lmforge.parallel.pipeline import check_pp
+
+        t, p = cfg.training, cfg.parallel
+        check_pp(args, dims.pp, p.pp_stages_per_rank, t.global_batch_size // (dims.data_world * t.micro_batch_size),
+                 schedule=p.pp_schedule)

@@ -150,9 +150,15 @@ def _identity_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
     return output
 
 
-class Pipeline:
-    """This rank's stages (``parts``, the modules to wrap, optimise and checkpoint) and the schedule that
-    runs them over the ``pp`` process group.
+class Pipeline(nn.Module):
+    """This rank's stages (``parts``, wrapped each on its own) and the schedule that runs them over the
+    ``pp`` process group.
+
+    As a module it holds the union of its stages' pieces under the whole model's names (``layers.<i>``
+    for the blocks it owns, None for the others'; the embedding, final norm and output where it has
+    them), so the optimizer, ``state_dict`` and DCP checkpoints see this rank's parameters by the names
+    they have in one process, and a checkpoint reshards to any other layout. It is not called: the
+    train step runs it through :mod:`lmforge.parallel.pipeline_step`.
 
     The schedule's stage objects hold receive buffers of one activation shape, so they are built for
     the microbatch shape of a step and rebuilt when it changes (the newest one of each of train and
@@ -163,6 +169,14 @@ class Pipeline:
     def __init__(self, parts: list[nn.Module], pp_group: Any, device: torch.device, schedule: str = "1f1b") -> None:
         import torch.distributed as dist
 
+        super().__init__()
+        layers = nn.ModuleList()
+        for i in range(len(parts[0].layers)):
+            layers._modules[str(i)] = next((p.layers[i] for p in parts if p.layers[i] is not None), None)
+        self.layers = layers
+        for name in ("tok_embeddings", "norm", "output"):
+            self._modules[name] = next((getattr(p, name) for p in parts if getattr(p, name) is not None), None)
+        self.args = parts[0].args
         self.parts, self.group, self.device, self.schedule_name = parts, pp_group, device, schedule
         self.pp = dist.get_world_size(pp_group)
         self.stage_ids = [p.pp_stage for p in parts]
@@ -171,6 +185,9 @@ class Pipeline:
         self.has_last_stage = self.num_stages - 1 in self.stage_ids
         self.last_stage_rank = dist.get_global_rank(pp_group, (self.num_stages - 1) % self.pp)
         self._runners: dict[bool, tuple[Any, Any, list]] = {}
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a pipeline is run by lmforge.parallel.pipeline_step, not called")
 
     def runner(self, train: bool, microbatches: list[Any]) -> tuple[Any, list]:
         """(schedule, stages) for ``microbatches`` of one shape, with (``train``) or without backward."""

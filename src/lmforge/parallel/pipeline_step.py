@@ -10,8 +10,8 @@ whose call applies the objective's head to the stage's final-normed hidden state
 ``objective * scale_world / normalizer`` and the schedule back-propagates it as the loss, exactly the
 term ``gradient_computation`` calls ``backward`` on.
 
-Statistics exist on the last stage; the other ranks return zeros of the same structure, so one sum
-over all ranks (``LossStats.global_totals``) gives the global totals.
+Statistics exist on the last stage; it sends them to the other stages, so every rank returns them and
+``LossStats.global_totals`` sums them over the data group as in any other step.
 """
 
 from __future__ import annotations
@@ -80,21 +80,27 @@ def _run(pipeline: Pipeline, train: bool, microbatches: list[Any], loss_fn: Loss
 
 
 def _shared_structure(pipeline: Pipeline, totals: LossStats | None) -> LossStats:
-    """``totals`` on the last stage's rank; zeros of its structure (shapes, dtypes, keys) on the others,
-    learnt from the last stage (one small broadcast over the pipeline group)."""
+    """The last stage's ``totals`` on every rank of the pipeline (its structure, then its values, sent
+    from the last stage over the pipeline group), so that the loss and counts are summed over the data
+    group like any other step's, and rank 0 (a first-stage rank) logs them."""
     import torch.distributed as dist
 
     spec = None
     if totals is not None:
         spec = [(t.shape, t.dtype) for t in (totals.loss_sum, totals.loss_weight, totals.target_tokens)]
-        spec.append({k: (v.shape, v.dtype) for k, v in totals.sums.items()})
+        spec.append({k: (v.shape, v.dtype) for k, v in sorted(totals.sums.items())})
     box = [spec]
     dist.broadcast_object_list(box, src=pipeline.last_stage_rank, group=pipeline.group, device=pipeline.device)
-    if totals is not None:
-        return totals
     *heads, sums = box[0]
-    zeros = [torch.zeros(shape, dtype=dtype, device=pipeline.device) for shape, dtype in heads]
-    return LossStats(*zeros, {k: torch.zeros(s, dtype=d, device=pipeline.device) for k, (s, d) in sums.items()})
+    shapes = [*heads, *sums.values()]
+    if totals is not None:
+        parts = [totals.loss_sum, totals.loss_weight, totals.target_tokens, *(totals.sums[k] for k in sums)]
+        flat = torch.cat([t.detach().double().reshape(-1) for t in parts])
+    else:
+        flat = torch.zeros(sum(torch.Size(s).numel() for s, _ in shapes), dtype=torch.float64, device=pipeline.device)
+    dist.broadcast(flat, src=pipeline.last_stage_rank, group=pipeline.group)
+    values = [t.reshape(s).to(d) for t, (s, d) in zip(flat.split([torch.Size(s).numel() for s, _ in shapes]), shapes)]
+    return LossStats(*values[:3], dict(zip(sums, values[3:])))
 
 
 def pipeline_gradient_computation(pipeline: Pipeline, microbatches: list[Any], loss_fn: LossFn, normalizer: Tensor,
@@ -107,7 +113,7 @@ def pipeline_gradient_computation(pipeline: Pipeline, microbatches: list[Any], l
     all-reduce over every rank (``objective.normalizer``), which counts them once per pp rank.
     FSDP2 stages reduce their gradients over their data-parallel mesh after the last microbatch (the
     schedule's reduce step). Returns the summed statistics: real on the last stage's rank, zeros of the
-    same structure elsewhere (sum them over all ranks).
+    same values on the pipeline's other ranks.
     """
     scale = scale_world / normalizer.clamp(min=1)
     return _run(pipeline, True, microbatches, loss_fn, scale, autocast)
@@ -116,8 +122,8 @@ def pipeline_gradient_computation(pipeline: Pipeline, microbatches: list[Any], l
 def pipeline_eval_forward(pipeline: Pipeline, batches: list[Any], loss_fn: LossFn,
                           autocast: torch.autocast | None = None) -> LossStats:
     """The summed statistics of ``loss_fn`` over ``batches`` (forward only, no grad): the pipeline's
-    microbatches are the batches, one schedule step per run of batches of one shape. Real on the last
-    stage's rank, zeros elsewhere, as :func:`pipeline_gradient_computation`. Every rank of the pipeline
+    microbatches are the batches, one schedule step per run of batches of one shape. On every rank of the
+    pipeline, as :func:`pipeline_gradient_computation`. Every rank of the pipeline
     passes the same batches."""
     was_training = [p.training for p in pipeline.parts]
     for part in pipeline.parts:

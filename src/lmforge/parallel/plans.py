@@ -28,8 +28,15 @@ class ParallelOptions:
     """Training autocasts to bf16: on GPU, FSDP2 gathers parameters in bf16 and reduces in fp32."""
     sequence_parallel: bool = True
     """Under tensor parallelism, norms and residuals run on sequence shards too."""
+    pp_schedule: str = "1f1b"
+    pp_stages_per_rank: int = 1
     activation_offload: bool = False
     """Keep each block's saved activations in pinned host memory until backward (a GPU's memory saver)."""
+
+
+def owned_blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(index, block) of the blocks this rank holds (a pipeline stage holds None for the others')."""
+    return [(i, block) for i, block in enumerate(model.layers) if block is not None]
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -38,7 +45,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         checkpoint_wrapper,
     )
 
-    for i, block in enumerate(model.layers):
+    for i, block in owned_blocks(model):
         model.layers[i] = checkpoint_wrapper(block)
 
 
@@ -66,13 +73,13 @@ def apply_activation_offload(model: nn.Module, pin_memory: bool = True) -> None:
     can overlap compute). Gradients are unchanged: the same values come back. With activation
     checkpointing on too, only each block's checkpointed input is saved, and that is what moves."""
     wrapper = _host_offload_wrapper()
-    for i, block in enumerate(model.layers):
+    for i, block in owned_blocks(model):
         model.layers[i] = wrapper(block, pin_memory)
 
 
 def apply_compile(model: nn.Module) -> None:
     """Compile each block on its own: one graph reused by every layer, and short compiles."""
-    for i, block in enumerate(model.layers):
+    for i, block in owned_blocks(model):
         model.layers[i] = torch.compile(block)
 
 
@@ -84,7 +91,7 @@ def apply_fsdp(model: nn.Module, mesh: Any, device: torch.device, *, bf16: bool 
     kwargs: dict[str, Any] = {"mesh": mesh}
     if bf16 and device.type == "cuda":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.layers:
+    for _, block in owned_blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
@@ -119,11 +126,26 @@ def split_model(model: nn.Module, dims: ParallelDims, mesh: Any, options: Parall
 
 def parallelize_decoder(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.device,
                         options: ParallelOptions) -> nn.Module:
-    """The decoder plan: the model-splitting dimensions, checkpointing, compile, then the data-parallel
-    wrapper. Returns the module the train step calls (the model itself for one process, FSDP2 or a
-    model split without data parallelism; a DDP wrapper for DDP)."""
+    """The decoder plan: the model-splitting dimensions, then per pipeline stage (the whole model
+    without pipeline parallelism) checkpointing, compile and the data-parallel wrapper. Returns the
+    module the train step calls: the model itself for one process, FSDP2 or a split without data
+    parallelism; a DDP wrapper for DDP; a :class:`~lmforge.parallel.pipeline.Pipeline` of this rank's
+    stages under ``pp``."""
     if mesh is not None:
         split_model(model, dims, mesh, options)
+    if dims.pp == 1:
+        return wrap_stage(model, dims, mesh, device, options)
+    from lmforge.parallel.pipeline import Pipeline, split_model as split_stages
+
+    pp_mesh = sub_mesh(mesh, "pp")
+    parts = split_stages(model, pp_mesh.get_local_rank(), dims.pp, options.pp_stages_per_rank)
+    parts = [wrap_stage(part, dims, mesh, device, options) for part in parts]
+    return Pipeline(parts, pp_mesh.get_group(), device, options.pp_schedule)
+
+
+def wrap_stage(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.device,
+               options: ParallelOptions) -> nn.Module:
+    """Checkpointing, offload, compile, then FSDP2 (HSDP) or DDP over the data dimensions."""
     if options.activation_checkpointing:
         apply_activation_checkpointing(model)
     if options.activation_offload:

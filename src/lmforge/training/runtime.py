@@ -194,8 +194,10 @@ def parallelize(model: Transformer, spec: ModelSpec, cfg: Config, dims: Parallel
     plan = spec.parallelize or parallelize_decoder
     t = cfg.training
     offload = t.activation_offload and device.type == "cuda"  # on a CPU activations already live in host memory
+    p = cfg.parallel
     return plan(model, dims, mesh, device, ParallelOptions(t.activation_checkpointing, t.compile, bf16,
-                                                           cfg.parallel.sequence_parallel, offload))
+                                                           p.sequence_parallel, p.pp_schedule,
+                                                           p.pp_stages_per_rank, offload))
 
 
 def _offload_note(cfg: Config, device: torch.device) -> str:

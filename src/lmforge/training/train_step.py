@@ -47,7 +47,16 @@ def gradient_computation(
     ranks happens once, on the last microbatch: the backward pass runs inside the no-sync block
     too, because that is when DDP and FSDP2 read the flag (the reduction is launched by backward
     hooks). Returns the summed statistics (device tensors).
+
+    Under pipeline parallelism (``model`` a :class:`~lmforge.parallel.pipeline.Pipeline`) the
+    microbatches are the pipeline's: the schedule runs their forwards and backwards interleaved over
+    the stages, with the same objective, normalizer and scale.
     """
+    if is_pipeline(model):
+        from lmforge.parallel.pipeline_step import pipeline_gradient_computation
+
+        return pipeline_gradient_computation(model, microbatches, loss_fn, normalizer, autocast,  # type: ignore[arg-type]
+                                             dist_utils.data_world_size())
     scale = dist_utils.data_world_size() / normalizer.clamp(min=1)
     totals: LossStats | None = None
     for i, mb in enumerate(microbatches):
@@ -59,6 +68,11 @@ def gradient_computation(
         totals = accumulate(totals, stats)
     assert totals is not None, "a step has at least one microbatch"
     return totals
+
+
+def is_pipeline(model: nn.Module) -> bool:
+    """``model`` is this rank's stages of a pipeline (``parallel.pp`` > 1)."""
+    return type(model).__name__ == "Pipeline" and hasattr(model, "parts")
 
 
 def global_target_count(microbatches: list[Batch]) -> torch.Tensor:
@@ -80,10 +94,15 @@ def run_optimizer_step(
     ``skip_nonfinite``: then the norm is read on the host, and a non-finite one drops the update
     (gradients zeroed, no optimizer step); the caller sees the non-finite norm it returns.
     """
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
-    if hasattr(norm, "full_tensor"):  # FSDP2 returns a DTensor
-        norm = norm.full_tensor()
+    if is_pipeline(model):  # the norm over every stage of the pipeline
+        from lmforge.parallel.pipeline_step import pipeline_clip_grad_norm_
+
+        norm = pipeline_clip_grad_norm_(model, max_grad_norm)  # type: ignore[arg-type]
+    else:
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+        if hasattr(norm, "full_tensor"):  # FSDP2 and tensor parallelism return a DTensor
+            norm = norm.full_tensor()
     if skip_nonfinite and not math.isfinite(float(norm)):
         optimizer.zero_grad(set_to_none=True)
         return norm
