@@ -6,7 +6,7 @@ one-process reference on all of them itself; any mismatch is an AssertionError (
 * One MoE layer on each ep group of 2 ranks (ep=2, no further data sharding): outputs, input and
   parameter gradients, and the summed router statistics, in three routings: one rank's tokens
   never pick expert 3; every token picks experts 0 and 1 (the rank owning 2 and 3 receives
-  nothing); top-1 with every token on expert 2.
+  nothing; with the per-expert loop, which cannot run on no rows); top-1 with every token on expert 2.
 * The whole MoE Transformer on the mesh ``dp_shard_mod_ep x ep`` (1 x 2 on 2 ranks, 2 x 2 on 4,
   where blocks are also activation-checkpointed): experts sharded by :func:`shard_experts`, the
   rest by FSDP2 over the flattened ``dp_shard``; one train step's gradient accumulation over two
@@ -52,13 +52,15 @@ def routing_totals(modules: list[MoEFeedForward], group: dist.ProcessGroup | Non
     return out
 
 
-def layer_case(ep_mesh, seed: int, top_k: int, bias: dict[int, float], biased_rank: int | None) -> torch.Tensor:
+def layer_case(ep_mesh, seed: int, top_k: int, bias: dict[int, float], biased_rank: int | None,
+               impl: str = "auto") -> torch.Tensor:
     """One MoE layer, ep=2 over ``ep_mesh``; router logits = the first 4 input features, shifted by
     ``bias`` (expert -> shift) on the tokens of ``biased_rank`` (None: all tokens)."""
     group, rank, size = ep_mesh.get_group(), ep_mesh.get_local_rank(), ep_mesh.size()
     dim, per_rank = 16, 6
     torch.manual_seed(seed)
     ref = MoEFeedForward(dim, 24, 4, top_k, norm_topk=True)
+    ref.experts.impl = impl
     with torch.no_grad():
         ref.router.weight.copy_(torch.eye(4, dim) * 2)
     x = torch.randn(size * per_rank, dim)
@@ -96,7 +98,7 @@ def layer_checks(ep_mesh, group_index: int) -> None:
     counts = layer_case(ep_mesh, base + 1, 2, {3: -8.0}, biased_rank=0)
     if ep_mesh.get_local_rank() == 0:
         assert counts[0, 3] == 0, counts  # an expert with no token from this rank
-    counts = layer_case(ep_mesh, base + 2, 2, {0: 8.0, 1: 8.0}, biased_rank=None)
+    counts = layer_case(ep_mesh, base + 2, 2, {0: 8.0, 1: 8.0}, biased_rank=None, impl="loop")
     assert counts[0, 2:].sum() == 0, counts  # the owner of experts 2 and 3 receives nothing
     counts = layer_case(ep_mesh, base + 3, 1, {2: 8.0}, biased_rank=None)
     assert counts[0].tolist() == [0, 0, 6, 0], counts  # all on one expert: rank 0 idle

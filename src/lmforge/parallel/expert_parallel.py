@@ -70,10 +70,10 @@ class ExpertDispatch:
 
 
 def _run_idle(experts: GroupedExperts, arrived: Tensor, local: int) -> Tensor:
-    """The experts of a rank that received no slot, run on one zero row: their gradients are then
-    zeros (not missing: the data-parallel reduction over ranks holding the same experts expects one
-    from every rank), and ``arrived`` stays in the graph, so this rank joins the backward exchange
-    its peers start. The result has no rows."""
+    """The experts of a rank that received no slot, run on one zero row (the per-expert loop cannot
+    run on none): their gradients are zeros, not missing (the data-parallel reduction over ranks
+    holding the same experts expects one from every rank), and ``arrived`` stays in the graph, so
+    this rank joins the backward exchange its peers start. The result has no rows."""
     pad = torch.cat([arrived, arrived.new_zeros(1, arrived.shape[1])])
     counts = torch.zeros(local, dtype=torch.long, device=arrived.device)
     counts[0] = 1
