@@ -1,17 +1,18 @@
-"""Run under torchrun (2 or 4 gloo ranks): expert parallelism against one process (test_expert_parallel.py).
+"""Run under torchrun (4 gloo ranks): expert parallelism against one process (test_expert_parallel.py).
 
 Every rank builds the same models and the global inputs, runs its own share with EP, and runs the
-one-process reference on all of them itself; any mismatch is an AssertionError (non-zero exit).
+one-process reference on them itself; any mismatch is an AssertionError (non-zero exit).
 
-* One MoE layer on each ep group of 2 ranks (ep=2, no further data sharding): outputs, input and
+* One MoE layer on each pair of ranks (ep=2, no further data sharding): outputs, input and
   parameter gradients, and the summed router statistics, in three routings: one rank's tokens
   never pick expert 3; every token picks experts 0 and 1 (the rank owning 2 and 3 receives
   nothing; with the per-expert loop, which cannot run on no rows); top-1 with every token on expert 2.
-* The whole MoE Transformer on the mesh ``dp_shard_mod_ep x ep`` (1 x 2 on 2 ranks, 2 x 2 on 4,
-  where blocks are also activation-checkpointed): experts sharded by :func:`shard_experts`, the
-  rest by FSDP2 over the flattened ``dp_shard``; one train step's gradient accumulation over two
-  microbatches per rank (``gradient_computation``) against one process on the full batch: loss,
-  router statistics, every gradient (gathered) and the clipped norm.
+* The whole MoE Transformer, experts sharded by :func:`shard_experts` and the rest by FSDP2 over
+  the flattened ``dp_shard``, two microbatches per rank against one process on the whole batch:
+  loss, router statistics, every gradient (gathered) and the clipped norm. First on each pair
+  (``dp_shard=2 = ep``: mesh ``dp_shard_mod_ep=1 x ep=2``, experts' divide by FSDP over one rank),
+  then on all 4 (``dp_shard_mod_ep=2 x ep=2``, blocks activation-checkpointed, the train step's
+  ``gradient_computation`` itself).
 """
 
 import copy
@@ -121,9 +122,27 @@ def plain_name(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "")
 
 
-def model_check(world: int, rank: int) -> None:
-    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard_mod_ep", "ep"))
+def group_step(model, micro: list[Batch], group: dist.ProcessGroup, world: int) -> torch.Tensor:
+    """``gradient_computation`` within a group of ``world`` ranks (that one reads the whole world):
+    objective x world / the group's target count, gradients synced on the last microbatch only.
+    Returns the group's mean loss."""
+    targets = torch.stack([mb.num_targets for mb in micro]).sum().float()
+    dist.all_reduce(targets, group=group)
+    loss_sum = torch.zeros(())
+    for i, mb in enumerate(micro):
+        model.set_requires_gradient_sync(i == len(micro) - 1)
+        objective, stats = cross_entropy_loss(model, mb)
+        (objective * world / targets).backward()
+        loss_sum += stats.loss_sum.detach()
+    dist.all_reduce(loss_sum, group=group)
+    return loss_sum / targets
+
+
+def model_check(mesh, seed: int) -> None:
+    """The MoE Transformer on ``mesh`` (dims ``dp_shard_mod_ep``, ``ep``, maybe an outer ``group`` of
+    independent copies) against one process on the tokens of the ranks of this copy."""
     dp_mesh = mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+    world, rank, whole = dp_mesh.size(), dp_mesh.get_local_rank(), dp_mesh.size() == dist.get_world_size()
     model = Transformer(TINY_MOE)
     model.init_weights(seed=0)
     with torch.no_grad():  # decisive routers: no near-tie for a rounding difference to flip
@@ -132,49 +151,55 @@ def model_check(world: int, rank: int) -> None:
     ref = copy.deepcopy(model)
 
     apply_ep(model, mesh["ep"])
-    if world == 4:
+    if whole:
         apply_activation_checkpointing(model)
     shard_experts(model, mesh["dp_shard_mod_ep"], world)
     apply_fsdp(model, dp_mesh, torch.device("cpu"))
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     assert shapes["layers.0.feed_forward.experts.w1"] == (4, 32, 64), shapes  # full [E, ...] in the state dict
 
-    full = batch(4 * world)
+    full = batch(4 * world, seed=seed)
     per_rank = full.input_ids.shape[0] // world
     mine = rows(full, rank * per_rank, (rank + 1) * per_rank)
     micro = [rows(mine, 0, per_rank // 2), rows(mine, per_rank // 2, per_rank)]
-    stats = gradient_computation(model, micro, cross_entropy_loss, global_target_count(micro))
-    got_routing = routing_totals([m for m in moe_layers(model)], dist.group.WORLD)  # the last microbatch
+    if whole:  # the train step itself
+        loss = gradient_computation(model, micro, cross_entropy_loss, global_target_count(micro)).global_totals()["loss"]
+    else:
+        loss = group_step(model, micro, dp_mesh.get_group(), world)
+    got_routing = routing_totals(moe_layers(model), dp_mesh.get_group())  # of the last microbatch
 
     ref_loss, ref_stats = cross_entropy_loss(ref, full)
     ref_loss.div(ref_stats.loss_weight).backward()
     last_micro = torch.cat([torch.arange(r * per_rank + per_rank // 2, (r + 1) * per_rank) for r in range(world)])
     with torch.no_grad():
         ref(full.input_ids[last_micro])  # the reference's statistics of the same tokens
-    close(stats.global_totals()["loss"], ref_stats.loss_sum / ref_stats.loss_weight, "loss")
+    what = f"model on {mesh}"
+    close(loss, ref_stats.loss_sum / ref_stats.loss_weight, f"{what}: loss")
     for a, b in zip(got_routing, routing_totals(moe_layers(ref))):
-        close(a, b, "model routing statistics")
+        close(a, b, f"{what}: routing statistics")
 
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     seen = set()
     for name, p in model.named_parameters():
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        close(grad, ref_grads[plain_name(name)], f"grad of {plain_name(name)}")
+        close(grad, ref_grads[plain_name(name)], f"{what}: grad of {plain_name(name)}")
         seen.add(plain_name(name))
     assert seen == set(ref_grads), set(ref_grads) ^ seen
     close(clip_grad_norm(model.parameters(), 0.5), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5),
-          "gradient norm")
+          f"{what}: gradient norm")
     for name, p in model.named_parameters():
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        close(grad, ref_grads[plain_name(name)], f"clipped grad of {plain_name(name)}")
+        close(grad, ref_grads[plain_name(name)], f"{what}: clipped grad of {plain_name(name)}")
 
 
 def main() -> None:
     info = dist_utils.init_distributed("cpu")
     world, rank = info.world_size, info.rank
-    groups = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("group", "ep"))
-    layer_checks(groups["ep"], groups.get_local_rank("group"))
-    model_check(world, rank)
+    pairs = init_device_mesh("cpu", (world // 2, 1, 2), mesh_dim_names=("group", "dp_shard_mod_ep", "ep"))
+    layer_checks(pairs["ep"], pairs.get_local_rank("group"))
+    model_check(pairs, seed=pairs.get_local_rank("group"))  # ep=2 = dp_shard: each pair on its own
+    if world > 2:
+        model_check(init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard_mod_ep", "ep")), seed=9)
     if rank == 0:
         print(f"ep check passed on {world} ranks")
     dist_utils.shutdown()
