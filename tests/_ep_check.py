@@ -163,7 +163,8 @@ def model_check(mesh, seed: int) -> None:
     mine = rows(full, rank * per_rank, (rank + 1) * per_rank)
     micro = [rows(mine, 0, per_rank // 2), rows(mine, per_rank // 2, per_rank)]
     if whole:  # the train step itself
-        loss = gradient_computation(model, micro, cross_entropy_loss, global_target_count(micro)).global_totals()["loss"]
+        stats = gradient_computation(model, micro, cross_entropy_loss, global_target_count(micro))
+        loss = stats.global_totals()["loss"]
     else:
         loss = group_step(model, micro, dp_mesh.get_group(), world)
     got_routing = routing_totals(moe_layers(model), dp_mesh.get_group())  # of the last microbatch

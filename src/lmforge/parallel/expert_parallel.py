@@ -20,6 +20,11 @@ reduction averages over ``W`` ranks. An expert's gradient on its owner already s
 contributions of the tokens of all ``ep`` ranks (the all-to-all's backward brings them), so it must
 be *summed* over the ``W / ep`` ranks that hold the same experts and divided by ``W``, not averaged
 over ``W / ep`` (which would leave it ``ep`` times too large).
+
+Plan order: :func:`apply_ep` on the ep sub-mesh, then activation checkpointing and compile per
+block, then :func:`shard_experts` on the ``dp_shard_mod_ep`` sub-mesh, then FSDP2 of each block
+and the root on the flattened ``dp_shard`` mesh. Gradient clipping across the two meshes:
+:func:`clip_grad_norm`.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from typing import Any, Iterable
 
 import torch
 from torch import Tensor, nn
+# torch's functional collectives: what torch.distributed.nn.functional.all_to_all_single (deprecated)
+# points to; traced by torch.compile, and on gloo they take uneven splits, autograd included.
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard
 
