@@ -15,6 +15,10 @@ its expert), so that layout can be added around :meth:`GroupedExperts.forward` w
 Where the device has no grouped kernel (CUDA in fp32: torch's kernel wants bf16 on SM80+), the
 experts run in a loop over the runs instead (``impl="loop"``; it reads the run lengths on the host).
 
+With expert parallelism (:mod:`lmforge.parallel.expert_parallel`) the expert weights are DTensors
+sharded over the ``ep`` ranks and :attr:`MoEFeedForward.expert_parallel` carries the sorted runs to
+their owners and back; routing, its statistics and the weighted combine stay on the token's rank.
+
 Every forward leaves its routing statistics on the module (:attr:`MoEFeedForward.last_routing`):
 what the load-balancing loss and the router statistics on the metrics line are computed from,
 across all MoE layers at once (:func:`router_losses`).
@@ -23,10 +27,12 @@ across all MoE layers at once (:func:`router_losses`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lmforge.models.layers.mlp import activation
 
@@ -79,20 +85,23 @@ class GroupedExperts(nn.Module):
         return x.device.type == "cpu" or x.dtype == torch.bfloat16
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        """Rows of ``x`` [S, dim] sorted by expert, ``counts`` [E] rows per expert -> [S, dim]."""
+        """Rows of ``x`` [S, dim] sorted by expert, ``counts`` [E] rows per expert -> [S, dim].
+        Weights sharded over expert-parallel ranks compute with this rank's experts (``counts`` then
+        has one entry per local expert)."""
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
         if self.uses_grouped_kernel(x):
             offs = torch.cumsum(counts, 0).to(torch.int32)
 
             def mm(a: Tensor, w: Tensor) -> Tensor:
                 return _contiguous_grad(F.grouped_mm(a, w.transpose(-2, -1), offs=offs))
 
-            return mm(self.act(mm(x, self.w1)) * mm(x, self.w3), self.w2)
+            return mm(self.act(mm(x, w1)) * mm(x, w3), w2)
         # unbind (not w[e]): autograd then stacks the experts' gradients once, instead of adding one
         # full-size zero gradient of the 3-D weight per expert; every expert, even one that got no
         # token, stays in the graph, so DDP sees a gradient for each.
         outs = [F.linear(self.act(F.linear(rows, w1)) * F.linear(rows, w3), w2)
-                for rows, w1, w2, w3 in zip(x.split(counts.tolist()), self.w1.unbind(0), self.w2.unbind(0),
-                                            self.w3.unbind(0)) if rows.shape[0]]
+                for rows, w1, w2, w3 in zip(x.split(counts.tolist()), w1.unbind(0), w2.unbind(0),
+                                            w3.unbind(0)) if rows.shape[0]]
         return torch.cat(outs)
 
 
@@ -106,6 +115,9 @@ class MoEFeedForward(nn.Module):
         self.router = nn.Linear(dim, n_experts, bias=False)
         self.experts = GroupedExperts(n_experts, dim, hidden_dim, hidden_act)
         self.last_routing: RoutingStats | None = None
+        self.expert_parallel: Callable[[GroupedExperts, Tensor, Tensor], Tensor] | None = None
+        """Set by :func:`lmforge.parallel.expert_parallel.apply_ep`: runs the experts on sorted slots
+        (same signature and result as ``experts(x, counts)``) with each run on the rank owning its expert."""
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -119,7 +131,11 @@ class MoEFeedForward(nn.Module):
         order = torch.argsort(slots, stable=True)
         counts = torch.bincount(slots, minlength=self.n_experts)
         token_of = order // self.top_k
-        out = self.experts(flat.index_select(0, token_of), counts)
+        rows = flat.index_select(0, token_of)
+        if self.expert_parallel is None:
+            out = self.experts(rows, counts)
+        else:
+            out = self.expert_parallel(self.experts, rows, counts)
         out = out * weights.reshape(-1, 1).index_select(0, order).to(out.dtype)
         combined = torch.zeros_like(flat).index_add_(0, token_of, out.to(flat.dtype))
         self.last_routing = RoutingStats(probs.sum(0), counts.float(), torch.logsumexp(logits.float(), -1).pow(2).sum(),
