@@ -39,7 +39,7 @@ def test_expert_parallel_borrows_ranks_from_dp_shard():
     d = dims_for(4, ep=2, mode="fsdp")
     assert d.mesh_shape() == ((2, 2), ("dp_shard_mod_ep", "ep"))
     assert d.describe_mesh() == "dp_shard=4 x ep=2 (in dp_shard)"
-    assert dims_for(2, ep=2, mode="fsdp").mesh_shape() == ((2,), ("ep",))
+    assert dims_for(2, ep=2, mode="fsdp").mesh_shape() == ((1, 2), ("dp_shard_mod_ep", "ep"))
     assert d.data_world == d.gradient_world == 4
 
 

@@ -65,6 +65,9 @@ class ParallelDims:
         if p.ep > 1 and shard % p.ep:
             raise UserError(f"parallel.ep={p.ep} must divide parallel.dp_shard={shard}: expert parallelism borrows "
                             f"its ranks from the data-shard ranks")
+        if p.ep > 1 and (p.tp > 1 or p.cp > 1 or p.pp > 1):
+            raise UserError(f"parallel.ep={p.ep} composes with the data dimensions (dp_shard, dp_replicate) only, "
+                            f"not with parallel.tp, parallel.cp or parallel.pp")
         if p.tp > 1 and replicate > 1 and shard == 1:
             raise UserError(f"parallel.tp={p.tp} with parallel.dp_replicate={replicate}: tensor parallelism composes "
                             f"with FSDP2 (parallel.dp_shard) or HSDP (dp_replicate and dp_shard > 1), not with DDP")
@@ -120,10 +123,8 @@ class ParallelDims:
         used: list[tuple[int, str]] = []
         for n in MESH_ORDER:
             size = getattr(self, n)
-            if n == "dp_shard" and self.ep > 1:
-                if size // self.ep > 1:
-                    used.append((size // self.ep, "dp_shard_mod_ep"))
-                used.append((self.ep, "ep"))
+            if n == "dp_shard" and self.ep > 1:  # dp_shard_mod_ep even at size 1: the experts' FSDP mesh
+                used += [(size // self.ep, "dp_shard_mod_ep"), (self.ep, "ep")]
             elif size > 1:
                 used.append((size, n))
         return tuple(s for s, _ in used), tuple(n for _, n in used)
@@ -140,7 +141,7 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         flat: dict[str, Any] = {}
         mesh.lmforge_flattened = flat  # kept here: slicing a flattened dimension from the root is deprecated
-        if self.ep > 1 and "dp_shard_mod_ep" in names:
+        if self.ep > 1:
             flat["dp_shard"] = mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
         shard = [n for n in ("dp_shard", "cp") if getattr(self, n) > 1]
         if len(shard) == 2:
@@ -206,7 +207,7 @@ def _flatten(mesh: Any, names: tuple[str, ...], name: str) -> Any:
     parts: list[str] = []
     for n in names:
         if n == "dp_shard" and "dp_shard" in flat:
-            parts += [p for p in ("dp_shard_mod_ep", "ep") if p in mesh.mesh_dim_names]
+            parts += ["dp_shard_mod_ep", "ep"]
         else:
             parts.append(n)
     return mesh[tuple(parts)]._flatten(name)

@@ -30,3 +30,7 @@ def check_layout(dims: ParallelDims, args: ModelArgs, cfg: Any) -> None:
         t, p = cfg.training, cfg.parallel
         check_pp(args, dims.pp, p.pp_stages_per_rank, t.global_batch_size // (dims.data_world * t.micro_batch_size),
                  schedule=p.pp_schedule)
+    if dims.ep > 1:
+        from lmforge.parallel.expert_parallel import check_ep
+
+        check_ep(args, dims.ep, dims.dp_shard)

@@ -83,14 +83,22 @@ def apply_compile(model: nn.Module) -> None:
         model.layers[i] = torch.compile(block)
 
 
-def apply_fsdp(model: nn.Module, mesh: Any, device: torch.device, *, bf16: bool = False) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh: Any, device: torch.device, *, bf16: bool = False,
+               experts: tuple[Any, int] | None = None) -> nn.Module:
     """FSDP2 ``fully_shard`` per block, then the root (embedding, final norm, output layer). On a 2-D
-    ``(dp_replicate, dp_shard)`` mesh this is HSDP: sharded within a group, replicated across groups."""
+    ``(dp_replicate, dp_shard)`` mesh this is HSDP: sharded within a group, replicated across groups.
+    ``experts`` (mesh, gradient divide factor): under expert parallelism the experts are their own
+    units over the ranks holding the same experts (see lmforge.parallel.expert_parallel)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    kwargs: dict[str, Any] = {"mesh": mesh}
+    kwargs: dict[str, Any] = {}
     if bf16 and device.type == "cuda":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if experts is not None:
+        from lmforge.parallel.expert_parallel import shard_experts
+
+        shard_experts(model, experts[0], experts[1], **kwargs)
+    kwargs["mesh"] = mesh
     for _, block in owned_blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -118,6 +126,10 @@ def split_model(model: nn.Module, dims: ParallelDims, mesh: Any, options: Parall
         from lmforge.parallel.tensor_parallel import apply_tp
 
         apply_tp(model, sub_mesh(mesh, "tp"), sequence_parallel=options.sequence_parallel)
+    if dims.ep > 1:
+        from lmforge.parallel.expert_parallel import apply_ep
+
+        apply_ep(model, sub_mesh(mesh, "ep"))
     if dims.cp > 1:
         from lmforge.parallel.context_parallel import apply_cp
 
@@ -155,7 +167,11 @@ def wrap_stage(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.de
     if mesh is None:
         return model
     if dims.shards:
-        return apply_fsdp(model, data_mesh(mesh, dims), device, bf16=options.bf16)
+        experts = None
+        if dims.ep > 1:  # experts: sharded over ep, FSDP over the ranks holding the same ones
+            names = ("dp_replicate", "dp_shard_mod_ep") if dims.dp_replicate > 1 else ("dp_shard_mod_ep",)
+            experts = (sub_mesh(mesh, *names), dims.gradient_world)
+        return apply_fsdp(model, data_mesh(mesh, dims), device, bf16=options.bf16, experts=experts)
     if dims.dp_replicate > 1:
         return apply_ddp(model, data_mesh(mesh, dims), device)
     return model

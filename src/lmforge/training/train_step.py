@@ -98,6 +98,10 @@ def run_optimizer_step(
         from lmforge.parallel.pipeline_step import pipeline_clip_grad_norm_
 
         norm = pipeline_clip_grad_norm_(model, max_grad_norm)  # type: ignore[arg-type]
+    elif len(meshes := {getattr(p.grad, "device_mesh", None) for p in model.parameters() if p.grad is not None}) > 1:
+        from lmforge.parallel.expert_parallel import clip_grad_norm  # experts and the rest on two meshes
+
+        norm = clip_grad_norm(model.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
     else:
         params = [p for p in model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
