@@ -28,12 +28,14 @@ def test_live_tensor_memory_counts_storages_once_and_frees_them():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_estimate_within_15_percent_of_measured_peak(dtype, checkpointing):
+def test_estimate_matches_the_measured_peak(dtype, checkpointing):
+    """Required: within 15%; for the dense decoder it is within 1% on the CPU (bench/plan_memory.py), so
+    5% is checked, which a term left out of the block's count (half the MLP's saved tensors) breaks."""
     args = model_args_for("debug", 320, **TINY)
     measured = measure_train_step(args, seq_len=128, micro_batch=4, dtype=dtype, checkpointing=checkpointing)
     est = estimate_memory(args, Layout(), 128, 4, dtype, checkpointing)
     assert est.phase != "optimizer"  # the activations' part is what is checked
-    assert abs(est.total / measured.peak - 1) < 0.15, (est, measured)
+    assert abs(est.total / measured.peak - 1) < 0.05, (est, measured)
     # the parameters and AdamW's state are exact (RoPE tables among the tracked buffers)
     assert est.params == pytest.approx(measured.params)
     assert est.optimizer == pytest.approx(measured.optimizer_state, rel=1e-3)
