@@ -145,6 +145,11 @@ def _prepare(argv: list[str]) -> int:
     return 0
 
 
+def _plan(argv: list[str]) -> int:
+    from lmforge.parallel.plan_command import main as plan_main
+    return plan_main(argv)
+
+
 def _report(argv: list[str]) -> int:
     from lmforge.metrics.report import main as report_main
     return report_main(argv)
@@ -152,6 +157,7 @@ def _report(argv: list[str]) -> int:
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "generate": _generate, "export": _export, "report": _report, "eval": _eval, "prepare": _prepare,
+    "plan": _plan,
 }
 
 
@@ -163,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     usage = (f"usage: lmforge {{{','.join(trainers)}}} --config FILE [--section.key=value ...]\n"
              "       lmforge generate CHECKPOINT --prompt TEXT | export --hf OUT [--gguf FILE] [--adapter OUT] RUN_DIR | report RUN_DIR...\n"
              "       lmforge eval RUN_OR_MODEL_DIR --tasks T1,T2 [--limit N] [--apply-chat-template]\n"
-             "       lmforge prepare INPUT... --out DIR [--tokenizer T] [--workers N] [--text-field F] | --out DIR --verify")
+             "       lmforge prepare INPUT... --out DIR [--tokenizer T] [--workers N] [--text-field F] | --out DIR --verify\n"
+             "       lmforge plan --devices N [--device-memory-gb G] [--json] [--section.key=value ...]")
     if not argv or argv[0] in ("-h", "--help"):
         width = max(map(len, trainers))
         print(usage + "\n\ntrainers:\n" + "\n".join(f"  {n:<{width}}  {r.summary}" for n, r in trainers.items()))

@@ -1,0 +1,118 @@
+"""Measure the peak of live tensor memory of a real train step in this process (what the planner's
+estimate is checked against).
+
+RSS is useless for small models (allocator caching, the interpreter, libraries) and a CPU has no
+allocator statistics, so :class:`LiveTensorMemory` counts storages instead: a dispatch mode sees
+every tensor an operator returns, counts each new storage's bytes once, and a weak reference to the
+storage takes them off again when it is freed (torch keeps a storage's Python object alive exactly as
+long as the storage). What it cannot see: workspace a kernel allocates and frees inside one operator.
+
+:func:`measure_train_step` runs the library's own train-step pieces (the model as the family builds
+it, activation checkpointing as the decoder plan applies it, the chunked cross-entropy, gradient
+accumulation, clipping and AdamW) for a few steps and reports the peak of the last one, when the
+optimizer state exists.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from lmforge.models.args import ModelArgs
+
+__all__ = ["LiveTensorMemory", "MeasuredPeak", "measure_train_step"]
+
+
+class LiveTensorMemory(TorchDispatchMode):
+    """Bytes of live tensor storage: those of ``track``-ed tensors plus every storage an op creates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}  # id(weakref) -> bytes
+        self._refs: dict[int, weakref.ref] = {}
+        self._seen: weakref.WeakSet = weakref.WeakSet()
+        self.current = 0
+        self.peak = 0
+
+    def _add(self, t: Any) -> None:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        st = t.untyped_storage()
+        if st in self._seen:
+            return
+        self._seen.add(st)
+        size = st.nbytes()
+
+        def freed(ref: weakref.ref, size: int = size) -> None:
+            self.current -= size
+            self._refs.pop(id(ref), None)
+
+        ref = weakref.ref(st, freed)
+        self._refs[id(ref)] = ref
+        self.current += size
+        self.peak = max(self.peak, self.current)
+
+    def track(self, tensors: Any) -> None:
+        """Count tensors that exist already (parameters, buffers, the batch)."""
+        for t in tree_flatten(tensors)[0]:
+            self._add(t)
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            self._add(t)
+        return out
+
+
+@dataclass(frozen=True)
+class MeasuredPeak:
+    """Peak live tensor bytes of the last measured train step, and what was live before it."""
+
+    peak: int
+    before_step: int
+    params: int
+    optimizer_state: int
+
+
+def measure_train_step(args: ModelArgs, *, seq_len: int, micro_batch: int, dtype: str = "float32",
+                       checkpointing: bool = False, microbatches: int = 1, steps: int = 2,
+                       chunk_tokens: int = 1024, seed: int = 0) -> MeasuredPeak:
+    """Peak live tensor memory (bytes) of train step ``steps`` of ``args`` on the CPU."""
+    from lmforge.data.packing import Batch
+    from lmforge.models.spec import spec_for_args
+    from lmforge.objectives.next_token import NextTokenObjective
+    from lmforge.parallel.plans import apply_activation_checkpointing
+    from lmforge.training.optimizers import state_bytes
+    from lmforge.training.train_step import build_optimizer, gradient_computation, run_optimizer_step
+
+    torch.manual_seed(seed)
+    model = spec_for_args(args).build(args)
+    model.init_weights(seed=seed)
+    if checkpointing:
+        apply_activation_checkpointing(model)
+    optimizer = build_optimizer(model, 1e-3, 0.1, (0.9, 0.95), 1e-8)
+    objective = NextTokenObjective(chunk_tokens)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16" else None
+    g = torch.Generator().manual_seed(seed)
+    tracker = LiveTensorMemory()
+    with tracker:
+        tracker.track([list(model.parameters()), list(model.buffers())])
+        params = tracker.current
+        for _ in range(steps):
+            ids = torch.randint(0, args.vocab_size, (microbatches, micro_batch, seq_len + 1), generator=g)
+            mbs = [Batch(row[:, :-1], row[:, 1:]) for row in ids]
+            tracker.track([(mb.input_ids, mb.labels) for mb in mbs])
+            before = tracker.current
+            tracker.reset_peak()
+            stats = gradient_computation(model, mbs, objective.loss_fn, objective.normalizer(mbs), autocast)
+            run_optimizer_step(model, optimizer, 1e-3, 1.0)
+            del stats, mbs, ids
+    return MeasuredPeak(tracker.peak, before, params, state_bytes(optimizer))

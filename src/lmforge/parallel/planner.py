@@ -1,0 +1,309 @@
+"""How much memory a training layout needs per device, and which layouts of a mesh fit.
+
+Pure functions of the model's shape (:class:`~lmforge.models.args.ModelArgs`), the batch and a
+:class:`Layout` of mesh degrees; nothing is built or allocated. The numbers count what lmforge's own
+train step keeps, measured on it (``bench/plan_memory.py``, ``tests/test_planner.py``), not a
+paper's formula:
+
+* parameters fp32, gradients fp32, AdamW's two fp32 moments (8-bit AdamW: one byte each plus a
+  scale per 256 values; Muon: one fp32 momentum on the block matrices, AdamW on the rest);
+* activations: the tensors autograd saves per decoder block (:func:`block_activation_bytes`), the
+  final norm and the chunked loss (which holds one chunk of logits at a time, never all of them),
+  plus the largest transient of the backward (the gated MLP's gradients);
+* the step's peak is the larger of the backward (parameters, optimizer state, activations, and the
+  gradients of earlier microbatches) and the optimizer step (parameters, gradients, state, and the
+  foreach AdamW's temporary the size of the parameters).
+
+Under bf16 autocast the parameters and the residual stream stay fp32: what the norms save is fp32,
+while each linear saves its own bf16 copy of its input (autocast casts per call) and of its weight.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from itertools import product
+from typing import Iterator
+
+from lmforge.models.args import ModelArgs
+
+__all__ = ["Layout", "MemoryEstimate", "ParamCounts", "param_counts", "block_activation_bytes", "estimate_memory",
+           "candidate_layouts", "OPTIMIZERS"]
+
+OPTIMIZERS = ("adamw", "adamw8bit", "muon")
+INDEX_BYTES_PER_TOKEN = 40
+"""Labels, target positions and their index copies in the loss (int64 and bool per token)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Mesh degrees: ``pp x dp_replicate x dp_shard x cp x tp`` ranks; ``ep`` splits the experts over
+    ranks borrowed from ``dp_shard`` (so it is not a factor of the device count)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.cp * self.pp
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that see different samples (cp ranks share a sample's tokens, tp and pp its layers)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_shards(self) -> int:
+        """Ranks over which FSDP shards parameters, gradients and optimizer state: the data-shard ranks
+        and, as torchtitan does, the context-parallel ranks (which hold the same parameters)."""
+        return self.dp_shard * self.cp if self.dp_shard > 1 else 1
+
+    def describe(self) -> str:
+        parts = [f"{n}={getattr(self, n)}" for n in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep")
+                 if getattr(self, n) > 1]
+        return " ".join(parts) or "single"
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts by where they live (tied output: ``output`` is 0)."""
+
+    embedding: int
+    output: int
+    final_norm: int
+    block_dense: list[int]
+    """Per block: the matrices tensor parallelism splits (attention and dense MLP projections)."""
+    block_experts: list[int]
+    """Per block: the experts' weights (0 for a dense block)."""
+    block_small: list[int]
+    """Per block: what is replicated under tp (norms, biases, the router)."""
+    buffers: int
+    """Elements of the RoPE tables (fp32, not trained)."""
+
+    @property
+    def total(self) -> int:
+        return (self.embedding + self.output + self.final_norm + sum(self.block_dense) + sum(self.block_experts)
+                + sum(self.block_small))
+
+
+def param_counts(args: ModelArgs) -> ParamCounts:
+    d, h, kv, hd = args.dim, args.n_heads, args.kv_heads, args.head_dim
+    dense, experts, small = [], [], []
+    for i in range(args.n_layers):
+        attn = d * h * hd * 2 + 2 * d * kv * hd
+        norms = 2 * d * (2 if args.sandwich_norm else 1)
+        if args.qkv_bias:
+            norms += (h + 2 * kv) * hd
+        if args.qk_norm:
+            norms += 2 * hd if args.qk_norm_per_head else (h + kv) * hd
+        if args.is_moe_layer(i):
+            dense.append(attn)
+            experts.append(3 * d * args.expert_ffn_dim * args.n_experts)
+            small.append(norms + d * args.n_experts)
+        else:
+            dense.append(attn + 3 * d * args.ffn_dim)
+            experts.append(0)
+            small.append(norms)
+    ropes = 2 if args.local_rope_theta is not None else 1
+    return ParamCounts(embedding=args.vocab_size * d, output=0 if args.tie_embeddings else args.vocab_size * d,
+                       final_norm=d, block_dense=dense, block_experts=experts, block_small=small,
+                       buffers=ropes * 2 * args.max_seq_len * hd)
+
+
+def _norm_bytes(d: int, tokens_sp: float, tokens: float, consumers: int, a: int) -> float:
+    """An RMSNorm on the fp32 residual stream saves its input, the normalised values and 1/rms (fp32, on
+    the sequence-parallel shard); its output is saved by the linears that read it: once in fp32 (shared),
+    or once per linear in bf16 (autocast casts on each call). Under tp the linears read the all-gathered
+    output, so that copy is of every token."""
+    own = (8 * d + 4) * tokens_sp
+    return own + (4 * d if a == 4 else consumers * a * d) * tokens
+
+
+def block_activation_bytes(args: ModelArgs, layer: int, tokens: float, a: int, tp: int = 1) -> float:
+    """Bytes autograd saves for one decoder block over ``tokens`` local tokens, compute dtype of ``a``
+    bytes (4 fp32, 2 bf16 autocast), heads and hidden units split over ``tp`` (sequence parallel norms).
+
+    Counted from lmforge's block (models/model.py, layers/*.py): per norm see :func:`_norm_bytes`; SDPA
+    (the flash kernel on CPU and GPU) saves q, k, v, its output (which ``wo`` reads as it is) and a
+    fp32 log-sum-exp per head; RoPE saves only the shared cos/sin tables (they need no gradient); the
+    gated MLP saves both projections, the activation's output and their product. Qwen3's q/k norms,
+    Gemma's sandwich norms and the MoE routing are counted the same way but were not measured.
+    """
+    d, h, kv, hd = args.dim, args.n_heads, args.kv_heads, args.head_dim
+    sp = tokens / tp
+    moe = args.is_moe_layer(layer)
+    total = _norm_bytes(d, sp, tokens, 3, a)  # attention_norm -> wq, wk, wv
+    total += (a * 2 * (h + kv) * hd + 4 * h) * tokens / tp
+    if args.qk_norm:  # the norm's input, its fp32 normalised values and output per q/k value
+        total += (a + 8) * (h + kv) * hd * tokens / tp
+    if args.sandwich_norm:  # post-attention and post-MLP norms of the sublayer outputs
+        total += 2 * (a + 4) * d * sp
+    if moe:
+        k, fe, e = args.n_experts_per_token, args.expert_ffn_dim, args.n_experts
+        total += _norm_bytes(d, sp, tokens, 1, a)  # ffn_norm -> router (the experts read it by index)
+        total += 8 * e * tokens  # router probabilities and logits (fp32)
+        total += k * (2 * a * d + 4 * a * fe / tp + 8) * tokens  # routed rows, expert MLP, weighted outputs
+    else:
+        total += _norm_bytes(d, sp, tokens, 2, a)  # ffn_norm -> w1, w3
+        total += a * 4 * args.ffn_dim * tokens / tp
+    return total
+
+
+def _mlp_transient(args: ModelArgs, layer: int, tokens: float, a: int, tp: int) -> float:
+    """The gated MLP's backward: the product's gradient and both factors' gradients exist together
+    (while the product's saved copy is already freed), plus the fp32 gradient of the residual stream."""
+    hidden = args.ffn_dim if not args.is_moe_layer(layer) else args.n_experts_per_token * args.expert_ffn_dim
+    return 2 * a * hidden * tokens / tp + 4 * args.dim * tokens / tp
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device at the step's peak (the worst pipeline stage)."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    """Saved activations at the peak, with the loss chunk or the backward's transient."""
+    buffers: float
+    """FSDP's gathered parameters and unsharded gradients of one block, or DDP's gradient buckets."""
+    total: float
+    phase: str
+    """Where the peak falls: ``loss`` (a chunk of logits), ``backward`` or ``optimizer``."""
+
+    def to_dict(self) -> dict[str, float | str]:
+        return asdict(self)
+
+
+def _optimizer_bytes(args: ModelArgs, counts: ParamCounts, name: str) -> float:
+    """Optimizer state bytes for all parameters (before sharding)."""
+    total = counts.total
+    if name == "adamw":
+        return 8.0 * total
+    if name == "adamw8bit":  # 2 x (1 byte + a fp32 scale per 256); tensors under 4096 values stay fp32
+        small = sum(counts.block_small) + counts.final_norm
+        return 2 * (1 + 4 / 256) * (total - small) + 8 * small
+    muon = sum(counts.block_dense)  # Muon's momentum on the block projections, AdamW on the rest
+    return 4.0 * muon + 8.0 * (total - muon)
+
+
+def estimate_memory(args: ModelArgs, layout: Layout, seq_len: int, micro_batch: int, dtype: str = "float32",
+                    checkpointing: bool = False, *, microbatches: int = 1, optimizer: str = "adamw",
+                    loss_chunk_tokens: int = 1024) -> MemoryEstimate:
+    """Peak bytes per device of one train step of ``args`` laid out as ``layout``: the larger of the
+    first pipeline stage (embedding, ``pp`` microbatches in flight under 1F1B) and the last (output
+    projection and loss, one in flight). ``microbatches`` per step and rank (gradient accumulation):
+    above one, the gradients of the earlier microbatches are live during each backward."""
+    stages = [0, layout.pp - 1] if layout.pp > 1 else [0]
+    return max((_stage_estimate(args, layout, s, seq_len, micro_batch, dtype, checkpointing, microbatches,
+                                optimizer, loss_chunk_tokens) for s in stages), key=lambda e: e.total)
+
+
+def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, micro_batch: int, dtype: str,
+                    checkpointing: bool, microbatches: int, optimizer: str, chunk: int) -> MemoryEstimate:
+    counts = param_counts(args)
+    tp, pp, ep, shards = layout.tp, layout.pp, layout.ep, layout.fsdp_shards
+    a = 2 if dtype == "bfloat16" else 4
+    per_stage = math.ceil(args.n_layers / pp)
+    layers = list(range(stage * per_stage, min(args.n_layers, (stage + 1) * per_stage)))
+    first, last = stage == 0, stage == pp - 1
+    # parameters held by this stage, before FSDP sharding (tp splits the projections and the vocabulary)
+    dense = sum(counts.block_dense[i] for i in layers) / tp
+    experts = sum(counts.block_experts[i] for i in layers) / tp
+    small = sum(counts.block_small[i] for i in layers)
+    ends = (counts.embedding / tp if first else 0) + ((counts.output / tp + counts.final_norm) if last else 0)
+    stage_params = dense + experts + small + ends
+    share = stage_params / max(counts.total, 1)
+    params = 4 * stage_params / shards + (4 * counts.buffers if layers else 0)
+    grads = 4 * stage_params / shards
+    opt = _optimizer_bytes(args, counts, optimizer) * share / shards
+    opt_temp = 4 * stage_params / shards if optimizer != "adamw8bit" else 0.0
+
+    tokens = micro_batch * seq_len / layout.cp
+    sp = tokens / tp
+    in_flight = min(pp - stage, max(microbatches, 1)) if pp > 1 else 1
+    # one block's saved activations; checkpointing keeps each block's input (fp32 residual) instead
+    block = max((block_activation_bytes(args, i, tokens, a, tp) for i in layers), default=0.0)
+    saved = sum(block_activation_bytes(args, i, tokens, a, tp) for i in layers)
+    if checkpointing:
+        saved = 4 * args.dim * sp * len(layers)
+    weight_copies = 0.0
+    if a == 2 and shards == 1:  # autocast's bf16 weight copies, saved by each linear until its backward
+        weight_copies = 2 * (dense + experts / ep)
+        if not checkpointing:
+            saved += weight_copies
+    saved *= in_flight
+    # the backward of one block: recomputed whole under checkpointing (its input is already counted)
+    last_block = layers[-1] if layers else 0
+    transient = _mlp_transient(args, last_block, tokens, a, tp) if layers else 0.0
+    if checkpointing and layers:
+        transient += block - 4 * args.dim * sp + weight_copies / max(len(layers), 1)
+    backward = saved + transient
+    if microbatches <= 1 and pp == 1 and len(layers) > 1:
+        # each block's backward frees what it saved and creates its gradients: when the gradients are the
+        # larger (checkpointing, small batches) the peak moves to the last block to run backward
+        per_block_grads = 4 * (dense + experts + small) / len(layers) / shards
+        backward += (len(layers) - 1) * max(0.0, per_block_grads - saved / len(layers))
+    loss = saved
+    if last:  # final norm, the loss's hidden rows and their gradient, one chunk of fp32 logits
+        vocab = args.vocab_size / tp
+        head_saved = (8 * args.dim + 4) * sp + 4 * args.dim * tokens + 4 * vocab * args.dim
+        c = min(chunk, tokens)
+        chunk_bytes = 8 * c * vocab + ((2 * c * args.dim + 2 * vocab * args.dim) if a == 2 else 0)
+        loss = saved + head_saved + 8 * args.dim * tokens + chunk_bytes + INDEX_BYTES_PER_TOKEN * tokens
+        backward += 4 * vocab * args.dim + INDEX_BYTES_PER_TOKEN * tokens  # the output weight's gradient
+    activations = max(loss, backward)
+    phase = "loss" if loss >= backward else "backward"
+    # FSDP gathers a block's parameters (this one and the next, prefetched) and, in backward, holds its
+    # unsharded gradients until they are reduce-scattered; DDP copies every gradient into its buckets.
+    buffers = 0.0
+    if shards > 1 and layers:
+        largest = max((counts.block_dense[i] + counts.block_experts[i] / ep) / tp + counts.block_small[i]
+                      for i in layers)
+        buffers = largest * (2 * a + 4)
+    elif layout.dp_replicate > 1:
+        buffers = grads
+    live_grads = grads if microbatches > 1 or pp > 1 else 0.0
+    step = params + opt + live_grads + activations + buffers
+    opt_step = params + opt + grads + opt_temp + (buffers if layout.dp_replicate > 1 and shards == 1 else 0)
+    if opt_step > step:
+        phase, step = "optimizer", opt_step
+    return MemoryEstimate(params, grads, opt, activations, buffers, step, phase)
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def layout_problem(args: ModelArgs, layout: Layout, seq_len: int) -> str | None:
+    """Why the model cannot take ``layout`` (None: it can)."""
+    if args.n_heads % layout.tp or args.kv_heads % layout.tp:
+        return f"tp={layout.tp} does not divide n_heads={args.n_heads} and n_kv_heads={args.kv_heads}"
+    hidden = args.expert_ffn_dim if args.n_experts else args.ffn_dim
+    if hidden % layout.tp:
+        return f"tp={layout.tp} does not divide the MLP's hidden size {hidden}"
+    if layout.pp > args.n_layers:
+        return f"pp={layout.pp} exceeds n_layers={args.n_layers}"
+    if seq_len % (2 * layout.cp):
+        return f"cp={layout.cp}: seq_len={seq_len} does not split into 2*cp equal chunks"
+    if layout.ep > 1 and (not args.n_experts or args.n_experts % layout.ep or layout.dp_shard % layout.ep):
+        return f"ep={layout.ep} must divide n_experts={args.n_experts} and dp_shard={layout.dp_shard}"
+    return None
+
+
+def candidate_layouts(args: ModelArgs, devices: int, seq_len: int) -> Iterator[Layout]:
+    """Every layout whose degrees multiply to ``devices`` and that the model can take (see
+    :func:`layout_problem`); ``ep`` > 1 only for a mixture of experts."""
+    divs = _divisors(devices)
+    for pp, tp, cp, rep in product(divs, repeat=4):
+        if devices % (pp * tp * cp * rep):
+            continue
+        shard = devices // (pp * tp * cp * rep)
+        for ep in (_divisors(shard) if args.n_experts else [1]):
+            layout = Layout(dp_replicate=rep, dp_shard=shard, tp=tp, cp=cp, pp=pp, ep=ep)
+            if layout_problem(args, layout, seq_len) is None:
+                yield layout
