@@ -54,3 +54,52 @@ def test_plan_meshes(world, section, fsdp, group):
     d = dims_for(world, **section)
     assert d.fsdp_mesh_names() == fsdp or (not d.shards and fsdp == ())
     assert d.gradient_group_name() == group
+
+
+# --- impossible layouts: one line naming the key, before anything is written -----------------------
+
+def _args(**kw):
+    from lmforge.models.args import ModelArgs
+
+    base = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, max_seq_len=64)
+    return ModelArgs(**(base | kw))
+
+
+@pytest.mark.parametrize("world, section, model, seq_len, message", [
+    (4, {"tp": 4}, {}, 32, r"parallel.tp=4"),                                   # 2 kv heads over 4 ranks
+    (4, {"cp": 2, "dp_shard": 2}, {}, 30, r"data.seq_len=30 must be divisible by 2 x parallel.cp = 4"),
+    (4, {"tp": 2, "dp_shard": 2}, {}, 33, r"data.seq_len=33 / parallel.cp=1 must be divisible by parallel.tp=2"),
+    (4, {"ep": 2, "mode": "fsdp"}, {}, 32, r"parallel.ep=2: the model has no mixture-of-experts layers"),
+    (2, {"pp": 2}, {"tie_embeddings": True}, 32, r"parallel.pp=2: tied input/output embeddings"),
+    (2, {"pp": 2}, {"n_layers": 1}, 32, r"parallel.pp=2"),
+])
+def test_layouts_the_model_cannot_take_are_one_line(world, section, model, seq_len, message):
+    from lmforge.config import Config
+    from lmforge.errors import UserError
+    from lmforge.parallel.layout_checks import check_layout
+
+    cfg = Config.model_validate({"parallel": section, "data": {"seq_len": seq_len},
+                                 "training": {"global_batch_size": 8, "micro_batch_size": 2}})
+    with pytest.raises(UserError, match=message) as e:
+        check_layout(dims_for(world, **section), _args(**model), cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_pipeline_needs_enough_microbatches():
+    from lmforge.config import Config
+    from lmforge.errors import UserError
+    from lmforge.parallel.layout_checks import check_layout
+
+    cfg = Config.model_validate({"parallel": {"pp": 2}, "data": {"seq_len": 32},
+                                 "training": {"global_batch_size": 2, "micro_batch_size": 2}})
+    with pytest.raises(UserError, match=r"parallel.pp=2 with pp_schedule=1f1b needs at least 2 microbatches"):
+        check_layout(dims_for(2, pp=2), _args(), cfg)
+
+
+def test_recipes_without_model_splitting_refuse_it_in_one_line(capsys):
+    from _helpers import lmforge_in_process, tiny_run_args
+
+    rc = lmforge_in_process("dpo", *tiny_run_args(), "--parallel.tp=2", "--run.dir=/nonexistent/never")
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1
+    assert "parallel.tp=2: `lmforge dpo` runs with data parallelism only" in err and "pretrain" in err

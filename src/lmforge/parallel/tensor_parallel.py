@@ -23,6 +23,8 @@ Mixture-of-experts layers stay whole on every rank: router and experts replicate
 
 from __future__ import annotations
 
+import logging
+
 from typing import Any
 
 from torch import Tensor, nn
@@ -158,6 +160,8 @@ def apply_tp(model: Transformer, tp_mesh: Any, *, sequence_parallel: bool = True
     before activation checkpointing, ``torch.compile`` and FSDP2 (which wraps the split blocks)."""
     tp = tp_mesh.size()
     check_tp(model.args, tp)
+    # Norms over the 2-D (dp_shard, tp) mesh reduce once per dimension; torch warns on every step.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     stream: Placement = Shard(1) if sequence_parallel else Replicate()
     parallelize_module(model, tp_mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
