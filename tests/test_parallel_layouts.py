@@ -71,7 +71,8 @@ def check_layout_then_resume(run: Path, corpus: Path, reference, first, then, *e
     ((4, {"cp": 2, "dp_shard": 2}), (1, {})),
     ((4, {"tp": 2, "dp_shard": 2}), (2, {"pp": 2})),
     ((4, {"pp": 2, "dp_shard": 2}), (2, {"tp": 2})),
-], ids=["cp2xdp_shard2-then-one-process", "tp2xdp_shard2-then-pp2", "pp2xdp_shard2-then-tp2"])
+    ((4, {"pp": 2, "tp": 2}), (2, {"cp": 2})),
+], ids=["cp2xdp_shard2-then-one-process", "tp2xdp_shard2-then-pp2", "pp2xdp_shard2-then-tp2", "pp2xtp2-then-cp2"])
 def test_layout_matches_one_process_and_continues_in_another(tmp_path, corpus, reference, first, then):
     check_layout_then_resume(tmp_path / "run", corpus, reference, first, then)
 
@@ -92,3 +93,18 @@ def test_expert_parallel_moe_matches_one_process_and_continues_on_one(tmp_path, 
     assert proc.returncode == 0, tail(proc)
     check_layout_then_resume(tmp_path / "run", corpus, curves(ref), (4, {"ep": 2, "mode": "fsdp"}), (1, {}), *extra,
                              rel=1e-4, **moe)
+
+
+def test_sft_with_tensor_and_context_parallel_together_matches_one_process(tmp_path):
+    """SFT on real multi-turn chats (prompt tokens masked) at tp=2 x cp=2: every rank holds a quarter of
+    each sequence's work, and the loss over the response tokens is the one process's."""
+    chats = Path(__file__).resolve().parent / "fixtures" / "data" / "fastchat_identity_multiturn.jsonl"
+    sft = dict(data_seq_len=64, data_prefetch=0)
+    ref, run = tmp_path / "reference", tmp_path / "run"
+    proc = run_lmforge("sft", *tiny_run_args(chats, training_micro_batch_size=8, **sft), f"--run.dir={ref}")
+    assert proc.returncode == 0, tail(proc)
+    proc = torchrun("sft", *tiny_run_args(chats, training_micro_batch_size=2, parallel_tp=2, parallel_cp=2, **sft),
+                    f"--run.dir={run}", nproc=4)
+    assert proc.returncode == 0, tail(proc)
+    assert read_records(run, "setup")[0]["mesh"] == "cp=2 x tp=2"
+    assert_curves_match(curves(run), curves(ref), range(1, STEPS + 1))

@@ -166,7 +166,8 @@ class Transformer(nn.Module):
 
         Exposed so callers can project only the positions they need (generation, chunked loss).
         """
-        T = tokens.shape[1]
+        # a later pipeline stage under sequence parallelism gets 1/tp of the sequence: its positions say how long it is
+        T = tokens.shape[1] if position_ids is None else position_ids.shape[-1]
         cp = self.context_parallel if kv_cache is None else None
         full_len = T if cp is None else T * cp.size  # under context parallelism, the whole rows' length
         if full_len > self.args.max_seq_len:

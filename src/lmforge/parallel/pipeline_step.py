@@ -52,6 +52,15 @@ def _meta(mb: Any, name: str) -> Tensor | None:
     return getattr(mb, name, None)
 
 
+def _positions(mb: Any) -> Tensor:
+    """The microbatch's positions, made explicit when it has none (0..T-1): a later stage's input may be
+    a slice of the sequence (sequence parallelism), which cannot tell it how long the sequence is."""
+    positions = _meta(mb, "position_ids")
+    if positions is None:
+        positions = torch.arange(mb.input_ids.shape[1], device=mb.input_ids.device).unsqueeze(0)
+    return positions
+
+
 class _ObjectiveHead:
     """The last stage's ``head`` for microbatch ``index``: runs the objective and keeps its statistics."""
 
@@ -69,7 +78,7 @@ class _ObjectiveHead:
 def _run(pipeline: Pipeline, train: bool, microbatches: list[Any], loss_fn: LossFn, scale: Tensor | None,
          autocast: Any) -> LossStats:
     sink: dict[int, LossStats] = {}
-    kwargs = [{"position_ids": _meta(mb, "position_ids"), "document_ids": _meta(mb, "document_ids"),
+    kwargs = [{"position_ids": _positions(mb), "document_ids": _meta(mb, "document_ids"),
                "head": _ObjectiveHead(loss_fn, mb, i, scale, sink)} for i, mb in enumerate(microbatches)]
     pipeline.run(train, microbatches, kwargs, autocast)
     totals = None
