@@ -31,7 +31,7 @@ train: $(VENV)/.core
 	$(VENV)/bin/lmforge pretrain --config configs/debug.toml
 
 test: $(VENV)/.dev
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 sft: $(VENV)/.core
 	$(VENV)/bin/lmforge sft --config configs/sft_debug.toml

@@ -100,16 +100,18 @@ def compare(name: str, pipeline: Pipeline, ref: dict[str, torch.Tensor]) -> None
     results[f"{name}/params"] = len(errs)
 
 
-def compare_stats(name: str, stats, ref_stats, group) -> None:
-    """The pipeline's statistics summed over the pipeline group (zeros off the last stage) vs the reference."""
-    keys = ("loss_sum", "target_tokens")
-    for key in keys:
-        t = getattr(stats, key).float().clone()
-        dist.all_reduce(t, group=group)
-        results[f"{name}/{key}"] = rel(t, getattr(ref_stats, key))
-    c = stats.sums["correct"].float().clone()
-    dist.all_reduce(c, group=group)
-    results[f"{name}/correct"] = rel(c, ref_stats.sums["correct"])
+def compare_stats(name: str, stats, ref_stats, data_group=None) -> None:
+    """The pipeline's statistics (sent from the last stage to every rank of the pipeline), summed over the
+    data ranks when there are several, vs the reference."""
+    def total(t):
+        t = t.float().clone()
+        if data_group is not None:
+            dist.all_reduce(t, group=data_group)
+        return t
+
+    for key in ("loss_sum", "target_tokens"):
+        results[f"{name}/{key}"] = rel(total(getattr(stats, key)), getattr(ref_stats, key))
+    results[f"{name}/correct"] = rel(total(stats.sums["correct"]), ref_stats.sums["correct"])
 
 
 def plain_pipelines() -> None:
@@ -126,7 +128,7 @@ def plain_pipelines() -> None:
             n = torch.tensor(float(sum(int(mb.num_targets) for mb in micro)))
             stats = pipeline_gradient_computation(pipe, micro, cross_entropy_loss, n, None, scale_world=1)
         compare(schedule, pipe, ref)
-        compare_stats(schedule, stats, ref_stats, group)
+        compare_stats(schedule, stats, ref_stats)
         results[f"{schedule}/stats_keys_match"] = float(sorted(stats.sums) == sorted(ref_stats.sums))
         if schedule == "1f1b":
             norm = pipeline_clip_grad_norm_(pipe, 0.0)
@@ -153,7 +155,7 @@ def plain_pipelines() -> None:
                 want = None
                 for b in evals:
                     want = accumulate(want, cross_entropy_loss(model, b)[1])
-            compare_stats("eval", got, want, group)
+            compare_stats("eval", got, want)
         if schedule == "interleaved_1f1b":
             # the stages' state dicts use the whole model's names and together cover it exactly once
             names = [k for part in pipe.parts for k in part.state_dict()]
@@ -173,7 +175,7 @@ def fsdp_stages() -> None:
     pipe = fresh_pipeline(pp_rank, 2, 1, pp_group, "1f1b", fsdp_mesh=mesh["dp_shard"])
     stats = pipeline_gradient_computation(pipe, mine, cross_entropy_loss, n, None, scale_world=2)
     compare("fsdp", pipe, ref)
-    compare_stats("fsdp", stats, ref_stats, dist.group.WORLD)
+    compare_stats("fsdp", stats, ref_stats, mesh.get_group("dp_shard"))
     norm = pipeline_clip_grad_norm_(pipe, 0.0)
     results["fsdp/grad_norm"] = rel(norm, torch.nn.utils.get_total_norm(list(ref.values())))
     clipped = pipeline_clip_grad_norm_(pipe, 0.5 * float(norm))  # clipping to half: every gradient halves

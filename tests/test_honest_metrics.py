@@ -62,7 +62,8 @@ def test_packed_sft_step_flops_match_flop_counter(tiny):
                           data=SimpleNamespace(shuffle=False, prefetch=0),
                           checkpoint=SimpleNamespace(on_data_change="error"))
     rt = SimpleNamespace(cfg=cfg, metrics=SimpleNamespace(console=print), model_args=args,
-                         dist=SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu")),
+                         dist=SimpleNamespace(rank=0, world_size=1, data_rank=0, data_world=1, device=torch.device("cpu")),
+                         dims=SimpleNamespace(cp=1), context_shard=lambda batch: batch,
                          training_flops=lambda lengths: training_flops(args, lengths))
     step = LoaderSource(rt, dataset).next_step(1)
     documents = []
