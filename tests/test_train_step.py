@@ -96,6 +96,25 @@ def test_should_continue_training_reasons():
     assert "SIGTERM" in should_continue_training(TrainState(step=1, stop_requested="SIGTERM"), b)[1]
 
 
+def test_a_stop_signal_waits_for_every_ranks_agreement():
+    """A signal only marks this rank's wish to stop; the loop stops once the ranks have agreed on it at the
+    same step (loop.end_of_step). Stopping on the local flag alone let one rank save while the other ran
+    its next step, and both waited in different collectives (a SIGTERMed 2-rank run that never exited)."""
+    import os
+    import signal
+
+    from lmforge.training.guard import StopSignals
+
+    state = TrainState(step=1)
+    with StopSignals(state):
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the handler runs between bytecodes of the main thread
+            if state.stop_signal:
+                break
+    assert state.stop_signal == "SIGTERM" and state.stop_requested is None
+    assert should_continue_training(state, B()) == (True, "")
+
+
 @pytest.mark.parametrize("kind", ["cosine", "linear", "constant", "wsd"])
 def test_schedule_warmup_and_end(kind):
     lr = lambda s: learning_rate(s, base_lr=1.0, total_steps=100, kind=kind, warmup_steps=10,  # noqa: E731

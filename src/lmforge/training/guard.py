@@ -98,9 +98,9 @@ class StopSignals:
         self.previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.state.stop_requested and signum == signal.SIGINT:
+        if (self.state.stop_signal or self.state.stop_requested) and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.state.stop_requested = signal.Signals(signum).name
+        self.state.stop_signal = signal.Signals(signum).name  # acted on once the ranks agree
 
     def __enter__(self) -> "StopSignals":
         for sig in (signal.SIGTERM, signal.SIGINT):

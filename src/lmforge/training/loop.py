@@ -123,10 +123,12 @@ def end_of_step(rt: Runtime, state: TrainState, source: StepSource, total_weight
             and step < cfg.training.steps:
         save(rt, state, source)
     if rt.dist.world_size == 1 or logged:  # collectives only where every rank takes part
+        # A stop signal counts once every rank has agreed on it, here at the same step everywhere; a rank
+        # acting on its own signal would save while the others train on, and both would wait forever.
         state.training_seconds = dist_utils.all_reduce_max(rt.metrics.training_seconds)
-        stop = dist_utils.all_reduce_max(1.0 if state.stop_requested else 0.0)
+        stop = dist_utils.all_reduce_max(1.0 if state.stop_signal else 0.0)
         if stop and not state.stop_requested:
-            state.stop_requested = "another rank received a stop signal"
+            state.stop_requested = state.stop_signal or "another rank received a stop signal"
     for hook in rt.step_hooks:  # given at construction, e.g. the elastic trainer's snapshots
         hook(rt, state, source)
 

@@ -25,7 +25,11 @@ class TrainState:
     training_seconds: float = 0.0
     """Seconds on the training clock, agreed across ranks (for the time budget)."""
     stop_requested: str | None = None
-    """Why a stop was asked for (a signal name), or None."""
+    """Why the run stops after this step (a signal name), agreed by every rank; None: it goes on."""
+    stop_signal: str | None = None
+    """A stop signal this rank received and the ranks have not agreed on yet (loop.end_of_step): acting
+    on it alone would leave this rank saving while the others run the next step, each waiting forever
+    in a different collective."""
     redo_until: int = 0
     """The newest step an earlier attempt logged: steps up to it are computed again (lost progress)."""
     resumed_from: Path | None = None
