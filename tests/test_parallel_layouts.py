@@ -130,3 +130,25 @@ def test_sft_with_tensor_and_context_parallel_together_matches_one_process(tmp_p
     assert proc.returncode == 0, tail(proc)
     assert read_records(run, "setup")[0]["mesh"] == "cp=2 x tp=2"
     assert_curves_match(curves(run), curves(ref), range(1, STEPS + 1))
+
+
+def test_ranks_started_with_different_layouts_stop_in_one_line(tmp_path, corpus):
+    """Rank 1 gets one more flag than rank 0: the ranks would build different meshes and wait in different
+    collectives; instead the ranks stop at start-up with one line, before the run directory exists."""
+    import subprocess
+    import sys
+
+    from _helpers import REPO, cli_env
+
+    runner = tmp_path / "runner.py"
+    runner.write_text("import os, sys\nfrom lmforge.cli import main\n"
+                      "extra = ['--parallel.mode=fsdp'] if os.environ['RANK'] == '1' else []\n"
+                      "sys.exit(main(sys.argv[1:] + extra))\n")
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(runner),
+           "pretrain", *tiny_run_args(corpus), f"--run.dir={run}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env=cli_env())
+    assert proc.returncode != 0
+    line = "error: the ranks were started with different layouts: parallel.mode=ddp on rank 0 but fsdp on rank 1"
+    assert line in proc.stderr, tail(proc)  # (torchrun stops the other rank once one exits; its summary follows)
+    assert "lmforge/" not in proc.stderr and not run.exists()  # no traceback of lmforge's; nothing written

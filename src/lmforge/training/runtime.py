@@ -39,7 +39,7 @@ from lmforge.models.spec import ModelSpec, spec_for_args
 from lmforge.models.tokenizer import Tokenizer
 from lmforge.parallel import ParallelDims, ParallelOptions, parallelize_decoder
 from lmforge.parallel.dims import sub_mesh
-from lmforge.parallel.layout_checks import check_layout
+from lmforge.parallel.layout_checks import check_layout, check_same_layout_on_every_rank
 from lmforge.training.precision import choose_dtype
 from lmforge.training.startup_checks import check_fresh_start, check_resume_compatible
 from lmforge.training.optimizers import check_optimizer, make_optimizer
@@ -241,6 +241,7 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
     if cfg.training.threads:
         torch.set_num_threads(cfg.training.threads)
     info = dist_utils.init_distributed(cfg.training.device)
+    check_same_layout_on_every_rank(cfg.parallel)
     dims = ParallelDims.from_config(cfg.parallel, info.world_size)
     info.data_rank, info.data_world = dims.data_rank(info.rank), dims.data_world
     check_optimizer(cfg, sharded=bool(dims.shards))
