@@ -59,8 +59,9 @@ class Layout:
     @property
     def fsdp_shards(self) -> int:
         """Ranks over which FSDP shards parameters, gradients and optimizer state: the data-shard ranks
-        and, as torchtitan does, the context-parallel ranks (which hold the same parameters)."""
-        return self.dp_shard * self.cp if self.dp_shard > 1 else 1
+        and, as torchtitan does, the context-parallel ranks (which hold the same parameters; cp alone
+        is FSDP over cp, see ParallelDims.fsdp_mesh_names)."""
+        return self.dp_shard * self.cp
 
     def describe(self) -> str:
         parts = [f"{n}={getattr(self, n)}" for n in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep")
