@@ -91,7 +91,7 @@ def driver(a: argparse.Namespace) -> None:
             r = json.loads(line[len("RESULT "):])
             args = model_args_for(r["size"], vocab, max_seq_len=max(a.seq_len, 8))
             est = estimate_memory(args, layout, a.seq_len, r["micro_batch"], r["dtype"],
-                                  microbatches=r["microbatches"])
+                                  microbatches=r["microbatches"], device="cpu")
             measured = max(r["peaks"])
             ratios.append(est.total / measured)
             print(f"{text:<16} {r['size']:<6} {r['dtype']:<9} {r['micro_batch']:>3} {r['microbatches']:>4} "
