@@ -6,8 +6,8 @@ tensor memory in a real train step laid out over a mesh (lmforge.parallel.layout
 
 The driver launches one ``torchrun --standalone`` (gloo) per layout; each runs every configuration and
 rank 0 prints one JSON line per configuration with every rank's peak. The table compares the planner's
-estimate (the worst device) with the largest rank's peak. Under pp, a step has at least pp microbatches
-(1F1B), so ``--microbatches`` n becomes max(n, pp).
+estimate (the worst device) with the largest rank's peak. Under pp a step needs at least pp
+microbatches (1F1B), so ``--microbatches`` n becomes n x pp there.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def parse_layout(text: str):  # type: ignore[no-untyped-def]
 
 
 def configs(a: argparse.Namespace, pp: int) -> list[dict]:
-    return [dict(size=s, dtype=d, micro_batch=b, microbatches=max(m, pp)) for s in a.sizes for d in a.dtypes
-            for b in a.micro_batches for m in sorted({max(m, pp) for m in a.microbatches})]
+    return [dict(size=s, dtype=d, micro_batch=b, microbatches=m * pp) for s in a.sizes for d in a.dtypes
+            for b in a.micro_batches for m in a.microbatches]
 
 
 def worker(a: argparse.Namespace) -> None:

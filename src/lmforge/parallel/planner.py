@@ -248,6 +248,7 @@ def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, m
         weight_copies = 2 * (dense + experts / ep)
         if not checkpointing:
             saved += weight_copies
+    saved_one = saved
     saved *= in_flight
     # the backward of one block: recomputed whole under checkpointing (its input is already counted)
     last_block = layers[-1] if layers else 0
@@ -255,11 +256,14 @@ def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, m
     if checkpointing and layers:
         transient += block - 4 * args.dim * sp + weight_copies / max(len(layers), 1)
     backward = saved + transient
-    if microbatches <= 1 and pp == 1 and len(layers) > 1:
+    # gradients of earlier microbatches are live at the peak when a forward or backward runs after the
+    # step's first backward with as many microbatches in flight (1F1B's steady state; accumulation)
+    accumulating = microbatches > in_flight
+    if not accumulating and len(layers) > 1:
         # each block's backward frees what it saved and creates its gradients: when the gradients are the
         # larger (checkpointing, small batches) the peak moves to the last block to run backward
         per_block_grads = 4 * (dense + experts + small) / len(layers) / shards
-        backward += (len(layers) - 1) * max(0.0, per_block_grads - saved / len(layers))
+        backward += (len(layers) - 1) * max(0.0, per_block_grads - saved_one / len(layers))
     loss = saved
     if last:  # final norm, the loss's hidden rows and their gradient, one chunk of fp32 logits
         vocab = args.vocab_size / tp
@@ -279,9 +283,15 @@ def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, m
         buffers = largest * (2 * gather + 4)
     elif layout.dp_replicate > 1:
         buffers = grads
-    live_grads = grads if microbatches > 1 or pp > 1 else 0.0
-    if live_grads and shards > 1:  # FSDP2 accumulates unsharded gradients until the step's last backward
-        live_grads = 4 * stage_params
+    # FSDP2 accumulates unsharded gradients until the step's last backward
+    accumulated = 4 * stage_params if shards > 1 else grads
+    live_grads = accumulated if accumulating else 0.0
+    if not accumulating and in_flight > 1:
+        # a first stage whose microbatches are all in flight at once (pp of them under 1F1B): after the
+        # first backward, one fewer in flight beside every gradient
+        later = saved_one * (in_flight - 1) + transient
+        if later + accumulated > activations:
+            activations, live_grads, phase = later, accumulated, "backward"
     step = params + opt + live_grads + activations + buffers
     opt_step = params + opt + grads + opt_temp + (buffers if layout.dp_replicate > 1 and shards == 1 else 0)
     if opt_step > step:
