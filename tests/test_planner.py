@@ -26,6 +26,27 @@ def test_live_tensor_memory_counts_storages_once_and_frees_them():
         assert mem.current == 0 and mem.peak == 8000
 
 
+def test_live_tensor_memory_sees_inside_subclasses_and_follows_resizes():
+    """A wrapper subclass (as DTensor is) counts by its inner tensors, created by its own dispatch below the
+    mode; a storage resized in place (as FSDP2 frees and regathers parameters) counts at its current size."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    with LiveTensorMemory(watch_resizes=True) as mem:
+        x = TwoTensor(torch.ones(100), torch.ones(100))  # 800 bytes in two inner tensors
+        y = x * 2  # the subclass multiplies each inner tensor: two new storages
+        assert mem.current == 1600 and isinstance(y, TwoTensor)
+        del x, y
+        a = torch.ones(1000)
+        a.untyped_storage().resize_(0)
+        z = torch.zeros(1)  # any op re-reads the sizes
+        assert mem.current == 4
+        del z
+        a.untyped_storage().resize_(4000)
+        z = torch.zeros(1)
+        assert mem.current == 4000 + 4 and mem.peak == 4000 + 4
+        del a, z
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_estimate_matches_the_measured_peak(dtype, checkpointing):

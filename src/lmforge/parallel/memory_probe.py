@@ -5,7 +5,10 @@ RSS is useless for small models (allocator caching, the interpreter, libraries) 
 allocator statistics, so :class:`LiveTensorMemory` counts storages instead: a dispatch mode sees
 every tensor an operator returns, counts each new storage's bytes once, and a weak reference to the
 storage takes them off again when it is freed (torch keeps a storage's Python object alive exactly as
-long as the storage). What it cannot see: workspace a kernel allocates and frees inside one operator.
+long as the storage). Tensor subclasses (DTensor) are counted by their local tensors, and storages
+resized in place (FSDP2's gathered parameters) by their current size where ``watch_resizes`` is on.
+What it cannot see: workspace a kernel (or a collective's backend) allocates and frees inside one
+operator.
 
 :func:`measure_train_step` runs the library's own train-step pieces (the model as the family builds
 it, activation checkpointing as the decoder plan applies it, the chunked cross-entropy, gradient
