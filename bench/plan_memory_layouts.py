@@ -3,6 +3,7 @@ tensor memory in a real train step laid out over a mesh (lmforge.parallel.layout
 
     PYTHONPATH=src python bench/plan_memory_layouts.py [--layouts dp_shard=2 tp=2 tp=2,dp_shard=2 ...]
         [--sizes debug small] [--dtypes float32 bfloat16] [--micro-batches 2 8] [--microbatches 1 2]
+        [--checkpointing off on]
 
 The driver launches one ``torchrun --standalone`` (gloo) per layout; each runs every configuration and
 rank 0 prints one JSON line per configuration with every rank's peak. The table compares the planner's
@@ -31,8 +32,8 @@ def parse_layout(text: str):  # type: ignore[no-untyped-def]
 
 
 def configs(a: argparse.Namespace, pp: int) -> list[dict]:
-    return [dict(size=s, dtype=d, micro_batch=b, microbatches=m * pp) for s in a.sizes for d in a.dtypes
-            for b in a.micro_batches for m in a.microbatches]
+    return [dict(size=s, dtype=d, micro_batch=b, microbatches=m * pp, ckpt=c) for s in a.sizes for d in a.dtypes
+            for b in a.micro_batches for m in a.microbatches for c in a.checkpointing]
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -52,7 +53,7 @@ def worker(a: argparse.Namespace) -> None:
     for c in configs(a, layout.pp):
         args = model_args_for(c["size"], vocab, max_seq_len=max(a.seq_len, 8))
         m = measure_layout_step(args, layout, seq_len=a.seq_len, micro_batch=c["micro_batch"],
-                                microbatches=c["microbatches"], dtype=c["dtype"])
+                                microbatches=c["microbatches"], dtype=c["dtype"], checkpointing=c["ckpt"] == "on")
         peaks: list = [None] * dist.get_world_size()
         dist.all_gather_object(peaks, (m.peak, m.params))
         if dist.get_rank() == 0:
@@ -72,14 +73,15 @@ def driver(a: argparse.Namespace) -> None:
                                           os.environ.get("PYTHONPATH", "")])}
     print(f"seq_len {a.seq_len}, AdamW, vocab {vocab}, gloo on the CPU; MB = 1e6 bytes; measured: the largest "
           f"rank's peak of live tensors in the second step; estimate: lmforge plan's worst device")
-    print(f"{'layout':<16} {'size':<6} {'dtype':<9} {'mb':>3} {'n_mb':>4} {'measured MB':>11} {'estimate MB':>11} "
+    print(f"{'layout':<16} {'size':<6} {'dtype':<9} {'ckpt':<4} {'mb':>3} {'n_mb':>4} {'measured MB':>11} {'estimate MB':>11} "
           f"{'ratio':>6}  {'phase':<9} per-rank MB")
     ratios = []
     for text in a.layouts:
         layout = parse_layout(text)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={layout.devices}",
                __file__, "--worker", text, "--seq-len", str(a.seq_len), "--sizes", *a.sizes, "--dtypes", *a.dtypes,
-               "--micro-batches", *map(str, a.micro_batches), "--microbatches", *map(str, a.microbatches)]
+               "--micro-batches", *map(str, a.micro_batches), "--microbatches", *map(str, a.microbatches),
+               "--checkpointing", *a.checkpointing]
         t0 = time.time()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode:
@@ -90,11 +92,11 @@ def driver(a: argparse.Namespace) -> None:
                 continue
             r = json.loads(line[len("RESULT "):])
             args = model_args_for(r["size"], vocab, max_seq_len=max(a.seq_len, 8))
-            est = estimate_memory(args, layout, a.seq_len, r["micro_batch"], r["dtype"],
+            est = estimate_memory(args, layout, a.seq_len, r["micro_batch"], r["dtype"], r["ckpt"] == "on",
                                   microbatches=r["microbatches"], device="cpu")
             measured = max(r["peaks"])
             ratios.append(est.total / measured)
-            print(f"{text:<16} {r['size']:<6} {r['dtype']:<9} {r['micro_batch']:>3} {r['microbatches']:>4} "
+            print(f"{text:<16} {r['size']:<6} {r['dtype']:<9} {r['ckpt']:<4} {r['micro_batch']:>3} {r['microbatches']:>4} "
                   f"{measured / 1e6:>11.2f} {est.total / 1e6:>11.2f} {est.total / measured:>6.3f}  {est.phase:<9} "
                   + " ".join(f"{p / 1e6:.1f}" for p in r["peaks"]), flush=True)
         print(f"# {text}: {time.time() - t0:.0f} s", file=sys.stderr)
@@ -109,6 +111,7 @@ def main() -> None:
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--micro-batches", nargs="+", type=int, default=[2, 8])
     p.add_argument("--microbatches", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--checkpointing", nargs="+", choices=["off", "on"], default=["off"])
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
