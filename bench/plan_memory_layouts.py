@@ -73,8 +73,8 @@ def driver(a: argparse.Namespace) -> None:
                                           os.environ.get("PYTHONPATH", "")])}
     print(f"seq_len {a.seq_len}, AdamW, vocab {vocab}, gloo on the CPU; MB = 1e6 bytes; measured: the largest "
           f"rank's peak of live tensors in the second step; estimate: lmforge plan's worst device")
-    print(f"{'layout':<16} {'size':<6} {'dtype':<9} {'ckpt':<4} {'mb':>3} {'n_mb':>4} {'measured MB':>11} {'estimate MB':>11} "
-          f"{'ratio':>6}  {'phase':<9} per-rank MB")
+    print(f"{'layout':<16} {'size':<6} {'dtype':<9} {'ckpt':<4} {'mb':>3} {'n_mb':>4} {'measured MB':>11} "
+          f"{'estimate MB':>11} {'ratio':>6}  {'phase':<9} per-rank MB")
     ratios = []
     for text in a.layouts:
         layout = parse_layout(text)
@@ -96,8 +96,9 @@ def driver(a: argparse.Namespace) -> None:
                                   microbatches=r["microbatches"], device="cpu")
             measured = max(r["peaks"])
             ratios.append(est.total / measured)
-            print(f"{text:<16} {r['size']:<6} {r['dtype']:<9} {r['ckpt']:<4} {r['micro_batch']:>3} {r['microbatches']:>4} "
-                  f"{measured / 1e6:>11.2f} {est.total / 1e6:>11.2f} {est.total / measured:>6.3f}  {est.phase:<9} "
+            print(f"{text:<16} {r['size']:<6} {r['dtype']:<9} {r['ckpt']:<4} {r['micro_batch']:>3} "
+                  f"{r['microbatches']:>4} {measured / 1e6:>11.2f} {est.total / 1e6:>11.2f} "
+                  f"{est.total / measured:>6.3f}  {est.phase:<9} "
                   + " ".join(f"{p / 1e6:.1f}" for p in r["peaks"]), flush=True)
         print(f"# {text}: {time.time() - t0:.0f} s", file=sys.stderr)
     if ratios:
