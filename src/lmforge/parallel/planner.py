@@ -183,7 +183,8 @@ class MemoryEstimate:
     activations: float
     """Saved activations at the peak, with the loss chunk or the backward's transient."""
     buffers: float
-    """FSDP's gathered parameters and unsharded gradients of one block, or DDP's gradient buckets."""
+    """FSDP's gathered parameters and unsharded gradients of one block, DDP's gradient buckets, and the
+    pipeline schedule's per-microbatch tensors."""
     total: float
     phase: str
     """Where the peak falls: ``loss`` (a chunk of logits), ``backward`` or ``optimizer``."""
@@ -298,6 +299,10 @@ def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, m
         later = saved_one * (in_flight - 1) + transient
         if later + accumulated > activations:
             activations, live_grads, phase = later, accumulated, "backward"
+    if pp > 1:  # measured under 1F1B: the first stage's peak grows by about one fp32 hidden-state tensor
+        # per microbatch of the step beyond what is in flight (per-microbatch state of the schedule and
+        # its sends; not traced to its owner), so one per microbatch is counted
+        buffers += microbatches * 4 * args.dim * sp
     step = params + opt + live_grads + activations + buffers
     opt_step = params + opt + grads + opt_temp + (buffers if layout.dp_replicate > 1 and shards == 1 else 0)
     if opt_step > step:
