@@ -26,6 +26,27 @@ def test_live_tensor_memory_counts_storages_once_and_frees_them():
         assert mem.current == 0 and mem.peak == 8000
 
 
+def test_live_tensor_memory_sees_inside_subclasses_and_follows_resizes():
+    """A wrapper subclass (as DTensor is) counts by its inner tensors, created by its own dispatch below the
+    mode; a storage resized in place (as FSDP2 frees and regathers parameters) counts at its current size."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    with LiveTensorMemory(watch_resizes=True) as mem:
+        x = TwoTensor(torch.ones(100), torch.ones(100))  # 800 bytes in two inner tensors
+        y = x * 2  # the subclass multiplies each inner tensor: two new storages
+        assert mem.current == 1600 and isinstance(y, TwoTensor)
+        del x, y
+        a = torch.ones(1000)
+        a.untyped_storage().resize_(0)
+        z = torch.zeros(1)  # any op re-reads the sizes
+        assert mem.current == 4
+        del z
+        a.untyped_storage().resize_(4000)
+        z = torch.zeros(1)
+        assert mem.current == 4000 + 4 and mem.peak == 4000 + 4
+        del a, z
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_estimate_matches_the_measured_peak(dtype, checkpointing):
@@ -74,7 +95,8 @@ def test_sharding_divides_what_it_divides():
     assert fsdp.params == pytest.approx((one.params - 4 * param_counts(args).buffers) / 8 + 4 * param_counts(args).buffers)
     assert fsdp.optimizer == pytest.approx(one.optimizer / 8)
     assert cp.params == pytest.approx(fsdp.params)  # FSDP shards over dp_shard x cp
-    assert cp.activations < 0.55 * fsdp.activations  # half the tokens per device
+    # half the tokens per device, but attention saves the whole row's keys and values and a T/cp x T mask
+    assert cp.activations < 0.6 * fsdp.activations
     assert tp.activations < 0.7 * fsdp.activations  # heads and hidden units split, linear inputs gathered
     ckpt = estimate_memory(args, Layout(dp_shard=8), 8192, 1, "bfloat16", True, microbatches=2)
     assert ckpt.activations < 0.25 * fsdp.activations

@@ -5,7 +5,10 @@ RSS is useless for small models (allocator caching, the interpreter, libraries) 
 allocator statistics, so :class:`LiveTensorMemory` counts storages instead: a dispatch mode sees
 every tensor an operator returns, counts each new storage's bytes once, and a weak reference to the
 storage takes them off again when it is freed (torch keeps a storage's Python object alive exactly as
-long as the storage). What it cannot see: workspace a kernel allocates and frees inside one operator.
+long as the storage). Tensor subclasses (DTensor) are counted by their local tensors, and storages
+resized in place (FSDP2's gathered parameters) by their current size where ``watch_resizes`` is on.
+What it cannot see: workspace a kernel (or a collective's backend) allocates and frees inside one
+operator.
 
 :func:`measure_train_step` runs the library's own train-step pieces (the model as the family builds
 it, activation checkpointing as the decoder plan applies it, the chunked cross-entropy, gradient
@@ -28,33 +31,60 @@ from lmforge.models.args import ModelArgs
 __all__ = ["LiveTensorMemory", "MeasuredPeak", "measure_train_step"]
 
 
-class LiveTensorMemory(TorchDispatchMode):
-    """Bytes of live tensor storage: those of ``track``-ed tensors plus every storage an op creates."""
+def _plain_tensors(t: Any) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s data: itself, or the inner tensors of a wrapper subclass (a
+    DTensor's local shard, FSDP2's parameters) found through ``__tensor_flatten__``."""
+    if not isinstance(t, torch.Tensor):
+        return []
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [x for n in names for x in _plain_tensors(getattr(t, n))]
+    return [t]
 
-    def __init__(self) -> None:
+
+class LiveTensorMemory(TorchDispatchMode):
+    """Bytes of live tensor storage: those of ``track``-ed tensors plus every storage an op creates.
+
+    Tensor subclasses (DTensor) are seen below their own dispatch: an op on a subclass is handed back
+    to the subclass (``NotImplemented``), which runs it on its plain local tensors with this mode still
+    active, so the local shards, the collectives' buffers and whatever the subclass allocates are
+    counted. ``watch_resizes``: storages can also grow and shrink in place (FSDP2 frees a block's
+    gathered parameters with ``resize_(0)`` and gathers into the same storage again), outside any op;
+    each op then re-reads every live storage's size before and after it runs (slower, exact)."""
+
+    def __init__(self, watch_resizes: bool = False) -> None:
         super().__init__()
-        self.live: dict[int, int] = {}  # id(weakref) -> bytes
-        self._refs: dict[int, weakref.ref] = {}
+        self._entries: dict[int, list] = {}  # id(weakref) -> [weakref, bytes counted]
         self._seen: weakref.WeakSet = weakref.WeakSet()
+        self.watch_resizes = watch_resizes
         self.current = 0
         self.peak = 0
 
     def _add(self, t: Any) -> None:
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            return
-        st = t.untyped_storage()
-        if st in self._seen:
-            return
-        self._seen.add(st)
-        size = st.nbytes()
+        for p in _plain_tensors(t):
+            if p.device.type == "meta" or _is_fake(p):
+                continue
+            st = p.untyped_storage()
+            if st in self._seen:
+                continue
+            self._seen.add(st)
+            entry = [None, st.nbytes()]
 
-        def freed(ref: weakref.ref, size: int = size) -> None:
-            self.current -= size
-            self._refs.pop(id(ref), None)
+            def freed(ref: weakref.ref, entry: list = entry) -> None:
+                self.current -= entry[1]
+                self._entries.pop(id(ref), None)
 
-        ref = weakref.ref(st, freed)
-        self._refs[id(ref)] = ref
-        self.current += size
+            entry[0] = weakref.ref(st, freed)
+            self._entries[id(entry[0])] = entry
+            self.current += entry[1]
+        self.peak = max(self.peak, self.current)
+
+    def _resync(self) -> None:
+        for ref, counted in list(self._entries.values()):
+            st = ref()
+            if st is not None and (n := st.nbytes()) != counted:
+                self._entries[id(ref)][1] = n
+                self.current += n - counted
         self.peak = max(self.peak, self.current)
 
     def track(self, tensors: Any) -> None:
@@ -63,13 +93,33 @@ class LiveTensorMemory(TorchDispatchMode):
             self._add(t)
 
     def reset_peak(self) -> None:
+        if self.watch_resizes:
+            self._resync()
         self.peak = self.current
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if any(t is not torch.Tensor and t is not torch.nn.Parameter for t in types):
+            if not any(_is_fake_type(t) for t in types):
+                return NotImplemented  # the subclass runs the op on its inner tensors, seen here
+            return func(*args, **(kwargs or {}))  # fake tensors (DTensor's shape propagation): no memory
+        if self.watch_resizes:
+            self._resync()
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             self._add(t)
+        if self.watch_resizes:
+            self._resync()
         return out
+
+
+def _is_fake_type(t: type) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return issubclass(t, FakeTensor)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    return _is_fake_type(type(t))
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,12 @@ paper's formula:
 
 Under bf16 autocast the parameters and the residual stream stay fp32: what the norms save is fp32,
 while each linear saves its own bf16 copy of its input (autocast casts per call) and of its weight.
+
+On a mesh (measured per rank, ``bench/plan_memory_layouts.py``, ``tests/test_planner_layouts.py``):
+FSDP2 shards over ``dp_shard x cp`` and, while gradients accumulate over microbatches, keeps them
+unsharded until the last backward; context parallelism saves each layer's gathered keys and values
+and an additive ``T/cp x T`` mask; the first pipeline stage holds up to ``pp`` microbatches in flight,
+and when every microbatch is in flight at once its peak comes before any gradient exists.
 """
 
 from __future__ import annotations
@@ -59,8 +65,9 @@ class Layout:
     @property
     def fsdp_shards(self) -> int:
         """Ranks over which FSDP shards parameters, gradients and optimizer state: the data-shard ranks
-        and, as torchtitan does, the context-parallel ranks (which hold the same parameters)."""
-        return self.dp_shard * self.cp if self.dp_shard > 1 else 1
+        and, as torchtitan does, the context-parallel ranks (which hold the same parameters; cp alone
+        is FSDP over cp, see ParallelDims.fsdp_mesh_names)."""
+        return self.dp_shard * self.cp
 
     def describe(self) -> str:
         parts = [f"{n}={getattr(self, n)}" for n in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep")
@@ -123,14 +130,18 @@ def _norm_bytes(d: int, tokens_sp: float, tokens: float, consumers: int, a: int)
     return own + (4 * d if a == 4 else consumers * a * d) * tokens
 
 
-def block_activation_bytes(args: ModelArgs, layer: int, tokens: float, a: int, tp: int = 1) -> float:
+def block_activation_bytes(args: ModelArgs, layer: int, tokens: float, a: int, tp: int = 1, cp: int = 1,
+                           row: int = 0) -> float:
     """Bytes autograd saves for one decoder block over ``tokens`` local tokens, compute dtype of ``a``
     bytes (4 fp32, 2 bf16 autocast), heads and hidden units split over ``tp`` (sequence parallel norms).
 
     Counted from lmforge's block (models/model.py, layers/*.py): per norm see :func:`_norm_bytes`; SDPA
     (the flash kernel on CPU and GPU) saves q, k, v, its output (which ``wo`` reads as it is) and a
     fp32 log-sum-exp per head; RoPE saves only the shared cos/sin tables (they need no gradient); the
-    gated MLP saves both projections, the activation's output and their product. Qwen3's q/k norms,
+    gated MLP saves both projections, the activation's output and their product. Under context
+    parallelism (``cp`` ranks, rows of ``row`` tokens) attention saves the keys and values
+    gathered from every cp rank (the whole row's) and the mask in the compute dtype: SDPA turns the
+    boolean ``[B, 1, T/cp, T]`` mask into an additive one per call (measured). Qwen3's q/k norms,
     Gemma's sandwich norms and the MoE routing are counted the same way but were not measured.
     """
     d, h, kv, hd = args.dim, args.n_heads, args.kv_heads, args.head_dim
@@ -138,6 +149,8 @@ def block_activation_bytes(args: ModelArgs, layer: int, tokens: float, a: int, t
     moe = args.is_moe_layer(layer)
     total = _norm_bytes(d, sp, tokens, 3, a)  # attention_norm -> wq, wk, wv
     total += (a * 2 * (h + kv) * hd + 4 * h) * tokens / tp
+    if cp > 1:  # the other ranks' keys and values, and the additive mask [B, 1, T / cp, T]
+        total += a * 2 * kv * hd * tokens * (cp - 1) / tp + a * tokens * row
     if args.qk_norm:  # the norm's input, its fp32 normalised values and output per q/k value
         total += (a + 8) * (h + kv) * hd * tokens / tp
     if args.sandwich_norm:  # post-attention and post-MLP norms of the sublayer outputs
@@ -170,7 +183,8 @@ class MemoryEstimate:
     activations: float
     """Saved activations at the peak, with the loss chunk or the backward's transient."""
     buffers: float
-    """FSDP's gathered parameters and unsharded gradients of one block, or DDP's gradient buckets."""
+    """FSDP's gathered parameters and unsharded gradients of one block, DDP's gradient buckets, and the
+    pipeline schedule's per-microbatch tensors."""
     total: float
     phase: str
     """Where the peak falls: ``loss`` (a chunk of logits), ``backward`` or ``optimizer``."""
@@ -193,18 +207,22 @@ def _optimizer_bytes(args: ModelArgs, counts: ParamCounts, name: str) -> float:
 
 def estimate_memory(args: ModelArgs, layout: Layout, seq_len: int, micro_batch: int, dtype: str = "float32",
                     checkpointing: bool = False, *, microbatches: int = 1, optimizer: str = "adamw",
-                    loss_chunk_tokens: int = 1024) -> MemoryEstimate:
+                    loss_chunk_tokens: int = 1024, device: str = "cuda") -> MemoryEstimate:
     """Peak bytes per device of one train step of ``args`` laid out as ``layout``: the larger of the
     first pipeline stage (embedding, ``pp`` microbatches in flight under 1F1B) and the last (output
     projection and loss, one in flight). ``microbatches`` per step and rank (gradient accumulation):
-    above one, the gradients of the earlier microbatches are live during each backward."""
+    above one, the gradients of the earlier microbatches are live during each backward. ``device``
+    matters under FSDP with bf16: on ``cuda`` FSDP2 gathers bf16 parameters (its mixed-precision policy,
+    see parallel.plans.apply_fsdp), elsewhere it gathers fp32 ones and autocast saves a bf16 copy of
+    each weight, as in one process."""
     stages = [0, layout.pp - 1] if layout.pp > 1 else [0]
     return max((_stage_estimate(args, layout, s, seq_len, micro_batch, dtype, checkpointing, microbatches,
-                                optimizer, loss_chunk_tokens) for s in stages), key=lambda e: e.total)
+                                optimizer, loss_chunk_tokens, device) for s in stages), key=lambda e: e.total)
 
 
 def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, micro_batch: int, dtype: str,
-                    checkpointing: bool, microbatches: int, optimizer: str, chunk: int) -> MemoryEstimate:
+                    checkpointing: bool, microbatches: int, optimizer: str, chunk: int,
+                    device: str = "cuda") -> MemoryEstimate:
     counts = param_counts(args)
     tp, pp, ep, shards = layout.tp, layout.pp, layout.ep, layout.fsdp_shards
     a = 2 if dtype == "bfloat16" else 4
@@ -227,15 +245,17 @@ def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, m
     sp = tokens / tp
     in_flight = min(pp - stage, max(microbatches, 1)) if pp > 1 else 1
     # one block's saved activations; checkpointing keeps each block's input (fp32 residual) instead
-    block = max((block_activation_bytes(args, i, tokens, a, tp) for i in layers), default=0.0)
-    saved = sum(block_activation_bytes(args, i, tokens, a, tp) for i in layers)
+    block = max((block_activation_bytes(args, i, tokens, a, tp, layout.cp, seq_len) for i in layers), default=0.0)
+    saved = sum(block_activation_bytes(args, i, tokens, a, tp, layout.cp, seq_len) for i in layers)
     if checkpointing:
         saved = 4 * args.dim * sp * len(layers)
     weight_copies = 0.0
-    if a == 2 and shards == 1:  # autocast's bf16 weight copies, saved by each linear until its backward
+    gather = a if device == "cuda" else 4  # bytes per value of FSDP2's gathered parameters
+    if a == 2 and (shards == 1 or gather == 4):  # autocast's bf16 weight copies, saved by each linear
         weight_copies = 2 * (dense + experts / ep)
         if not checkpointing:
             saved += weight_copies
+    saved_one = saved
     saved *= in_flight
     # the backward of one block: recomputed whole under checkpointing (its input is already counted)
     last_block = layers[-1] if layers else 0
@@ -243,11 +263,14 @@ def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, m
     if checkpointing and layers:
         transient += block - 4 * args.dim * sp + weight_copies / max(len(layers), 1)
     backward = saved + transient
-    if microbatches <= 1 and pp == 1 and len(layers) > 1:
+    # gradients of earlier microbatches are live at the peak when a forward or backward runs after the
+    # step's first backward with as many microbatches in flight (1F1B's steady state; accumulation)
+    accumulating = microbatches > in_flight
+    if not accumulating and len(layers) > 1:
         # each block's backward frees what it saved and creates its gradients: when the gradients are the
         # larger (checkpointing, small batches) the peak moves to the last block to run backward
         per_block_grads = 4 * (dense + experts + small) / len(layers) / shards
-        backward += (len(layers) - 1) * max(0.0, per_block_grads - saved / len(layers))
+        backward += (len(layers) - 1) * max(0.0, per_block_grads - saved_one / len(layers))
     loss = saved
     if last:  # final norm, the loss's hidden rows and their gradient, one chunk of fp32 logits
         vocab = args.vocab_size / tp
@@ -264,10 +287,22 @@ def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, m
     if shards > 1 and layers:
         largest = max((counts.block_dense[i] + counts.block_experts[i] / ep) / tp + counts.block_small[i]
                       for i in layers)
-        buffers = largest * (2 * a + 4)
+        buffers = largest * (2 * gather + 4)
     elif layout.dp_replicate > 1:
         buffers = grads
-    live_grads = grads if microbatches > 1 or pp > 1 else 0.0
+    # FSDP2 accumulates unsharded gradients until the step's last backward
+    accumulated = 4 * stage_params if shards > 1 else grads
+    live_grads = accumulated if accumulating else 0.0
+    if not accumulating and in_flight > 1:
+        # a first stage whose microbatches are all in flight at once (pp of them under 1F1B): after the
+        # first backward, one fewer in flight beside every gradient
+        later = saved_one * (in_flight - 1) + transient
+        if later + accumulated > activations:
+            activations, live_grads, phase = later, accumulated, "backward"
+    if pp > 1:  # measured under 1F1B: the first stage's peak grows by about one fp32 hidden-state tensor
+        # per microbatch of the step beyond what is in flight (per-microbatch state of the schedule and
+        # its sends; not traced to its owner), so one per microbatch is counted
+        buffers += microbatches * 4 * args.dim * sp
     step = params + opt + live_grads + activations + buffers
     opt_step = params + opt + grads + opt_temp + (buffers if layout.dp_replicate > 1 and shards == 1 else 0)
     if opt_step > step:
