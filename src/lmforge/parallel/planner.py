@@ -315,7 +315,21 @@ def _divisors(n: int) -> list[int]:
 
 
 def layout_problem(args: ModelArgs, layout: Layout, seq_len: int) -> str | None:
-    """Why the model cannot take ``layout`` (None: it can)."""
+    """Why the model cannot take ``layout`` (None: it can): the runtime's own checks (mesh rules such as
+    no tp beside DDP, tp dividing the heads and vocabulary, what pp and ep refuse), then the shape rules
+    below."""
+    from lmforge.config import ParallelSection
+    from lmforge.errors import UserError
+    from lmforge.parallel.dims import ParallelDims
+    from lmforge.parallel.layout_checks import check_layout_of_model
+
+    world = layout.dp_replicate * layout.dp_shard * layout.tp * layout.cp * layout.pp
+    try:
+        section = ParallelSection(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp,
+                                  cp=layout.cp, ep=layout.ep, pp=layout.pp)
+        check_layout_of_model(ParallelDims.from_config(section, world), args, seq_len)
+    except UserError as e:
+        return str(e)
     if args.n_heads % layout.tp or args.kv_heads % layout.tp:
         return f"tp={layout.tp} does not divide n_heads={args.n_heads} and n_kv_heads={args.kv_heads}"
     hidden = args.expert_ffn_dim if args.n_experts else args.ffn_dim
