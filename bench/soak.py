@@ -84,7 +84,8 @@ class Disk:
         self.mounted = ok
         if not ok:
             self.runner = write_fault_runner(base)
-        self.how = f"tmpfs {TMPFS_MB} MiB filled by a ballast file" if ok else "fault runner: ENOSPC in a checkpoint write"
+        self.how = f"tmpfs {TMPFS_MB} MiB filled by a ballast file" if ok else \
+            "fault runner: ENOSPC in a checkpoint write"
 
     def fill(self) -> None:
         chunk = b"\0" * (1 << 20)
@@ -331,7 +332,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--nproc", default="1,2", help="world sizes the rounds cycle through (2: torchrun)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-delay", type=float, default=20.0, help="a fault lands 0.5..this many s after an attempt's first step")
+    p.add_argument("--max-delay", type=float, default=20.0,
+                   help="a fault lands 0.5..this many s after an attempt's first step")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "soak")
     args = p.parse_args()
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S')}  {cpu_name()} ({os.cpu_count()} CPUs)  load {loadavg()}", flush=True)

@@ -63,7 +63,8 @@ def parse_fault(spec: str) -> FaultPlan:
     for part in filter(None, (p.strip() for p in spec.split(","))):
         key, sep, value = part.partition("=")
         if not sep or key not in ("rank", "step", "mode", "attempt", "when"):
-            raise UserError(f"{FAULT_ENV}={spec!r}: expected rank=R,step=S[,mode=kill|raise][,attempt=A][,when=end|mid]")
+            raise UserError(f"{FAULT_ENV}={spec!r}: expected "
+                            f"rank=R,step=S[,mode=kill|raise][,attempt=A][,when=end|mid]")
         fields[key] = value
     if "rank" not in fields or "step" not in fields:
         raise UserError(f"{FAULT_ENV}={spec!r}: rank= and step= are required")
