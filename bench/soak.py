@@ -192,7 +192,8 @@ def run_attempt(cmd: list[str], run: Path, log: Path, a: Attempt, disk: Disk, np
             (run / "checkpoints" / f"step_{saved:08d}").is_dir()
         a.outcome = f"preempted, saved step {saved}, exit 0" if ok else f"UNEXPECTED preemption outcome (rc {a.rc})"
     else:
-        a.outcome = "disk full: exited on ENOSPC" if a.rc != 0 and "No space left on device" in text \
+        named = "No space left on device" in text or "file system is full" in text
+        a.outcome = "disk full: exited on ENOSPC" if a.rc != 0 and named \
             else f"UNEXPECTED disk-full outcome (rc {a.rc})"
     if a.kind == "disk":
         disk.free()
