@@ -32,7 +32,8 @@ def test_fault_specs_parse_and_fire_only_where_due():
     assert plan == FaultPlan(rank=1, step=5, mode="raise", attempt=1)
     assert plan.due(1, 5, 1) and not plan.due(0, 5, 1) and not plan.due(1, 5, 0) and not plan.due(1, 4, 1)
     assert parse_fault("rank=0,step=2") == FaultPlan(0, 2, "kill", 0)
-    for bad in ("rank=1", "rank=1,step=x", "rank=1,step=2,mode=boom", "step=2,when=3"):
+    assert parse_fault("rank=1,step=4,when=mid") == FaultPlan(1, 4, "kill", 0, "mid")
+    for bad in ("rank=1", "rank=1,step=x", "rank=1,step=2,mode=boom", "step=2,when=3", "rank=1,step=2,when=soon"):
         with pytest.raises(UserError):
             parse_fault(bad)
     with pytest.raises(InjectedFault):
@@ -67,6 +68,15 @@ def test_global_batch_survives_another_world_size():
     assert adapt_micro_batch(cfg(), 1) == {"micro_batch_size": 4, "grad_accum_steps": 3}
     with pytest.raises(UserError, match="cannot be split over 5 workers"):
         adapt_micro_batch(cfg(), 5)
+
+    def split(tp: int):  # tensor-parallel neighbours read the same share: the batch splits over data ranks
+        return validate_config(ElasticConfig, {"training": {"global_batch_size": 6, "micro_batch_size": 6},
+                                               "parallel": {"tp": tp}})
+
+    assert adapt_micro_batch(split(2), 2) == {"micro_batch_size": 6, "grad_accum_steps": 1}
+    assert adapt_micro_batch(split(2), 4) == {"micro_batch_size": 3, "grad_accum_steps": 1}
+    with pytest.raises(UserError, match=r"over 8 workers \(4 data ranks\)"):
+        adapt_micro_batch(split(2), 8)
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +166,26 @@ def test_sigterm_makes_every_rank_save_and_exit_cleanly_then_resume(tmp_path, co
 
 def _train_steps(run: Path) -> list[int]:
     return [r["step"] for r in iter_records(run, "train")]
+
+
+def test_rank_killed_mid_step_under_tensor_parallel_resumes_with_the_same_losses(tmp_path, corpus, reference_losses):
+    """tp=2 on 2 workers (one data rank: each reads the whole batch): rank 1 dies inside step 6's
+    forward pass, with rank 0 inside the same step waiting on its half of every matrix product.
+    torchrun restarts the group, which resumes from the newest state of either tier (the durable
+    checkpoint of step 4, newer than the snapshot of step 3) and ends with one process's losses."""
+    run = tmp_path / "tp"
+    proc = torchrun("elastic", *tiny_run_args(corpus, training_micro_batch_size=8, parallel_tp=2, checkpoint_interval=4,
+                                              elastic_snapshot_interval=3), f"--run.dir={run}", max_restarts=1,
+                    extra_env={"LMFORGE_FAULT": "rank=1,step=6,mode=kill,when=mid"})
+    assert proc.returncode == 0, tail(proc)
+    assert "fault injection on rank 1: rank=1,step=6,mode=kill,attempt=0,when=mid" in proc.stdout
+    assert [r["parallel"] for r in read_records(run, "setup")] == ["tp", "tp"]
+    events = read_records(run, "elastic")
+    assert [e["restart_count"] for e in events] == [0, 1]
+    for e in events:  # the batch splits over the data ranks, not over the tensor-parallel pair
+        assert (e["world_size"], e["micro_batch_size"], e["grad_accum_steps"]) == (2, 8, 1)
+    restart = events[1]
+    assert (restart["resumed_from"], restart["resumed_step"], restart["lost_steps"]) == ("checkpoint", 4, 1)
+    assert max(r["step"] for r in read_records(run, "train") if r["time"] < restart["time"]) == 5  # died in 6
+    assert_losses_match(losses(run), reference_losses, range(1, STEPS + 1))
+    assert (run / "checkpoints" / f"step_{STEPS:08d}").is_dir()

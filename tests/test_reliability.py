@@ -307,6 +307,25 @@ def test_disk_full_during_save_keeps_previous_and_cleans_partial(tmp_path, monke
     assert snapshot(tmp_path / "checkpoints") == before  # no .partial left, nothing else touched
 
 
+def test_full_disk_reported_without_errno_is_named(tmp_path, monkeypatch):
+    """torch's zip writer reports a short write on a full disk as "unexpected pos N vs M", no errno
+    (seen in bench/soak.py on a full tmpfs): the message says the file system is full."""
+    c, model, opt = two_checkpoints(tmp_path)
+    import torch.distributed.checkpoint as dcp
+
+    def short_write(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(dcp, "save", short_write)
+    monkeypatch.setattr(ckpt_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 << 20, 10 << 20, 512))
+    with pytest.raises(UserError, match=r"unexpected pos 704 vs 598 \(its file system is full: 512 bytes free\)"):
+        c.save(3, model, opt, {})
+    monkeypatch.setattr(ckpt_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 << 20, 0, 10 << 20))
+    with pytest.raises(UserError) as e:  # room enough: some other failure, said as it is
+        c.save(3, model, opt, {})
+    assert "full" not in str(e.value)
+
+
 def test_interrupted_replace_of_a_step_is_recovered(tmp_path):
     c, *_ = two_checkpoints(tmp_path)
     newest = c.latest()

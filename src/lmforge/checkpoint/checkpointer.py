@@ -165,6 +165,7 @@ class Checkpointer:
             if problem is not None:
                 break
         if problem is not None:
+            problem += _full_disk_note(self.root, problem)  # measured before the .partial frees its space
             if rank == 0:
                 shutil.rmtree(partial, ignore_errors=True)
             dist_utils.barrier()
@@ -243,6 +244,16 @@ class Checkpointer:
             restore_rng(json.loads(rng_file.read_text()))
         trainer_state["rank_state"] = _read_rank_state(path)
         return trainer_state
+
+
+def _full_disk_note(root: Path, problem: str) -> str:
+    """Name a full disk that the error does not: torch's zip writer (``torch.save``) reports a short
+    write as ``unexpected pos N vs M`` with no errno."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return ""
+    return f" (its file system is full: {free:,} bytes free)" if free < (1 << 20) and "No space" not in problem else ""
 
 
 def _remove(path: Path) -> None:

@@ -36,6 +36,7 @@ from lmforge.distributed import DistInfo
 from lmforge.errors import UserError
 from lmforge.metrics import PROCESS_START
 from lmforge.metrics.records import last_record_time
+from lmforge.parallel.dims import ParallelDims
 from lmforge.recipes.base import Recipe, register
 from lmforge.training import faults
 from lmforge.training.checkpointing import save
@@ -43,6 +44,7 @@ from lmforge.training.loop import Job, StepSource
 from lmforge.training.next_token import next_token_job
 from lmforge.training.runtime import RecipeServices, Runtime
 from lmforge.training.state import TrainState
+from lmforge.training.train_step import is_pipeline
 
 RUN_ID_FILE = "elastic_run_id"
 SHM_ROOT = Path("/dev/shm")
@@ -62,6 +64,8 @@ class ElasticSection(Section):
     fault_mode: Literal["kill", "raise"] = "kill"
     fault_attempt: int = Field(0, ge=0)
     """Fire only on this attempt (torchrun restart count), so the restarted group survives."""
+    fault_when: Literal["end", "mid"] = "end"
+    """At the end of the step, or in its middle (its first forward pass; see lmforge.training.faults)."""
 
 
 class ElasticConfig(Config):
@@ -96,10 +100,22 @@ class ElasticHooks:
             self.report(rt, state)
             self.reported = True
         for plan in self.plans:
-            if plan.due(rt.dist.rank, state.step, self.attempt):
-                print(f"fault injection on rank {rt.dist.rank}: {plan.describe()}", flush=True)
-                faults.inject(plan)
+            if plan.when == "end" and plan.due(rt.dist.rank, state.step, self.attempt):
+                self.fire(rt, plan)
         self.snapshot(rt, state, source)
+
+    def fire(self, rt: Runtime, plan: faults.FaultPlan) -> None:
+        print(f"fault injection on rank {rt.dist.rank}: {plan.describe()}", flush=True)
+        faults.inject(plan)
+
+    def arm_mid_step(self, rt: Runtime, step: int) -> None:
+        """A ``when=mid`` fault due at ``step`` fires as the model's next forward pass starts (under
+        ``parallel.pp``, the first of this rank's stages to run: the schedule calls them, not the model)."""
+        modules = rt.model.parts if is_pipeline(rt.model) else [rt.model]
+        for plan in self.plans:
+            if plan.when == "mid" and plan.due(rt.dist.rank, step, self.attempt):
+                for module in modules:
+                    module.register_forward_pre_hook(lambda *_, plan=plan: self.fire(rt, plan))
 
     def snapshot(self, rt: Runtime, state: TrainState, source: StepSource) -> None:
         """Save to the fast tier on schedule (collective: the decision uses only values every rank shares).
@@ -140,17 +156,21 @@ class ElasticHooks:
 
 
 def adapt_micro_batch(cfg: ElasticConfig, world: int) -> dict[str, Any]:
-    """Keep the global batch when the world size changed: lower micro_batch_size if it must."""
+    """Keep the global batch when the world size changed: lower micro_batch_size if it must.
+
+    The batch is split over the data ranks only: tensor, context and pipeline neighbours read the
+    same share, so under ``tp=2`` on 2 workers each reads the whole global batch."""
     t = cfg.training
     G, m = t.global_batch_size, t.micro_batch_size
-    if G % world:
-        raise UserError(f"training.global_batch_size ({G}) cannot be split over {world} workers; "
-                        f"choose a global batch divisible by every world size the job may run at")
-    if cfg.elastic.adapt_micro_batch and G % (world * m):
-        per_rank = G // world
+    data = ParallelDims.from_config(cfg.parallel, world).data_world
+    if G % data:
+        ranks = f"{world} workers" + ("" if data == world else f" ({data} data ranks)")
+        raise UserError(f"training.global_batch_size ({G}) cannot be split over {ranks}; "
+                        f"choose a global batch divisible by every number of data ranks the job may run at")
+    if cfg.elastic.adapt_micro_batch and G % (data * m):
+        per_rank = G // data
         t.micro_batch_size = max(d for d in range(1, min(m, per_rank) + 1) if per_rank % d == 0)
-    return {"micro_batch_size": t.micro_batch_size,
-            "grad_accum_steps": G // (world * t.micro_batch_size)}
+    return {"micro_batch_size": t.micro_batch_size, "grad_accum_steps": G // (data * t.micro_batch_size)}
 
 
 def _run_token(run: RunDir, info: DistInfo) -> str:
@@ -182,6 +202,21 @@ def snapshot_root(cfg: ElasticConfig, run: RunDir, info: DistInfo) -> tuple[Path
     return RunDir(SHM_ROOT / f"lmforge-{token}").checkpoints, ""
 
 
+class MidStepFaults:
+    """The job's step source, arming the ``when=mid`` faults of each step as its batch is read."""
+
+    def __init__(self, source: StepSource, rt: Runtime, hooks: ElasticHooks) -> None:
+        self.source, self.rt, self.hooks = source, rt, hooks
+
+    def next_step(self, step: int) -> Any:
+        batch = self.source.next_step(step)
+        self.hooks.arm_mid_step(self.rt, step)
+        return batch
+
+    def __getattr__(self, name: str) -> Any:  # state_dict, rank_state, close, ...: the source's own
+        return getattr(self.source, name)
+
+
 @dataclass
 class ElasticInputs:
     corpora: Corpora
@@ -202,7 +237,7 @@ class Elastic(Recipe):
         failure_time = last_record_time(RunDir(cfg.run.dir).metrics) if attempt > 0 else None
         notes = adapt_micro_batch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         e = cfg.elastic
-        plans = faults.fault_plans(e.fault_rank, e.fault_step, e.fault_mode, e.fault_attempt)
+        plans = faults.fault_plans(e.fault_rank, e.fault_step, e.fault_mode, e.fault_attempt, e.fault_when)
         # Goodput of a restarted attempt starts at the failure; the gap before this process is recovery.
         starts_at = failure_time if failure_time is not None and failure_time < PROCESS_START else None
         return ElasticInputs(read_corpora(cfg), ElasticHooks(e, failure_time, plans, notes), starts_at)
@@ -213,7 +248,10 @@ class Elastic(Recipe):
 
     def build(self, rt: Runtime, cfg: ElasticConfig, inputs: ElasticInputs) -> Job:
         inputs.hooks.notes["snapshot_dir"] = str(rt.checkpoints.fast.root.parent) if rt.checkpoints.fast else ""
-        return next_token_job(rt, inputs.corpora)
+        job = next_token_job(rt, inputs.corpora)
+        if any(p.when == "mid" for p in inputs.hooks.plans):
+            job.source = MidStepFaults(job.source, rt, inputs.hooks)
+        return job
 
     def finish(self, rt: Runtime, cfg: ElasticConfig, inputs: ElasticInputs, state: TrainState) -> None:
         dist_utils.barrier()
