@@ -187,3 +187,27 @@ def trainable_parameters(model: nn.Module) -> tuple[int, int]:
         total += p.numel()
         trainable += p.numel() if p.requires_grad else 0
     return trainable, total
+
+
+_FINGERPRINT_SAMPLES = 4096
+
+
+def base_weights_fingerprint(model: nn.Module) -> str:
+    """Identity of a base model's weights (before adapters), stored with a LoRA run's checkpoints.
+
+    Adapters are only meaningful on the weights they were trained on, and a path names a place, not
+    weights: a base directory moved elsewhere must be found again, one whose weights were replaced
+    must be refused. Per tensor the hash covers its name, shape, an fp64 sum of all its values (one
+    pass at memory speed: any real change of a tensor moves it) and up to 4096 evenly spaced values,
+    in fp32 so a base loaded in another dtype of the same values hashes the same.
+    """
+    import hashlib
+
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, t in sorted(model.state_dict().items()):
+            flat = t.detach().reshape(-1)
+            step = max(1, flat.numel() // _FINGERPRINT_SAMPLES)
+            h.update(f"{name}:{tuple(t.shape)}:{flat.sum(dtype=torch.float64).item():.17g}".encode())
+            h.update(flat[::step].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
