@@ -70,3 +70,38 @@ def test_a_lora_base_is_known_by_its_weights_not_its_path(corpus, tmp_path, capf
                            capfd.readouterr().err)
     assert f"base model checkpoint:{other}, whose weights changed since" in line, line
     assert not (tmp_path / "hf").exists()
+
+
+# ---------------------------------------------------------------------------- degenerate preference pairs
+def test_empty_or_identical_preference_pairs_are_skipped_and_counted(tmp_path, capfd):
+    """A pair with no response text, or whose chosen and rejected are the same, teaches nothing (the
+    loss of an identical pair is constant: zero gradient, only a diluted normalizer and accuracy).
+    Public preference sets hold a few such rows, so they are skipped and counted on the data line and
+    in the ``dpo_data`` record rather than failing the whole file; a file of nothing else stops in one line."""
+    from _pairs import task_pairs
+    from lmforge.metrics.records import read_records
+
+    user = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+    bot = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
+    bad = [{"prompt": "p", "chosen": "", "rejected": " no"}, {"prompt": "p", "chosen": " yes", "rejected": "  \n"},
+           {"prompt": user("p"), "chosen": bot(""), "rejected": bot("no")},
+           {"prompt": "p", "chosen": " same", "rejected": " same"},
+           {"prompt": user("p"), "chosen": bot("same"), "rejected": bot("same")}]
+    good = [r for _, r in task_pairs(8)]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in good + bad))
+    args = [*tiny_run_args(data, data_seq_len=96, training_steps=1, training_global_batch_size=4,
+                                  training_micro_batch_size=4), "--dpo.beta=0.5"]
+    capfd.readouterr()
+    rc = lmforge_in_process("dpo", *args, f"--run.dir={tmp_path / 'run'}")
+    out, err = capfd.readouterr()
+    assert rc == 0, err[-3000:]
+    assert ("13 records -> 8 pairs" in out and "skipped 3 pairs with an empty response; "
+            "skipped 2 pairs whose chosen and rejected are identical" in out), out[-3000:]
+    record = [r for r in read_records(tmp_path / "run") if r["kind"] == "dpo_data"][0]  # the training data's
+    assert (record["pairs"], record["skipped_no_loss_tokens"], record["skipped_identical"]) == (8, 3, 2)
+
+    data.write_text("".join(json.dumps(r) + "\n" for r in bad))
+    line = _one_error_line(lmforge_in_process("dpo", *args, f"--run.dir={tmp_path / 'none'}"), capfd.readouterr().err)
+    assert "skipped 2 pairs whose chosen and rejected are identical: no pairs left to train on" in line, line
+    assert [f.name for f in (tmp_path / "none").rglob("*")] == [".lock"]  # the run's lock, released
