@@ -105,3 +105,39 @@ def test_empty_or_identical_preference_pairs_are_skipped_and_counted(tmp_path, c
     line = _one_error_line(lmforge_in_process("dpo", *args, f"--run.dir={tmp_path / 'none'}"), capfd.readouterr().err)
     assert "skipped 2 pairs whose chosen and rejected are identical: no pairs left to train on" in line, line
     assert [f.name for f in (tmp_path / "none").rglob("*")] == [".lock"]  # the run's lock, released
+
+
+# ---------------------------------------------------------------------------- lmforge eval on bad task YAMLs
+def test_eval_on_a_missing_or_malformed_task_yaml_is_one_line(corpus, tmp_path, capfd, monkeypatch):
+    """Each names what is wrong (the harness itself skips a YAML that does not parse without a word,
+    leaving the task merely unknown: the line names the broken file and line too); no results written.
+    The harness's own ~15k tasks are left out of the index (seconds to build; test_harness.py's
+    unknown-task case builds it)."""
+    pytest.importorskip("lm_eval")
+    from lmforge.evaluation import harness
+
+    index = harness._index.__wrapped__
+    monkeypatch.setattr(harness, "_index", lambda paths, include_defaults: index(paths, False))
+    run = tmp_path / "run"
+    assert lmforge_in_process("pretrain", *tiny_run_args(corpus, training_steps=1), f"--run.dir={run}") == 0
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "broken.yaml").write_text("task: broken_task\n  dataset_path: [json\n")
+    body = ("dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+            "output_type: generate_until\ndoc_to_text: '{{{{prompt}}}}'\ndoc_to_target: '{{{{answer}}}}'\n"
+            "metric_list:\n  - metric: exact_match\n")
+    (tasks / "data.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    (tasks / "no_data.yaml").write_text("task: no_data\n" + body.format(data=tasks / "nope.jsonl"))
+    (tasks / "no_module.yaml").write_text("task: no_module\n" + body.format(data=tasks / "data.jsonl")
+                                          + "process_results: !function no_such_module.results\n")
+    out = tmp_path / "results.json"
+    for name, include, words in (
+            ("broken_task", tasks, ["unknown task(s) broken_task", f"{tasks / 'broken.yaml'}:2: not valid YAML"]),
+            ("no_data", tasks, ["task no_data:", "nope.jsonl"]),
+            ("no_module", tasks, ["task no_module:", "Cannot import module 'no_such_module'"]),
+            ("no_data", tmp_path / "nowhere", [f"--include-path {tmp_path / 'nowhere'}: not a directory"])):
+        capfd.readouterr()
+        rc = lmforge_in_process("eval", run, "--tasks", name, "--include-path", include, "--limit", "1", "--out", out)
+        line = _one_error_line(rc, capfd.readouterr().err)
+        assert all(w in line for w in words), (name, line)
+    assert not out.exists() and not (run / "eval").exists()
