@@ -32,6 +32,14 @@ def corpus(tmp_path_factory) -> Path:
     return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
 
 
+@pytest.fixture(scope="module")
+def tiny_run(corpus, tmp_path_factory) -> Path:
+    """A finished one-step pretraining run to evaluate and export."""
+    run = tmp_path_factory.mktemp("tiny") / "run"
+    assert lmforge_in_process("pretrain", *tiny_run_args(corpus, training_steps=1), f"--run.dir={run}") == 0
+    return run
+
+
 # ---------------------------------------------------------------------------- LoRA on a moved or changed base
 def _base(corpus: Path, run: Path, seed: int) -> Path:
     assert lmforge_in_process("pretrain", *tiny_run_args(corpus, training_steps=2, training_seed=seed),
@@ -108,7 +116,7 @@ def test_empty_or_identical_preference_pairs_are_skipped_and_counted(tmp_path, c
 
 
 # ---------------------------------------------------------------------------- lmforge eval on bad task YAMLs
-def test_eval_on_a_missing_or_malformed_task_yaml_is_one_line(corpus, tmp_path, capfd, monkeypatch):
+def test_eval_on_a_missing_or_malformed_task_yaml_is_one_line(tiny_run, tmp_path, capfd, monkeypatch):
     """Each names what is wrong (the harness itself skips a YAML that does not parse without a word,
     leaving the task merely unknown: the line names the broken file and line too); no results written.
     The harness's own ~15k tasks are left out of the index (seconds to build; test_harness.py's
@@ -118,8 +126,7 @@ def test_eval_on_a_missing_or_malformed_task_yaml_is_one_line(corpus, tmp_path, 
 
     index = harness._index.__wrapped__
     monkeypatch.setattr(harness, "_index", lambda paths, include_defaults: index(paths, False))
-    run = tmp_path / "run"
-    assert lmforge_in_process("pretrain", *tiny_run_args(corpus, training_steps=1), f"--run.dir={run}") == 0
+    run = tiny_run
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "broken.yaml").write_text("task: broken_task\n  dataset_path: [json\n")
@@ -141,3 +148,63 @@ def test_eval_on_a_missing_or_malformed_task_yaml_is_one_line(corpus, tmp_path, 
         line = _one_error_line(rc, capfd.readouterr().err)
         assert all(w in line for w in words), (name, line)
     assert not out.exists() and not (run / "eval").exists()
+
+
+# ---------------------------------------------------------------------------- exports onto existing places, cut off
+def test_hf_export_refuses_a_foreign_directory_and_replaces_an_earlier_export_whole(tiny_run, tmp_path, capfd,
+                                                                                   monkeypatch):
+    """A non-empty directory that is not an earlier export is refused (no --force: deleting a user's
+    files is never implied); an earlier export is replaced by a swap once the new one is complete, so
+    an export cut off (Ctrl-C) or failing (a full disk) leaves the earlier one byte-identical and no
+    temporary directory. (A file in the way: tests/test_inference.py.)"""
+    import lmforge.export as export_mod
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my files")
+    capfd.readouterr()
+    line = _one_error_line(lmforge_in_process("export", "--hf", mine, tiny_run), capfd.readouterr().err)
+    assert f"--hf {mine}: exists and is not an earlier export" in line, line
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+    out = tmp_path / "hf"
+    assert lmforge_in_process("export", "--hf", out, tiny_run) == 0
+    before = digest(out)
+    real = export_mod.write_hf_dir
+
+    def cut_off(model, tokenizer, where):
+        real(model, tokenizer, where)  # every file written, the swap not yet done
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export_mod, "write_hf_dir", cut_off)
+    capfd.readouterr()
+    assert lmforge_in_process("export", "--hf", out, tiny_run) == 130
+    assert capfd.readouterr().err.strip() == "interrupted"
+
+    def disk_full(model, tokenizer, where):
+        (where / "config.json").write_text("{")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export_mod, "write_hf_dir", disk_full)
+    line = _one_error_line(lmforge_in_process("export", "--hf", out, tiny_run), capfd.readouterr().err)
+    assert f"--hf {out}: cannot write the export (No space left on device)" in line, line
+    assert digest(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mine"]
+
+
+def test_gguf_export_after_a_killed_one(tiny_run, tmp_path, capfd):
+    """A killed export (no Python cleanup) leaves only ``FILE.partial``, never a half-written FILE;
+    the next export writes FILE whole and removes the leftover. An existing FILE is refused (Ctrl-C,
+    a full disk, the other refusals: tests/test_gguf_export.py::test_bad_gguf_exports_are_one_line_and_write_nothing)."""
+    pytest.importorskip("gguf")
+    from lmforge.models.gguf import load_gguf_model
+
+    out = tmp_path / "m.gguf"
+    (tmp_path / "m.gguf.partial").write_bytes(b"GGUF" + b"\0" * 100)  # what a SIGKILL mid-write leaves
+    capfd.readouterr()
+    assert lmforge_in_process("export", "--gguf", out, "--gguf-type", "f32", tiny_run) == 0, capfd.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+    assert load_gguf_model(out).args.n_layers == 2
+    before = out.read_bytes()
+    line = _one_error_line(lmforge_in_process("export", "--gguf", out, tiny_run), capfd.readouterr().err)
+    assert f"--gguf {out}: exists" in line and out.read_bytes() == before, line
