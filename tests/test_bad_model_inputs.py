@@ -208,3 +208,80 @@ def test_gguf_export_after_a_killed_one(tiny_run, tmp_path, capfd):
     before = out.read_bytes()
     line = _one_error_line(lmforge_in_process("export", "--gguf", out, tiny_run), capfd.readouterr().err)
     assert f"--gguf {out}: exists" in line and out.read_bytes() == before, line
+
+
+# ---------------------------------------------------------------------------- a router gone wrong
+@pytest.fixture(scope="module")
+def top1_moe(tmp_path_factory) -> Path:
+    """A tiny Mixtral with 4 experts and one expert per token (so one expert can take every slot)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from _hf_models import REAL_TOKENIZERS, SHAPE
+
+    out = tmp_path_factory.mktemp("moe") / "top1"
+    tok = REAL_TOKENIZERS / "mistral-7b-instruct-v0.1"
+    real = json.loads((tok / "config.json").read_text())
+    config = transformers.MixtralConfig(vocab_size=real["vocab_size"], bos_token_id=real["bos_token_id"],
+                                        eos_token_id=real["eos_token_id"], num_local_experts=4,
+                                        num_experts_per_tok=1, **SHAPE)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    for f in tok.iterdir():
+        if f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def _route(monkeypatch, change) -> None:
+    """Every MoE layer's router logits pass through ``change(logits, forward number)``."""
+    from lmforge.models.layers.moe import MoEFeedForward
+
+    real, calls = MoEFeedForward.forward, [0]
+
+    def forward(self, x):
+        if not getattr(self, "_test_hook", False):
+            self._test_hook = True
+
+            def hook(module, inputs, logits):
+                calls[0] += 1
+                return change(logits, calls[0])
+            self.router.register_forward_hook(hook)
+        return real(self, x)
+
+    monkeypatch.setattr(MoEFeedForward, "forward", forward)
+
+
+def _moe_args(corpus: Path, start: Path, run: Path) -> list[str]:
+    return ["pretrain", *tiny_run_args(corpus, model_size=None, model_n_layers=None, model_dim=None,
+                                       model_n_heads=None, model_n_kv_heads=None, training_steps=3),
+            f"--model.from_hf={start}", f"--run.dir={run}"]
+
+
+def test_every_token_routed_to_one_expert_trains_and_shows_in_the_router_statistics(corpus, top1_moe, tmp_path,
+                                                                                     monkeypatch, capfd):
+    """Three experts get no token (empty groups in the grouped matmul): no crash, and the logged load
+    says it: the busiest expert has all slots (4x an even share), the idlest none."""
+    from lmforge.metrics.records import read_records
+
+    _route(monkeypatch, lambda logits, n: logits + logits.new_tensor([1e4, 0.0, 0.0, 0.0]))
+    rc = lmforge_in_process(*_moe_args(corpus, top1_moe, tmp_path / "run"))
+    assert rc == 0, capfd.readouterr().err[-3000:]
+    records = read_records(tmp_path / "run", "train")
+    assert len(records) == 3
+    for r in records:
+        assert r["expert_load_max"] == pytest.approx(4.0) and r["expert_load_min"] == 0.0, r
+        assert r["router_aux_loss"] == pytest.approx(4.0, rel=1e-3)  # E * f_0 * P_0 with f_0 = P_0 = 1
+
+
+def test_nan_router_logits_stop_the_run_with_the_nonfinite_line(corpus, top1_moe, tmp_path, monkeypatch, capfd):
+    """NaN logits at the second step's forward (top-k picks among NaNs): the step's loss is NaN and the
+    non-finite guard stops the run in one line (training.nonfinite=stop); the last checkpoint stays as saved."""
+    layers = 2  # the router runs once per MoE layer per forward
+
+    _route(monkeypatch, lambda logits, n: logits * float("nan") if n > layers else logits)
+    capfd.readouterr()
+    rc = lmforge_in_process(*_moe_args(corpus, top1_moe, tmp_path / "run"))
+    line = _one_error_line(rc, capfd.readouterr().err)
+    assert "non-finite loss (nan) at step 2" in line and "training.nonfinite=skip" in line, line
+    assert not list((tmp_path / "run" / "checkpoints").glob("step_*"))
