@@ -70,6 +70,10 @@ class PreferenceSummary:
     responses_cut: int = 0
     """Of the truncated pairs, those where a response lost its end."""
     no_loss_tokens: int = 0
+    """Pairs skipped for a response with no text or no tokens."""
+    identical: int = 0
+    """Pairs skipped because chosen and rejected are the same sequence: no preference to learn (the
+    loss of such a pair is constant, its gradient zero), only a diluted normalizer and accuracy."""
     loss_tokens: int = 0
     fill: float = 0.0
     note: str = ""
@@ -84,6 +88,8 @@ class PreferenceSummary:
         text += f"; {self.note}" if self.note else ""
         if self.no_loss_tokens:
             text += f"; skipped {self.no_loss_tokens} {u} with an empty response"
+        if self.identical:
+            text += f"; skipped {self.identical} {u} whose chosen and rejected are identical"
         overlong = overlong_phrase(self.too_long + self.truncated, self.records, u,
                                    f"a row of {self.seq_len} tokens (both sequences)", self.overlong, self.responses_cut)
         return text + (f"; {overlong}" if overlong else "")
@@ -91,7 +97,7 @@ class PreferenceSummary:
     def counts(self) -> dict[str, int]:
         return {"records": self.records, "pairs": self.pairs, "sequences": self.sequences,
                 "skipped_too_long": self.too_long, "truncated": self.truncated, "responses_cut": self.responses_cut,
-                "skipped_no_loss_tokens": self.no_loss_tokens,
+                "skipped_no_loss_tokens": self.no_loss_tokens, "skipped_identical": self.identical,
                 "loss_tokens": self.loss_tokens}
 
 
@@ -160,22 +166,38 @@ def _whole(ids: list[int], mask: list[bool]) -> Example | None:
     return Example(tokens, np.where(carries, tokens, IGNORE_INDEX))
 
 
+def _empty_response(response: str | list[dict[str, Any]]) -> bool:
+    """No text in the response (its assistant messages'): usually a field lost in a conversion."""
+    if isinstance(response, str):
+        return not response.strip()
+    return not any(str(m.get("content") or "").strip() for m in response if m.get("role") == "assistant")
+
+
 def tokenize_pairs(records: Sequence[Record], tokenizer: Tokenizer, chat: ChatFormat | None, seq_len: int,
                    summary: PreferenceSummary, values: Sequence[float] | None = None,
-                   whole: bool = False) -> list[PreferencePair]:
-    """Records to pairs. A pair with a response of no tokens is counted and skipped; one whose two
+                   whole: bool = False, paired: bool = True) -> list[PreferencePair]:
+    """Records to pairs. A pair with a response of no text or no tokens, or whose chosen and rejected
+    are the same sequence, is counted and skipped (the data summary line says how many); one whose two
     sequences do not fit one row is truncated together (:func:`lmforge.data.overlong.fit_pair`) or
     skipped, as ``summary.overlong`` says. ``values[k]``: the number both sequences of record ``k``'s
     pair carry into their batch (``Example.value``). ``whole``: keep each sequence whole rather than
-    shifted into next-token inputs and labels (reward models)."""
+    shifted into next-token inputs and labels (reward models). ``paired=False`` (KTO's example with a
+    borrowed completion as its "rejected"): only the example's own completion must have text, and the
+    two may be the same."""
     if chat is None and any(isinstance(r.get("prompt"), list) for _, r in records):
         where = next(w for w, r in records if isinstance(r.get("prompt"), list))
         raise UserError(f"{where}: conversational records need a chat template and {tokenizer!r} has none "
                         "(give one with dpo.chat_template=FILE.jinja)")
     pairs = []
     for k, (where, record) in enumerate(records):
+        if _empty_response(record["chosen"]) or (paired and _empty_response(record["rejected"])):
+            summary.no_loss_tokens += 1  # a lone end-of-turn token is no response to prefer or avoid
+            continue
         sequences = [(where, r) for r in to_sft_records(record)]
         (c_ids, c_mask), (r_ids, r_mask) = tokenize_records(sequences, tokenizer, chat, "assistant")
+        if paired and c_ids == r_ids and c_mask == r_mask:
+            summary.identical += 1
+            continue
         example = _whole if whole else _shift
         chosen, rejected = example(c_ids, c_mask), example(r_ids, r_mask)
         if chosen is None or rejected is None:

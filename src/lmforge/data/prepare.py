@@ -28,7 +28,7 @@ import numpy as np
 from lmforge.data.chunks import Chunk, chunk_documents, input_files, plan_chunks
 from lmforge.data.sources import load_hf_dataset
 from lmforge.data.hub_datasets import hub_dataset_name
-from lmforge.data.shards import FORMAT, INDEX_FILE, SHARD_TOKENS, ShardWriter, read_index, token_dtype
+from lmforge.data.shards import DOCUMENTS_FILE, FORMAT, INDEX_FILE, SHARD_TOKENS, PreparedTokens, ShardWriter, read_index, token_dtype
 from lmforge.errors import UserError
 from lmforge.models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
@@ -78,7 +78,7 @@ def is_up_to_date(out: Path, inputs: Sequence[str | Path], text_field: str, toke
     if not (out / INDEX_FILE).is_file():
         return False
     try:
-        index = read_index(out)
+        index = PreparedTokens(out).index  # its shards' sizes and sampled hashes too: a damaged one is redone
     except UserError:
         return False
     return (index.get("inputs") == _inputs_key(inputs) and index.get("text_field") == text_field
@@ -176,15 +176,15 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, tokenizer: Tokenizer,
     if not inputs:
         raise UserError("prepare: no inputs given")
     fp = tokenizer_fingerprint(tokenizer)
-    if (out / INDEX_FILE).is_file():
-        old = read_index(out)
+    old = _readable_index(out)
+    if old is not None:
         if old.get("tokenizer") != fp:
             raise UserError(f"{out} was prepared with tokenizer {old.get('tokenizer_name')} ({old.get('tokenizer')}), "
                             f"not {tokenizer_name(tokenizer)} ({fp}); choose another --out or delete it")
         if is_up_to_date(out, inputs, text_field, fp):
             log(f"{out} is up to date ({old['num_tokens']:,} tokens, {old['num_documents']:,} documents): nothing to do")
             return PrepareResult(out, old, True, time.perf_counter() - t0)
-    elif out.exists() and (not out.is_dir() or any(out.iterdir())):
+    elif out.exists() and (not out.is_dir() or any(out.iterdir())) and not (out / DOCUMENTS_FILE).is_file():
         raise UserError(f"{out} exists and is not a prepared-data directory; choose another --out")
     chunks = [c for spec in inputs for c in plan_chunks(spec, text_field)]
     stamps = source_stamps(inputs)
@@ -203,16 +203,20 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, tokenizer: Tokenizer,
         total = sum(_chunk_bytes(c) for c in chunks) or None
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"prepare {out.name}", disable=progress is False
                   if progress is not None else None, leave=False) as bar:
-            for chunk, (tokens, lengths, nbytes) in zip(chunks, results):
-                writer.append(tokens, lengths)
-                text_bytes += nbytes
-                bar.update(_chunk_bytes(chunk))
-        index = {"format": FORMAT, "tokenizer": fp, "tokenizer_name": tokenizer_name(tokenizer),
-                 "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "text_field": text_field,
-                 "inputs": _inputs_key(inputs), "sources": stamps, "text_bytes": text_bytes, **writer.finish()}
-        if index["num_documents"] == 0:
-            raise UserError(f"no documents in {', '.join(map(str, inputs))}")
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1))
+            try:
+                for chunk, (tokens, lengths, nbytes) in zip(chunks, results):
+                    writer.append(tokens, lengths)
+                    text_bytes += nbytes
+                    bar.update(_chunk_bytes(chunk))
+                index = {"format": FORMAT, "tokenizer": fp, "tokenizer_name": tokenizer_name(tokenizer),
+                         "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "text_field": text_field,
+                         "inputs": _inputs_key(inputs), "sources": stamps, "text_bytes": text_bytes, **writer.finish()}
+                if index["num_documents"] == 0:
+                    raise UserError(f"no documents in {', '.join(map(str, inputs))}")
+                (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1))
+            except OSError as e:  # a full disk, a quota: the earlier preparation (if any) stays as it was
+                raise UserError(f"prepare --out {out}: cannot write the prepared data ({e.strerror or e}); "
+                                "nothing was changed") from None
         _install(tmp, out, inputs, text_field, fp)
     finally:
         if pool is not None:
@@ -226,6 +230,20 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, tokenizer: Tokenizer,
     return PrepareResult(out, index, False, seconds)
 
 
+def _readable_index(out: Path) -> dict[str, Any] | None:
+    """The index of an earlier preparation in ``out``; None when there is none, or when it is damaged
+    (hand-edited, cut short) in a directory that is a preparation (it has ``documents.npy``): that
+    one is prepared again and replaced whole. An ``index.json`` of anything else is refused."""
+    if not (out / INDEX_FILE).is_file():
+        return None
+    try:
+        return read_index(out)
+    except UserError:
+        if (out / DOCUMENTS_FILE).is_file():
+            return None
+        raise
+
+
 def _install(tmp: Path, out: Path, inputs: Sequence[str | Path], text_field: str, fp: str) -> None:
     """Move the finished ``tmp`` to ``out``; an older preparation is replaced only once this one is whole."""
     old = None
@@ -233,12 +251,22 @@ def _install(tmp: Path, out: Path, inputs: Sequence[str | Path], text_field: str
         return  # another process (a rank of the same run) installed the same preparation meanwhile
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.rename(out, old)
+        try:
+            os.rename(out, old)
+        except FileNotFoundError:  # another prepare moved it aside meanwhile
+            old = None
     try:
         os.rename(tmp, out)
-    except OSError:
+    except OSError as e:
+        if not out.exists():  # not a race: the earlier preparation goes back in place
+            if old is not None:
+                os.rename(old, out)
+                old = None
+            raise UserError(f"prepare --out {out}: cannot move the prepared data into place ({e.strerror or e})") from None
         # Another process (a rank of the same run) installed its own preparation first: keep it if it matches.
         if not is_up_to_date(out, inputs, text_field, fp):
-            raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+            raise UserError(f"prepare --out {out}: another prepare wrote other data there meanwhile ({e.strerror}); "
+                            "its result stands, run this one again to replace it") from None
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)

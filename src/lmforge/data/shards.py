@@ -73,7 +73,41 @@ def read_index(path: str | Path) -> dict[str, Any]:
         raise UserError(f"{f}: not a readable prepared-data index ({e})") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise UserError(f"{f}: not an lmforge prepared-data index (format {FORMAT!r}); run lmforge prepare again")
+    problem = _index_problem(index)
+    if problem:
+        raise UserError(f"{f}: {problem}; the index was edited or damaged, run lmforge prepare again")
     return index
+
+
+def _index_problem(index: dict[str, Any]) -> str:
+    """What is inconsistent in an index (``""``: nothing). The reader trusts these fields to cut
+    windows, so a hand-edited count must be refused here rather than read past a shard's end."""
+    def count(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if index.get("dtype") not in ("uint16", "uint32"):
+        return f"'dtype' must be uint16 or uint32, found {index.get('dtype')!r}"
+    shards, docs = index.get("shards"), index.get("documents")
+    if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
+        return "'shards' must be a list of shard entries"
+    if not isinstance(docs, dict) or docs.get("file") != DOCUMENTS_FILE or not count(docs.get("bytes")):
+        return f"'documents' must name {DOCUMENTS_FILE} with its byte size"
+    itemsize = np.dtype(index["dtype"]).itemsize
+    for k, shard in enumerate(shards):
+        name = f"tokens-{k:05d}.bin"
+        if shard.get("file") != name:
+            return f"shard {k} must be {name}, found {shard.get('file')!r}"
+        if not (count(shard.get("tokens")) and count(shard.get("bytes"))) or shard["tokens"] * itemsize != shard["bytes"]:
+            return (f"shard {name}: 'tokens' ({shard.get('tokens')!r}) x {itemsize} bytes must equal "
+                    f"'bytes' ({shard.get('bytes')!r})")
+        if not isinstance(shard.get("sampled_sha256"), str):
+            return f"shard {name}: no 'sampled_sha256'"
+    total = sum(s["tokens"] for s in shards)
+    if index.get("num_tokens") != total:
+        return f"'num_tokens' is {index.get('num_tokens')!r}, the shards hold {total}"
+    if not count(index.get("num_documents")):
+        return f"'num_documents' must be a count, found {index.get('num_documents')!r}"
+    return ""
 
 
 class ShardWriter:
@@ -147,6 +181,10 @@ class PreparedTokens:
                 raise UserError(f"{f}: shard {what} since it was prepared; run lmforge prepare again")
             counts.append(int(shard["tokens"]))
             self._fds.append(None)
+        docs = self.path / DOCUMENTS_FILE
+        if not docs.is_file() or docs.stat().st_size != self.index["documents"]["bytes"]:
+            what = "missing" if not docs.is_file() else "has the wrong size"
+            raise UserError(f"{docs}: {what} since it was prepared; run lmforge prepare again")
         self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self.num_tokens = int(self.starts[-1])
 

@@ -100,7 +100,8 @@ def build_unpaired_dataset(path: str, tokenizer: Tokenizer, chat: ChatFormat | N
                             for (where, p, y, _), j in zip(examples, partners)]
     summary = PreferenceSummary(source=path, method="kto", records=records, seq_len=seq_len,
                                 unit="examples", overlong=overlong)
-    pairs = tokenize_pairs(pseudo, tokenizer, chat, seq_len, summary, values=[float(e[3]) for e in examples])
+    pairs = tokenize_pairs(pseudo, tokenizer, chat, seq_len, summary, values=[float(e[3]) for e in examples],
+                           paired=False)
     desirable = sum(1 for p in pairs if p.chosen.value == 1.0)
     summary.note = (f"{desirable} desirable and {len(pairs) - desirable} undesirable examples, each with a "
                     "mismatched completion for the reference point")

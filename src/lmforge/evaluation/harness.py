@@ -275,9 +275,31 @@ def _task_manager(tasks: Sequence[str], include_path: str | Path | None) -> Any:
     manager = _index(paths, True)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
+        broken = _unreadable_yaml(Path(include_path).expanduser()) if include_path else ""
         raise UserError(f"unknown task(s) {', '.join(unknown)}: not a harness task, not in lmforge_tasks"
-                        + (f", not in {include_path}" if include_path else " (give task YAMLs with --include-path)"))
+                        + (f", not in {include_path}" if include_path else " (give task YAMLs with --include-path)")
+                        + (f" ({broken})" if broken else ""))
     return manager
+
+
+def _unreadable_yaml(include_path: Path) -> str:
+    """The first task YAML under ``include_path`` that does not parse, as ``FILE:LINE: reason`` (the
+    harness skips such a file without a word, so its task is merely "unknown"); "" if all parse."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):  # the harness's own tags (!function) are not checked here
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    for f in sorted(include_path.rglob("*.yaml")):
+        try:
+            yaml.load(f.read_text(), Loader=Loader)
+        except (OSError, UnicodeDecodeError) as e:
+            return f"{f}: unreadable ({e})"
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            return f"{f}:{mark.line + 1 if mark else '?'}: not valid YAML ({getattr(e, 'problem', None) or e})"
+    return ""
 
 
 @contextmanager
@@ -321,7 +343,7 @@ def evaluate_tasks(model: Transformer, tokenizer: Tokenizer, tasks: Sequence[str
             results = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
                                       apply_chat_template=apply_chat_template, log_samples=log_samples,
                                       bootstrap_iters=bootstrap_iters, **seeds)
-    except (FileNotFoundError, ValueError) as e:  # a task's data_files or config
+    except (FileNotFoundError, ValueError, ImportError) as e:  # a task's data_files, config or !function
         raise UserError(f"task {', '.join(tasks)}: {e}") from None
     if results is None:
         raise UserError("the harness returned no results")

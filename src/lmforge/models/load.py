@@ -190,7 +190,7 @@ def check_vocabulary(tok: Tokenizer, vocab_size: int, where: str) -> None:
 def _load_adapted(ckpt: Path, described: dict[str, Any], tokenizer: str, merge: bool) -> Transformer:
     """A LoRA checkpoint's model: its base, its adapters loaded onto it, merged if asked."""
     from lmforge.config import LoraSection
-    from lmforge.models.lora import apply_lora, merge_adapters
+    from lmforge.models.lora import apply_lora, base_weights_fingerprint, merge_adapters
 
     try:
         base_source = ModelSource.parse(str(described.get("base", "")))
@@ -200,6 +200,10 @@ def _load_adapted(ckpt: Path, described: dict[str, Any], tokenizer: str, merge: 
     if base_source.kind not in ("init", "hub") and not Path(base_source.where).exists():
         raise UserError(f"{ckpt}: holds LoRA adapters for the base model {base_source}, which no longer exists")
     base = load_model(base_source, tokenizer=tokenizer, args=ModelArgs.from_dict(described["model_args"])).model
+    found = base_weights_fingerprint(base) if "base_weights" in described else None
+    if found != described.get("base_weights"):
+        raise UserError(f"{ckpt}: holds LoRA adapters for the base model {base_source}, whose weights changed since "
+                        f"(fingerprint {described['base_weights']}, now {found})")
     apply_lora(base, lora)
     if described.get("head"):
         attach_head(base, described["head"])

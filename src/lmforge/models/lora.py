@@ -187,3 +187,30 @@ def trainable_parameters(model: nn.Module) -> tuple[int, int]:
         total += p.numel()
         trainable += p.numel() if p.requires_grad else 0
     return trainable, total
+
+
+_FINGERPRINT_SAMPLES = 4096
+
+
+def base_weights_fingerprint(model: nn.Module) -> str:
+    """Identity of a base model's weights (before adapters), stored with a LoRA run's checkpoints.
+
+    Adapters are only meaningful on the weights they were trained on, and a path names a place, not
+    weights: a base directory moved elsewhere must be found again, one whose weights were replaced
+    must be refused. Per tensor the hash covers its name, shape, the integer sum of all its values'
+    fp32 bit patterns (one pass at memory speed; integer addition is exact in any order, so the thread
+    count cannot change it, and any real change of a tensor moves it) and up to 4096 evenly spaced
+    values. Values are taken in fp32, so a base loaded in another dtype of the same values hashes the same.
+    """
+    import hashlib
+
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, t in sorted(model.state_dict().items()):
+            flat = t.detach().reshape(-1)
+            step = max(1, flat.numel() // _FINGERPRINT_SAMPLES)
+            bits = sum(int(flat[i:i + (1 << 22)].float().view(torch.int32).sum(dtype=torch.int64))
+                       for i in range(0, flat.numel(), 1 << 22))
+            h.update(f"{name}:{tuple(t.shape)}:{bits}".encode())
+            h.update(flat[::step].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]

@@ -31,7 +31,7 @@ from lmforge.metrics.sinks import WandbSink
 from lmforge.models.flops import peak_flops_per_device
 from lmforge.models.heads import attach_head, head_of
 from lmforge.models.load import LoadedModel, ModelSource, load_model
-from lmforge.models.lora import apply_lora, trainable_parameters
+from lmforge.models.lora import apply_lora, base_weights_fingerprint, trainable_parameters
 from lmforge.models.qlora import check_qlora
 from lmforge.models.args import ModelArgs
 from lmforge.models.model import Transformer
@@ -254,9 +254,10 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
     description = loaded.description()
     adapter_params = None
     if cfg.lora.enabled:  # before any wrapper: DDP/FSDP must see which parameters train
+        description |= {"lora": cfg.lora.model_dump(), "base": str(loaded.source),
+                        "base_weights": base_weights_fingerprint(model)}
         apply_lora(model, cfg.lora, info.device)
         adapter_params = trainable_parameters(model)[0]
-        description |= {"lora": cfg.lora.model_dump(), "base": str(loaded.source)}
     if services.head:  # after LoRA, which freezes all it does not add: the head trains either way
         attach_head(model, services.head)
         description |= {"head": services.head}

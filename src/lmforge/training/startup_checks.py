@@ -80,6 +80,11 @@ def _check_same_adapters(run_dir: Path, saved: dict[str, Any], now: dict[str, An
         k = next(k for k in now["lora"] if saved_lora.get(k) != now["lora"][k])
         raise UserError(f"run.dir={run_dir} holds adapters with lora.{k}={saved_lora.get(k)!r}, "
                         f"not {now['lora'][k]!r}; use the same [lora] settings or a new run.dir")
-    if saved.get("base") != now.get("base"):
+    if "base_weights" in saved:  # the weights decide, not the path: a moved base is the same base
+        if saved["base_weights"] != now.get("base_weights"):
+            raise UserError(f"run.dir={run_dir} holds adapters for the base model {saved.get('base')} (weights "
+                            f"{saved['base_weights']}); {now.get('base')} has other weights "
+                            f"({now.get('base_weights')}): start from the same base weights")
+    elif saved.get("base") != now.get("base"):
         raise UserError(f"run.dir={run_dir} holds adapters for the base model {saved.get('base')}, not "
                         f"{now.get('base')}; start from the same model (model.from_hf / model.from_checkpoint)")
