@@ -26,6 +26,7 @@ from itertools import product
 from typing import Iterator
 
 from lmforge.models.args import ModelArgs
+from lmforge.models.layers.causal_attention import EXPLICIT_MAX_LEN
 
 __all__ = ["Layout", "MemoryEstimate", "ParamCounts", "param_counts", "block_activation_bytes", "estimate_memory",
            "candidate_layouts", "OPTIMIZERS"]
@@ -123,13 +124,16 @@ def _norm_bytes(d: int, tokens_sp: float, tokens: float, consumers: int, a: int)
     return own + (4 * d if a == 4 else consumers * a * d) * tokens
 
 
-def block_activation_bytes(args: ModelArgs, layer: int, tokens: float, a: int, tp: int = 1) -> float:
+def block_activation_bytes(args: ModelArgs, layer: int, tokens: float, a: int, tp: int = 1,
+                           explicit_len: int = 0) -> float:
     """Bytes autograd saves for one decoder block over ``tokens`` local tokens, compute dtype of ``a``
     bytes (4 fp32, 2 bf16 autocast), heads and hidden units split over ``tp`` (sequence parallel norms).
 
     Counted from lmforge's block (models/model.py, layers/*.py): per norm see :func:`_norm_bytes`; SDPA
     (the flash kernel on CPU and GPU) saves q, k, v, its output (which ``wo`` reads as it is) and a
-    fp32 log-sum-exp per head; RoPE saves only the shared cos/sin tables (they need no gradient); the
+    fp32 log-sum-exp per head; the explicit bf16 attention of short sequences on a CPU
+    (``explicit_len`` keys per query, see lmforge.models.layers.causal_attention) saves q, k, v and each
+    head's bf16 probabilities over the keys instead of the log-sum-exp; RoPE saves only the shared cos/sin tables (they need no gradient); the
     gated MLP saves both projections, the activation's output and their product. Qwen3's q/k norms,
     Gemma's sandwich norms and the MoE routing are counted the same way but were not measured.
     """
@@ -137,7 +141,8 @@ def block_activation_bytes(args: ModelArgs, layer: int, tokens: float, a: int, t
     sp = tokens / tp
     moe = args.is_moe_layer(layer)
     total = _norm_bytes(d, sp, tokens, 3, a)  # attention_norm -> wq, wk, wv
-    total += (a * 2 * (h + kv) * hd + 4 * h) * tokens / tp
+    per_head = 2 * explicit_len if explicit_len else 4  # probabilities (bf16) or log-sum-exp (fp32)
+    total += (a * 2 * (h + kv) * hd + per_head * h) * tokens / tp
     if args.qk_norm:  # the norm's input, its fp32 normalised values and output per q/k value
         total += (a + 8) * (h + kv) * hd * tokens / tp
     if args.sandwich_norm:  # post-attention and post-MLP norms of the sublayer outputs
@@ -193,18 +198,22 @@ def _optimizer_bytes(args: ModelArgs, counts: ParamCounts, name: str) -> float:
 
 def estimate_memory(args: ModelArgs, layout: Layout, seq_len: int, micro_batch: int, dtype: str = "float32",
                     checkpointing: bool = False, *, microbatches: int = 1, optimizer: str = "adamw",
-                    loss_chunk_tokens: int = 1024) -> MemoryEstimate:
+                    loss_chunk_tokens: int = 1024, device_type: str = "cuda") -> MemoryEstimate:
     """Peak bytes per device of one train step of ``args`` laid out as ``layout``: the larger of the
     first pipeline stage (embedding, ``pp`` microbatches in flight under 1F1B) and the last (output
     projection and loss, one in flight). ``microbatches`` per step and rank (gradient accumulation):
-    above one, the gradients of the earlier microbatches are live during each backward."""
+    above one, the gradients of the earlier microbatches are live during each backward. ``device_type``
+    ``cpu``: bf16 attention of short sequences runs explicitly there and keeps its probabilities."""
     stages = [0, layout.pp - 1] if layout.pp > 1 else [0]
+    explicit = device_type == "cpu" and dtype == "bfloat16" and layout.cp == 1 and seq_len <= EXPLICIT_MAX_LEN
     return max((_stage_estimate(args, layout, s, seq_len, micro_batch, dtype, checkpointing, microbatches,
-                                optimizer, loss_chunk_tokens) for s in stages), key=lambda e: e.total)
+                                optimizer, loss_chunk_tokens, seq_len if explicit else 0) for s in stages),
+               key=lambda e: e.total)
 
 
 def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, micro_batch: int, dtype: str,
-                    checkpointing: bool, microbatches: int, optimizer: str, chunk: int) -> MemoryEstimate:
+                    checkpointing: bool, microbatches: int, optimizer: str, chunk: int,
+                    explicit_len: int) -> MemoryEstimate:
     counts = param_counts(args)
     tp, pp, ep, shards = layout.tp, layout.pp, layout.ep, layout.fsdp_shards
     a = 2 if dtype == "bfloat16" else 4
@@ -227,8 +236,8 @@ def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, m
     sp = tokens / tp
     in_flight = min(pp - stage, max(microbatches, 1)) if pp > 1 else 1
     # one block's saved activations; checkpointing keeps each block's input (fp32 residual) instead
-    block = max((block_activation_bytes(args, i, tokens, a, tp) for i in layers), default=0.0)
-    saved = sum(block_activation_bytes(args, i, tokens, a, tp) for i in layers)
+    block = max((block_activation_bytes(args, i, tokens, a, tp, explicit_len) for i in layers), default=0.0)
+    saved = sum(block_activation_bytes(args, i, tokens, a, tp, explicit_len) for i in layers)
     if checkpointing:
         saved = 4 * args.dim * sp * len(layers)
     weight_copies = 0.0

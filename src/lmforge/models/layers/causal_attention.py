@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 __all__ = ["EXPLICIT_MAX_LEN", "causal_attention", "explicit_causal_attention"]
 
@@ -58,6 +59,8 @@ def explicit_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | No
 
 def _bf16(*xs: Tensor) -> bool:
     """The attention would run in bf16: bf16 inputs, or bf16 autocast (which casts SDPA's inputs)."""
+    if any(isinstance(x, DTensor) for x in xs):  # tensor-parallel activations: left to SDPA's sharding rules
+        return False
     if torch.is_autocast_enabled("cpu"):
         return torch.get_autocast_dtype("cpu") == torch.bfloat16
     return all(x.dtype == torch.bfloat16 for x in xs)
