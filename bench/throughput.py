@@ -28,6 +28,12 @@ excluded, and everything inside the loop, logging included, is counted).
 * hf: ``transformers.Trainer`` with ``LlamaForCausalLM`` of the same configuration (SDPA
   attention), its default optimizer, no saving, no eval, logging every 10 steps.
 
+``--defaults``: each system as it comes out of the box instead of at identical settings: lmforge with its
+config defaults (``training.dtype=auto``, its optimizer and schedule defaults), the Hugging Face Trainer
+with ``TrainingArguments`` defaults (on a CPU: fp32 and its default optimizer; only saving and
+reporting switched off, as for lmforge). The model, sequence length, batch and threads stay the same,
+so the table is the speed a user gets from each with no tuning.
+
 MFU: each row against the peak of the dtype it ran in (``--dtype`` for bare and hf; an lmforge row's
 own setup record, so a ``--variant bf16:training.dtype=bfloat16`` row is quoted against the bf16
 peak), as the trainer's own MFU is.
@@ -77,6 +83,11 @@ class Setup:
     args: ModelArgs
     dataset: PackedTokenDataset
     model_overrides: dict = field(default_factory=dict)
+    defaults: bool = False
+    """Each system with its own defaults (``--defaults``) rather than the identical settings above."""
+    hf_dtype: str = ""
+    hf_optim: str = ""
+    """Under ``--defaults``: the dtype and optimizer the Trainer's defaults chose (read back from it)."""
 
     @property
     def window_tokens(self) -> int:
@@ -103,14 +114,15 @@ def run_lmforge(s: Setup, overrides: list[str]) -> tuple[float, float, str]:
     from lmforge.recipes.skeleton import run_recipe
 
     with tempfile.TemporaryDirectory(prefix="lmforge-bench-") as run_dir:
+        training = {"steps": s.steps, "global_batch_size": s.batch, "micro_batch_size": s.batch,
+                    "threads": torch.get_num_threads() if s.device.type == "cpu" else 0}
         data = {
             "model": {"size": s.size, **s.model_overrides},
             "data": {"seq_len": s.seq_len},
-            "training": {"steps": s.steps, "global_batch_size": s.batch, "micro_batch_size": s.batch,
-                         "threads": torch.get_num_threads() if s.device.type == "cpu" else 0,
-                         "device": s.device.type, "dtype": s.dtype, "compile": s.compile},
-            "schedule": {"warmup_steps": s.warmup},
-            "optimizer": {"lr": LR, "weight_decay": WD, "beta1": BETAS[0], "beta2": BETAS[1]},
+            "training": training if s.defaults else
+            {**training, "device": s.device.type, "dtype": s.dtype, "compile": s.compile},
+            "schedule": {} if s.defaults else {"warmup_steps": s.warmup},
+            "optimizer": {} if s.defaults else {"lr": LR, "weight_decay": WD, "beta1": BETAS[0], "beta2": BETAS[1]},
             "eval": {"interval": 0},
             "checkpoint": {"enabled": False},
             "metrics": {"log_every": LOG_EVERY},
@@ -193,16 +205,23 @@ def run_hf(s: Setup) -> float:
     model = LlamaForCausalLM(hf_config(s.args))
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="hf-bench-") as out:
-        targs = TrainingArguments(
-            output_dir=out, per_device_train_batch_size=s.batch, max_steps=s.steps, learning_rate=LR,
-            weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1], max_grad_norm=1.0,
-            lr_scheduler_type="cosine", warmup_steps=s.warmup, logging_steps=LOG_EVERY, save_strategy="no",
-            eval_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
-            use_cpu=s.device.type == "cpu", bf16=s.dtype == "bfloat16", torch_compile=s.compile, seed=0,
-        )
+        if s.defaults:  # out of the box: only saving and reporting off (lmforge's runs save nothing either)
+            targs = TrainingArguments(output_dir=out, per_device_train_batch_size=s.batch, max_steps=s.steps,
+                                      save_strategy="no", report_to="none")
+        else:
+            targs = TrainingArguments(
+                output_dir=out, per_device_train_batch_size=s.batch, max_steps=s.steps, learning_rate=LR,
+                weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1], max_grad_norm=1.0,
+                lr_scheduler_type="cosine", warmup_steps=s.warmup, logging_steps=LOG_EVERY, save_strategy="no",
+                eval_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+                use_cpu=s.device.type == "cpu", bf16=s.dtype == "bfloat16", torch_compile=s.compile, seed=0,
+            )
         trainer = Trainer(model=model, args=targs, train_dataset=Samples(), callbacks=[StepClock()])
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             trainer.train()
+        if s.defaults:  # what the defaults trained in, for the table
+            s.hf_dtype = "bfloat16" if targs.bf16 else "float16" if targs.fp16 else "float32"
+            s.hf_optim = str(getattr(targs.optim, "value", targs.optim))
     torch.set_num_threads(threads)  # in case anything changed it
     return s.window_tokens / (stamps[s.steps] - stamps[s.warmup])
 
@@ -236,8 +255,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model override for every system, e.g. n_layers=8")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="lmforge_set",
                    help="config override for every lmforge run, e.g. metrics.tensorboard=false")
+    p.add_argument("--defaults", action="store_true",
+                   help="each system with its own defaults (lmforge: training.dtype=auto; HF: TrainingArguments)")
     p.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
     a = p.parse_args(argv)
+    if a.defaults:
+        if a.compile or a.dtype != "float32" or a.variant:
+            p.error("--defaults runs each system as it comes: no --compile, --dtype or --variant")
+        a.systems = ",".join(x for x in a.systems.split(",") if x != "bare")  # a bare loop has no defaults
     if a.warmup % LOG_EVERY or a.steps % LOG_EVERY or a.steps <= a.warmup:
         p.error(f"--warmup and --steps must be multiples of {LOG_EVERY} (lmforge log steps), steps > warmup")
     return a
@@ -254,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     dataset = PackedTokenDataset(embedded_corpus("train"), tok, a.seq_len)
     model_overrides = {k: v for k, v in (parse_overrides([f"--{m}" for m in a.model]) or {}).items()}
     setups = [Setup(size, a.seq_len, a.batch, a.steps, a.warmup, device, a.dtype, a.compile,
-                    model_args_for(size, tok.vocab_size, **model_overrides), dataset, model_overrides)
+                    model_args_for(size, tok.vocab_size, **model_overrides), dataset, model_overrides, a.defaults)
               for size in a.sizes.split(",")]
     variants = dict(v.split(":", 1) for v in a.variant)
     systems = [x for x in a.systems.split(",") if x] + [f"lmforge[{n}]" for n in variants]
@@ -276,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
                     tps = run_bare(s)
                 elif name == "hf":
                     tps = run_hf(s)
+                    dtype = s.hf_dtype or dtype
                 else:
                     over = a.lmforge_set + ([] if name == "lmforge" else variants[name[8:-1]].split(","))
                     tps, own, dtype = run_lmforge(s, over)
@@ -323,7 +349,9 @@ def main(argv: list[str] | None = None) -> None:
     settings = (f"seq_len {a.seq_len}, batch {a.batch}, {a.steps} steps per run timed from step {a.warmup}, "
                 f"{a.repeats} interleaved repeats, device {device}"
                 + (f", {torch.get_num_threads()} threads" if device.type == "cpu" else "")
-                + f", dtype {a.dtype}, compile {'on' if a.compile else 'off'}")
+                + (f", each system's defaults (lmforge training.dtype=auto; HF TrainingArguments: "
+                   f"{setups[0].hf_dtype or '-'}, optim {setups[0].hf_optim or '-'})" if a.defaults else
+                   f", dtype {a.dtype}, compile {'on' if a.compile else 'off'}"))
     body = (f"Machine: {machine(device)}. Load average before/after: {load_before} / {loadavg()}.\n\n"
             f"Settings: {settings}. Peak for MFU: {peak_source}.\n\n"
             + (f"Variants: {', '.join(f'`{k}`: `{v}`' for k, v in variants.items())}.\n\n" if variants else "")

@@ -32,6 +32,7 @@ from itertools import product
 from typing import Iterator
 
 from lmforge.models.args import ModelArgs
+from lmforge.models.layers.causal_attention import EXPLICIT_MAX_LEN
 
 __all__ = ["Layout", "MemoryEstimate", "ParamCounts", "param_counts", "block_activation_bytes", "estimate_memory",
            "candidate_layouts", "OPTIMIZERS"]
@@ -131,24 +132,27 @@ def _norm_bytes(d: int, tokens_sp: float, tokens: float, consumers: int, a: int)
 
 
 def block_activation_bytes(args: ModelArgs, layer: int, tokens: float, a: int, tp: int = 1, cp: int = 1,
-                           row: int = 0) -> float:
+                           row: int = 0, explicit_len: int = 0) -> float:
     """Bytes autograd saves for one decoder block over ``tokens`` local tokens, compute dtype of ``a``
     bytes (4 fp32, 2 bf16 autocast), heads and hidden units split over ``tp`` (sequence parallel norms).
 
     Counted from lmforge's block (models/model.py, layers/*.py): per norm see :func:`_norm_bytes`; SDPA
     (the flash kernel on CPU and GPU) saves q, k, v, its output (which ``wo`` reads as it is) and a
-    fp32 log-sum-exp per head; RoPE saves only the shared cos/sin tables (they need no gradient); the
-    gated MLP saves both projections, the activation's output and their product. Under context
-    parallelism (``cp`` ranks, rows of ``row`` tokens) attention saves the keys and values
-    gathered from every cp rank (the whole row's) and the mask in the compute dtype: SDPA turns the
-    boolean ``[B, 1, T/cp, T]`` mask into an additive one per call (measured). Qwen3's q/k norms,
+    fp32 log-sum-exp per head; the explicit bf16 attention of short sequences on a CPU
+    (``explicit_len`` keys per query, see lmforge.models.layers.causal_attention) saves q, k, v and each
+    head's bf16 probabilities over the keys instead of the log-sum-exp; RoPE saves only the shared
+    cos/sin tables (they need no gradient); the gated MLP saves both projections, the activation's
+    output and their product. Under context parallelism (``cp`` ranks, rows of ``row`` tokens) attention
+    saves the keys and values gathered from every cp rank (the whole row's) and the mask in the compute
+    dtype: SDPA turns the boolean ``[B, 1, T/cp, T]`` mask into an additive one per call (measured). Qwen3's q/k norms,
     Gemma's sandwich norms and the MoE routing are counted the same way but were not measured.
     """
     d, h, kv, hd = args.dim, args.n_heads, args.kv_heads, args.head_dim
     sp = tokens / tp
     moe = args.is_moe_layer(layer)
     total = _norm_bytes(d, sp, tokens, 3, a)  # attention_norm -> wq, wk, wv
-    total += (a * 2 * (h + kv) * hd + 4 * h) * tokens / tp
+    per_head = 2 * explicit_len if explicit_len else 4  # probabilities (bf16) or log-sum-exp (fp32)
+    total += (a * 2 * (h + kv) * hd + per_head * h) * tokens / tp
     if cp > 1:  # the other ranks' keys and values, and the additive mask [B, 1, T / cp, T]
         total += a * 2 * kv * hd * tokens * (cp - 1) / tp + a * tokens * row
     if args.qk_norm:  # the norm's input, its fp32 normalised values and output per q/k value
@@ -212,17 +216,20 @@ def estimate_memory(args: ModelArgs, layout: Layout, seq_len: int, micro_batch: 
     first pipeline stage (embedding, ``pp`` microbatches in flight under 1F1B) and the last (output
     projection and loss, one in flight). ``microbatches`` per step and rank (gradient accumulation):
     above one, the gradients of the earlier microbatches are live during each backward. ``device``
-    matters under FSDP with bf16: on ``cuda`` FSDP2 gathers bf16 parameters (its mixed-precision policy,
-    see parallel.plans.apply_fsdp), elsewhere it gathers fp32 ones and autocast saves a bf16 copy of
-    each weight, as in one process."""
+    matters under bf16: on ``cuda`` FSDP2 gathers bf16 parameters (its mixed-precision policy, see
+    parallel.plans.apply_fsdp), elsewhere it gathers fp32 ones and autocast saves a bf16 copy of each
+    weight, as in one process; on ``cpu`` the attention of short sequences runs explicitly and keeps
+    its probabilities (lmforge.models.layers.causal_attention)."""
     stages = [0, layout.pp - 1] if layout.pp > 1 else [0]
+    explicit = device == "cpu" and dtype == "bfloat16" and layout.cp == 1 and seq_len <= EXPLICIT_MAX_LEN
     return max((_stage_estimate(args, layout, s, seq_len, micro_batch, dtype, checkpointing, microbatches,
-                                optimizer, loss_chunk_tokens, device) for s in stages), key=lambda e: e.total)
+                                optimizer, loss_chunk_tokens, device, seq_len if explicit else 0) for s in stages),
+               key=lambda e: e.total)
 
 
 def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, micro_batch: int, dtype: str,
                     checkpointing: bool, microbatches: int, optimizer: str, chunk: int,
-                    device: str = "cuda") -> MemoryEstimate:
+                    device: str = "cuda", explicit_len: int = 0) -> MemoryEstimate:
     counts = param_counts(args)
     tp, pp, ep, shards = layout.tp, layout.pp, layout.ep, layout.fsdp_shards
     a = 2 if dtype == "bfloat16" else 4
@@ -245,8 +252,9 @@ def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, m
     sp = tokens / tp
     in_flight = min(pp - stage, max(microbatches, 1)) if pp > 1 else 1
     # one block's saved activations; checkpointing keeps each block's input (fp32 residual) instead
-    block = max((block_activation_bytes(args, i, tokens, a, tp, layout.cp, seq_len) for i in layers), default=0.0)
-    saved = sum(block_activation_bytes(args, i, tokens, a, tp, layout.cp, seq_len) for i in layers)
+    block = max((block_activation_bytes(args, i, tokens, a, tp, layout.cp, seq_len, explicit_len) for i in layers),
+                default=0.0)
+    saved = sum(block_activation_bytes(args, i, tokens, a, tp, layout.cp, seq_len, explicit_len) for i in layers)
     if checkpointing:
         saved = 4 * args.dim * sp * len(layers)
     weight_copies = 0.0

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmforge.models.args import ModelArgs
+from lmforge.models.layers.causal_attention import causal_attention
 from lmforge.models.layers.context_attention import ContextParallelLayout, attend_context_parallel
 from lmforge.models.layers.norm import RMSNorm
 from lmforge.models.layers.packed_attention import PackedLayout, attend_packed
@@ -80,6 +81,8 @@ def attend(
         return attend_packed(q, k, v, mask, enable_gqa, scale)
     if isinstance(mask, ContextParallelLayout):  # this rank's queries over the cp group's keys
         return attend_context_parallel(q, k, v, mask, enable_gqa, scale)
+    if mask is None and is_causal:
+        return causal_attention(q, k, v, enable_gqa, scale).transpose(1, 2)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=enable_gqa,
                                          scale=scale)
     return out.transpose(1, 2)

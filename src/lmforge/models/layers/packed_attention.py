@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lmforge.models.layers.causal_attention import causal_attention
 from lmforge.models.layers.masks import sliding_window_mask
 
 __all__ = ["LengthGroup", "PackedLayout", "attend_packed", "packed_layout"]
@@ -108,8 +109,9 @@ def attend_packed(q: Tensor, k: Tensor, v: Tensor, layout: PackedLayout, enable_
     outs = []
     for g in layout.groups:
         qg, kg, vg = (x[g.index].transpose(1, 2) for x in (q, k, v))  # [n, H, length, D]
-        out = F.scaled_dot_product_attention(
-            qg, kg, vg, attn_mask=g.mask, is_causal=g.mask is None, enable_gqa=enable_gqa, scale=scale
-        )
+        if g.mask is None:
+            out = causal_attention(qg, kg, vg, enable_gqa, scale)
+        else:
+            out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, enable_gqa=enable_gqa, scale=scale)
         outs.append(out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2]))
     return torch.cat(outs).index_select(0, layout.unpack).view(B, T, q.shape[1], q.shape[2])
