@@ -253,7 +253,10 @@ def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, m
         vocab = args.vocab_size / tp
         head_saved = (8 * args.dim + 4) * sp + 4 * args.dim * tokens + 4 * vocab * args.dim
         c = min(chunk, tokens)
-        chunk_bytes = 8 * c * vocab + ((2 * c * args.dim + 2 * vocab * args.dim) if a == 2 else 0)
+        # a chunk's fp32 logits, log-softmaxed in place (and their bf16 gradient under autocast); the
+        # vocabulary-parallel loss keeps its shifted logits beside them
+        per_value = 8 if tp > 1 else (4 if a == 4 else 6)
+        chunk_bytes = per_value * c * vocab + ((2 * c * args.dim + 2 * vocab * args.dim) if a == 2 else 0)
         loss = saved + head_saved + 8 * args.dim * tokens + chunk_bytes + INDEX_BYTES_PER_TOKEN * tokens
         backward += 4 * vocab * args.dim + INDEX_BYTES_PER_TOKEN * tokens  # the output weight's gradient
     activations = max(loss, backward)
