@@ -16,8 +16,9 @@ AdamW, no eval, no checkpoint. Settings:
 Columns: the process's peak RSS (``ru_maxrss``); the peak of live tensor bytes over the whole run
 (``lmforge.parallel.memory_probe.LiveTensorMemory`` around the CLI, the loaded weights counted as
 they arrive); peak RSS minus that (the interpreter, libraries and what the allocator keeps);
-minor page faults (what mapping buffers costs); seconds per step after the first (median; noisy on a
-shared machine); the losses of every step (equal bits across settings = same numerics).
+minor page faults and the process's system CPU seconds (what mapping buffers costs: fresh pages
+are zero-filled by the kernel; CPU time is less disturbed by other processes than wall time), user
+CPU seconds, seconds per step after the first (median; noisy on a shared machine); the losses of every step (equal bits across settings = same numerics).
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def worker(old_log_softmax: bool, argv: list[str]) -> None:
     hwm = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
                if line.startswith("VmHWM"))
     print(json.dumps({"rc": rc, "maxrss": usage.ru_maxrss * 1024, "hwm": hwm * 1024, "live_peak": tracker.peak,
-                      "minflt": usage.ru_minflt, "torch": torch.__version__}), flush=True)
+                      "minflt": usage.ru_minflt, "utime": usage.ru_utime, "stime": usage.ru_stime,
+                      "torch": torch.__version__}), flush=True)
 
 
 def run(name: str, run_dir: Path, steps: int, threads: int) -> dict:
@@ -131,12 +133,13 @@ def main() -> None:
         rs = results[n]
         rss, live = median([x["maxrss"] for x in rs]), median([x["live_peak"] for x in rs])
         rows.append([n, f"{rss / gb:.2f} ({rss / base:.2f}x)", f"{live / gb:.2f}", f"{(rss - live) / gb:.2f}",
-                     f"{median([x['minflt'] for x in rs]) / 1e6:.2f}M", f"{median([x['s_per_step'] for x in rs]):.1f}",
+                     f"{median([x['minflt'] for x in rs]) / 1e6:.2f}M", f"{median([x['stime'] for x in rs]):.1f}",
+                     f"{median([x['utime'] for x in rs]):.1f}", f"{median([x['s_per_step'] for x in rs]):.1f}",
                      " ".join(f"{v:.6f}" for v in rs[0]["losses"])])
     print(f"\n{started:%Y-%m-%d %H:%M} UTC; {machine(torch.device('cpu'))}; {a.threads} threads; "
           f"{a.steps} steps x {a.repeats} repeats; load {load0} / {loadavg()}\n")
     print(markdown_table(["setting", "peak RSS GB", "peak live tensors GB", "RSS - live GB", "minor faults",
-                          "s/step", "losses"], rows))
+                          "system CPU s", "user CPU s", "s/step", "losses"], rows))
 
 
 if __name__ == "__main__":

@@ -193,18 +193,19 @@ def _optimizer_bytes(args: ModelArgs, counts: ParamCounts, name: str) -> float:
 
 def estimate_memory(args: ModelArgs, layout: Layout, seq_len: int, micro_batch: int, dtype: str = "float32",
                     checkpointing: bool = False, *, microbatches: int = 1, optimizer: str = "adamw",
-                    loss_chunk_tokens: int = 1024) -> MemoryEstimate:
+                    loss_chunk_tokens: int = 1024, device: str = "cuda") -> MemoryEstimate:
     """Peak bytes per device of one train step of ``args`` laid out as ``layout``: the larger of the
     first pipeline stage (embedding, ``pp`` microbatches in flight under 1F1B) and the last (output
     projection and loss, one in flight). ``microbatches`` per step and rank (gradient accumulation):
-    above one, the gradients of the earlier microbatches are live during each backward."""
+    above one, the gradients of the earlier microbatches are live during each backward. ``device``:
+    ``cpu`` or an accelerator (the loss's log-softmax is in place on a CPU only)."""
     stages = [0, layout.pp - 1] if layout.pp > 1 else [0]
     return max((_stage_estimate(args, layout, s, seq_len, micro_batch, dtype, checkpointing, microbatches,
-                                optimizer, loss_chunk_tokens) for s in stages), key=lambda e: e.total)
+                                optimizer, loss_chunk_tokens, device) for s in stages), key=lambda e: e.total)
 
 
 def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, micro_batch: int, dtype: str,
-                    checkpointing: bool, microbatches: int, optimizer: str, chunk: int) -> MemoryEstimate:
+                    checkpointing: bool, microbatches: int, optimizer: str, chunk: int, device: str) -> MemoryEstimate:
     counts = param_counts(args)
     tp, pp, ep, shards = layout.tp, layout.pp, layout.ep, layout.fsdp_shards
     a = 2 if dtype == "bfloat16" else 4
@@ -253,9 +254,9 @@ def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, m
         vocab = args.vocab_size / tp
         head_saved = (8 * args.dim + 4) * sp + 4 * args.dim * tokens + 4 * vocab * args.dim
         c = min(chunk, tokens)
-        # a chunk's fp32 logits, log-softmaxed in place (and their bf16 gradient under autocast); the
-        # vocabulary-parallel loss keeps its shifted logits beside them
-        per_value = 8 if tp > 1 else (4 if a == 4 else 6)
+        # a chunk's fp32 logits and their log-softmax (on a CPU written over them; the vocabulary-parallel
+        # loss keeps its shifted logits beside them), and under autocast the chunk's bf16 gradient
+        per_value = 8 if tp > 1 or device != "cpu" else (4 if a == 4 else 6)
         chunk_bytes = per_value * c * vocab + ((2 * c * args.dim + 2 * vocab * args.dim) if a == 2 else 0)
         loss = saved + head_saved + 8 * args.dim * tokens + chunk_bytes + INDEX_BYTES_PER_TOKEN * tokens
         backward += 4 * vocab * args.dim + INDEX_BYTES_PER_TOKEN * tokens  # the output weight's gradient

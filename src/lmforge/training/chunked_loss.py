@@ -68,8 +68,11 @@ def _chunk_logits(h: Tensor, w: Tensor, temperature: float) -> Tensor:
 
 
 def _log_softmax_(z: Tensor) -> Tensor:
-    """``log_softmax(z, -1)`` written over ``z`` (fp32, owned by the caller): the same kernel and bits as
-    ``F.log_softmax``, without a second chunk-sized buffer (at a 49k vocabulary, 1024 rows are 0.2 GB)."""
+    """``log_softmax(z, -1)`` written over ``z`` (fp32, owned by the caller) on a CPU: the same kernel and
+    bits as ``F.log_softmax``, without a second chunk-sized buffer (at a 49k vocabulary, 1024 rows are
+    0.2 GB). Elsewhere out of place: the in-place use of the private kernel is checked on CPUs only."""
+    if z.device.type != "cpu":
+        return F.log_softmax(z, dim=-1)
     return torch._log_softmax(z, -1, False, out=z)
 
 
