@@ -8,10 +8,11 @@ package (dequantized to fp32), the published tokenizer, the fixture chats
 (tests/fixtures/data/fastchat_identity_multiturn.jsonl), 8 x 256 packed tokens per step, fp32,
 AdamW, no eval, no checkpoint. Settings:
 
-* ``before``: glibc's default heap (``--training.release_host_memory=false``) and the loss's
-  out-of-place log-softmax (the code before the change, patched back in by this script);
-* ``log_softmax``: only the in-place log-softmax of the chunked loss;
-* ``after``: the defaults (large buffers mapped and returned, in-place log-softmax).
+* ``before``: the defaults with the loss's out-of-place log-softmax patched back in (the code before
+  the change);
+* ``after``: the defaults (the chunked loss log-softmaxes in place on a CPU);
+* ``after+release``: also ``--training.release_host_memory=true`` (large buffers mapped and returned
+  to the OS when freed, see ``lmforge.training.host_memory``).
 
 Columns: the process's peak RSS (``ru_maxrss``); the peak of live tensor bytes over the whole run
 (``lmforge.parallel.memory_probe.LiveTensorMemory`` around the CLI, the loaded weights counted as
@@ -36,9 +37,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, loadavg, machine, markdown_table, median  # noqa: E402
 
-SETTINGS = {"before": (["--training.release_host_memory=false"], True),
-            "log_softmax": (["--training.release_host_memory=false"], False),
-            "after": ([], False)}
+SETTINGS = {"before": ([], True),
+            "after": ([], False),
+            "after+release": (["--training.release_host_memory=true"], False)}
 """name -> (extra CLI arguments, restore the out-of-place log-softmax)."""
 TOKENIZER = "tests/fixtures/tokenizers/smollm2-135m-instruct"
 DATA = "tests/fixtures/data/fastchat_identity_multiturn.jsonl"

@@ -5,13 +5,16 @@ mapping of its own, unmapped when freed; anything smaller comes from a heap (an 
 which keeps what is freed for reuse. The threshold starts at 128 KiB but is *dynamic*: each freed
 mapping raises it to that mapping's size, up to 32 MiB. So after the first frees of a train step,
 the activation-sized buffers (a [2048, 576] fp32 tensor is 4.7 MB) all come from the heap, and at the
-step's peak the holes between live tensors there are resident memory that no tensor uses: 0.6 GB of
-the 5.9 GB peak RSS of a SmolLM2-135M SFT step of 8 x 256 tokens in fp32 (``bench/sft_memory.py``).
+step's peak the holes between live tensors there are resident memory that no tensor uses: about 0.5 GB
+of the 5.85 GB peak RSS of a SmolLM2-135M SFT step of 8 x 256 tokens in fp32 (``bench/sft_memory.py``),
+and between steps the heap holds some 3 GB that no tensor uses.
 
 :func:`map_large_buffers` fixes the threshold (``mallopt(M_MMAP_THRESHOLD)``, which also turns the
 dynamic adjustment off): every buffer of 1 MiB or more is its own mapping and goes back to the OS when
 freed, so resident memory follows the live tensors. The price is that a new buffer's pages are
-zero-filled on first touch instead of being reused warm. Numerics are unaffected. Nothing is changed
+zero-filled by the kernel on first touch instead of being reused warm: on that SFT step 6x the minor
+page faults and about 3 s more system CPU time per step (hence ``training.release_host_memory`` is
+opt-in: worth it where memory, not time, is short). Numerics are unaffected. Nothing is changed
 where the user set ``MALLOC_MMAP_THRESHOLD_`` (their choice wins), nor off glibc (macOS, musl).
 """
 

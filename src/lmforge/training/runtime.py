@@ -249,7 +249,7 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
     run = RunDir(cfg.run.dir)
     claim_run_dir(run.root, info.is_main)
     torch.manual_seed(cfg.training.seed)
-    host_memory = map_large_buffers() if cfg.training.release_host_memory else "off (training.release_host_memory)"
+    host_memory = map_large_buffers() if cfg.training.release_host_memory else "off"
     loaded = build_model(cfg)
     if cfg.training.release_host_memory:
         trim()  # what loading freed (a GGUF's dequantization buffers, a state dict's renamed copies)
