@@ -219,7 +219,7 @@ def estimate_memory(args: ModelArgs, layout: Layout, seq_len: int, micro_batch: 
     matters under bf16: on ``cuda`` FSDP2 gathers bf16 parameters (its mixed-precision policy, see
     parallel.plans.apply_fsdp), elsewhere it gathers fp32 ones and autocast saves a bf16 copy of each
     weight, as in one process; on ``cpu`` the attention of short sequences runs explicitly and keeps
-    its probabilities (lmforge.models.layers.causal_attention)."""
+    its probabilities (lmforge.models.layers.causal_attention), and the loss's log-softmax is in place."""
     stages = [0, layout.pp - 1] if layout.pp > 1 else [0]
     explicit = device == "cpu" and dtype == "bfloat16" and layout.cp == 1 and seq_len <= EXPLICIT_MAX_LEN
     return max((_stage_estimate(args, layout, s, seq_len, micro_batch, dtype, checkpointing, microbatches,
@@ -284,7 +284,10 @@ def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, m
         vocab = args.vocab_size / tp
         head_saved = (8 * args.dim + 4) * sp + 4 * args.dim * tokens + 4 * vocab * args.dim
         c = min(chunk, tokens)
-        chunk_bytes = 8 * c * vocab + ((2 * c * args.dim + 2 * vocab * args.dim) if a == 2 else 0)
+        # a chunk's fp32 logits and their log-softmax (on a CPU written over them; the vocabulary-parallel
+        # loss keeps its shifted logits beside them), and under autocast the chunk's bf16 gradient
+        per_value = 8 if tp > 1 or device != "cpu" else (4 if a == 4 else 6)
+        chunk_bytes = per_value * c * vocab + ((2 * c * args.dim + 2 * vocab * args.dim) if a == 2 else 0)
         loss = saved + head_saved + 8 * args.dim * tokens + chunk_bytes + INDEX_BYTES_PER_TOKEN * tokens
         backward += 4 * vocab * args.dim + INDEX_BYTES_PER_TOKEN * tokens  # the output weight's gradient
     activations = max(loss, backward)

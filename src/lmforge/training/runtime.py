@@ -40,6 +40,7 @@ from lmforge.models.tokenizer import Tokenizer
 from lmforge.parallel import ParallelDims, ParallelOptions, parallelize_decoder
 from lmforge.parallel.dims import sub_mesh
 from lmforge.parallel.layout_checks import check_layout, check_same_layout_on_every_rank
+from lmforge.training.host_memory import map_large_buffers, trim
 from lmforge.training.precision import choose_dtype
 from lmforge.training.startup_checks import check_fresh_start, check_resume_compatible
 from lmforge.training.optimizers import check_optimizer, make_optimizer
@@ -249,7 +250,10 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
     run = RunDir(cfg.run.dir)
     claim_run_dir(run.root, info.is_main)
     torch.manual_seed(cfg.training.seed)
+    host_memory = map_large_buffers() if cfg.training.release_host_memory else "off"
     loaded = build_model(cfg)
+    if cfg.training.release_host_memory:
+        trim()  # what loading freed (a GGUF's dequantization buffers, a state dict's renamed copies)
     model, args = loaded.model, loaded.args
     description = loaded.description()
     adapter_params = None
@@ -288,7 +292,7 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
         "peak_tflops_per_device": peak / 1e12, "peak_source": peak_src,
         "world_size": info.world_size, "device": str(info.device), "parallel": dims.kind,
         "mesh": dims.describe_mesh(), "dtype": dtype, "dtype_reason": dtype_why,
-        "optimizer": cfg.optimizer.name, "activation_offload": _offload_note(cfg, info.device), "threads": torch.get_num_threads(), "run_dir": str(run.root),
+        "optimizer": cfg.optimizer.name, "activation_offload": _offload_note(cfg, info.device), "host_memory": host_memory, "threads": torch.get_num_threads(), "run_dir": str(run.root),
     }, cfg.to_toml())
     return Runtime(cfg=cfg, dist=info, dims=dims, mesh=mesh, tokenizer=loaded.tokenizer, model_args=args,
                    spec=spec, raw_model=model, model=wrapped, optimizer=optimizer, metrics=metrics,
