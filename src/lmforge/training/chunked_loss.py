@@ -186,10 +186,16 @@ class _ChunkedLogprobSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_total: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
-        saved = iter(ctx.saved_tensors)
-        grad_h = next(saved) * grad_total if ctx.has[0] else None
-        grad_w = (next(saved) * grad_total).to(ctx.weight_dtype) if ctx.has[1] else None
-        return grad_h, grad_w, None, None, None
+        return (*precomputed_grads(ctx, grad_total), None, None, None)
+
+
+def precomputed_grads(ctx: Any, grad_total: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """The backward of a log-prob sum whose forward already computed d/dhidden and d/dweight (saved in
+    that order, ``ctx.has`` saying which): both scaled by the upstream gradient of the sum."""
+    saved = iter(ctx.saved_tensors)
+    grad_h = next(saved) * grad_total if ctx.has[0] else None
+    grad_w = (next(saved) * grad_total).to(ctx.weight_dtype) if ctx.has[1] else None
+    return grad_h, grad_w
 
 
 def chunked_target_logprob_sum(hidden: Tensor, weight: Tensor, targets: Tensor, *,

@@ -3,9 +3,9 @@
 On a GPU with bf16 support bf16 autocast is always the faster choice. On a CPU it depends on the
 model: bf16 matmuls only pay off when the CPU has native bf16 instructions (AVX512-BF16 or AMX) and
 the matmuls are large enough for them to outweigh the casts autocast adds around every op. Measured
-on a 2-core AVX512-BF16 CPU (docs/performance.md), bf16 ran a step at 0.58x the fp32 speed for the
-``debug`` model (0.8M non-embedding parameters) and 1.9x for ``small`` (6.5M), so the CPU rule is a
-parameter threshold between the two.
+on a 2-core AVX512-BF16 CPU (docs/performance.md, 2026-11-30, before bf16 attention on CPU ran as
+explicit matmuls), bf16 ran a step at 0.58x the fp32 speed for the ``debug`` model (0.8M non-embedding
+parameters) and 1.9x for ``small`` (6.5M), so the CPU rule is a parameter threshold between the two.
 """
 
 from __future__ import annotations

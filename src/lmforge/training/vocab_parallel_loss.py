@@ -144,10 +144,9 @@ class _VocabParallelLogprobSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_total: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
-        saved = iter(ctx.saved_tensors)
-        grad_h = next(saved) * grad_total if ctx.has[0] else None
-        grad_w = (next(saved) * grad_total).to(ctx.weight_dtype) if ctx.has[1] else None
-        return grad_h, grad_w, None, None, None, None, None
+        from lmforge.training.chunked_loss import precomputed_grads  # (that module imports this one)
+
+        return (*precomputed_grads(ctx, grad_total), None, None, None, None, None)
 
 
 class _VocabParallelLogprobs(torch.autograd.Function):
