@@ -39,7 +39,7 @@ from typing import Any
 from common import ROOT, cpu_name, loadavg, markdown_table
 
 sys.path.insert(0, str(ROOT / "tests"))
-from _helpers import write_fault_runner  # noqa: E402  (the test fault runner: simulated ENOSPC)
+from _helpers import child_pids, write_fault_runner  # noqa: E402  (the test fault runner: simulated ENOSPC)
 
 from lmforge.metrics.records import iter_records, last_logged_step  # noqa: E402
 
@@ -124,18 +124,6 @@ class Round:
     result: str = ""
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
 def _train_count(run: Path) -> int:
     return sum(1 for _ in iter_records(run, "train"))
 
@@ -160,7 +148,7 @@ def run_attempt(cmd: list[str], run: Path, log: Path, a: Attempt, disk: Disk, np
                 first = time.time()
             if first is not None and time.time() >= first + a.delay:
                 a.injected = True
-                workers = _children(proc.pid) if nproc > 1 else [proc.pid]
+                workers = child_pids(proc.pid) if nproc > 1 else [proc.pid]
                 if a.kind == "kill":
                     os.kill(rng.choice(workers), signal.SIGKILL)
                 elif a.kind == "term":  # what a scheduler does to every process of a preempted job

@@ -183,6 +183,19 @@ def torchrun(*args: str | Path, nproc: int = 2, max_restarts: int = 0, timeout: 
                           text=True, timeout=timeout, cwd=REPO, env=cli_env(extra_env))
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (torchrun's workers), from /proc."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
 def tail(proc: subprocess.CompletedProcess, n: int = 4000) -> str:
     return proc.stdout[-n:] + "\n---stderr---\n" + proc.stderr[-n:]
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import (STEPS, assert_losses_match, cli_env, losses, run_lmforge, tail, tiny_run_args, torchrun,
-                      torchrun_cmd)
+from _helpers import (STEPS, assert_losses_match, child_pids, cli_env, losses, run_lmforge, tail, tiny_run_args,
+                      torchrun, torchrun_cmd)
 from lmforge.metrics.records import iter_records, read_records
 from lmforge.checkpoint.checkpointer import Checkpointer
 from lmforge.config import validate_config
@@ -121,18 +121,6 @@ def test_metrics_record_restarts_lost_steps_and_recovery(faulted):
           f"lost steps {first['lost_steps']} and {second['lost_steps']}, whole job {wall:.1f} s")
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
 def test_sigterm_makes_every_rank_save_and_exit_cleanly_then_resume(tmp_path, corpus):
     run = tmp_path / "preempted"
     cmd = torchrun_cmd("elastic", *tiny_run_args(corpus, training_micro_batch_size=4, training_steps=100000),
@@ -143,7 +131,7 @@ def test_sigterm_makes_every_rank_save_and_exit_cleanly_then_resume(tmp_path, co
         while time.time() < deadline and len(_train_steps(run)) < 3:
             time.sleep(0.2)
         assert len(_train_steps(run)) >= 3, "the run did not start"
-        workers = _children(agent.pid)
+        workers = child_pids(agent.pid)
         assert len(workers) == 2
         for pid in workers:  # what a scheduler does to every process of a preempted job
             os.kill(pid, signal.SIGTERM)
