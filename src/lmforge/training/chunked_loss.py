@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lmforge.training.loss_grads import add_weight_grad, precomputed_grads, save_precomputed_grads
 from lmforge.training.vocab_parallel_loss import (
     gathered_hidden,
     is_vocab_sharded,
@@ -127,10 +128,8 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
                 grad_z = grad_z.to(cdtype)
                 if grad_h is not None:
                     grad_h[s:s + chunk] = grad_z @ w
-                if grad_w is not None and cdtype == torch.float32:
-                    grad_w.addmm_(grad_z.t(), h)
-                elif grad_w is not None:  # low-precision matmul as autocast's Linear, summed in fp32
-                    grad_w.add_(grad_z.t() @ h)
+                if grad_w is not None:
+                    add_weight_grad(grad_w, grad_z, h, cdtype)
                 del grad_z
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None)
 
@@ -172,30 +171,17 @@ class _ChunkedLogprobSum(torch.autograd.Function):
                     grad_z = grad_z.to(cdtype)
                     if grad_h is not None:
                         grad_h[s:s + chunk] = grad_z @ w
-                    if grad_w is not None and cdtype == torch.float32:
-                        grad_w.addmm_(grad_z.t(), h)
-                    elif grad_w is not None:
-                        grad_w.add_(grad_z.t() @ h)
+                    if grad_w is not None:
+                        add_weight_grad(grad_w, grad_z, h, cdtype)
                     del grad_z
                 del logp_all
-        ctx.save_for_backward(*(g for g in (grad_h, grad_w) if g is not None))
-        ctx.has = (grad_h is not None, grad_w is not None)
-        ctx.weight_dtype = weight.dtype
+        save_precomputed_grads(ctx, grad_h, grad_w, weight.dtype)
         ctx.mark_non_differentiable(hits)
         return total, hits
 
     @staticmethod
     def backward(ctx: Any, grad_total: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
         return (*precomputed_grads(ctx, grad_total), None, None, None)
-
-
-def precomputed_grads(ctx: Any, grad_total: Tensor) -> tuple[Tensor | None, Tensor | None]:
-    """The backward of a log-prob sum whose forward already computed d/dhidden and d/dweight (saved in
-    that order, ``ctx.has`` saying which): both scaled by the upstream gradient of the sum."""
-    saved = iter(ctx.saved_tensors)
-    grad_h = next(saved) * grad_total if ctx.has[0] else None
-    grad_w = (next(saved) * grad_total).to(ctx.weight_dtype) if ctx.has[1] else None
-    return grad_h, grad_w
 
 
 def chunked_target_logprob_sum(hidden: Tensor, weight: Tensor, targets: Tensor, *,

@@ -24,6 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from lmforge.training.loss_grads import add_weight_grad, precomputed_grads, save_precomputed_grads
+
 __all__ = ["gathered_hidden", "is_vocab_sharded", "vocab_parallel_logprob_sum", "vocab_parallel_logprobs"]
 
 
@@ -102,13 +104,6 @@ def _local_grad_z(z: Tensor, lse: Tensor, y: Tensor, offset: int, g: Tensor) -> 
     return grad_z.scatter_add_(-1, idx, torch.where(owned, g, torch.zeros_like(g)).unsqueeze(-1))
 
 
-def _add_weight_grad(grad_w: Tensor, grad_z: Tensor, h: Tensor, cdtype: torch.dtype) -> None:
-    if cdtype == torch.float32:
-        grad_w.addmm_(grad_z.t(), h)
-    else:  # low-precision matmul as autocast's Linear, summed in fp32
-        grad_w.add_(grad_z.t() @ h)
-
-
 class _VocabParallelLogprobSum(torch.autograd.Function):
     """``sum_i log p(y_i)`` with the gradients computed in the forward (as ``_ChunkedLogprobSum``)."""
 
@@ -133,19 +128,15 @@ class _VocabParallelLogprobSum(torch.autograd.Function):
                     if grad_h is not None:
                         grad_h[s:s + chunk] = grad_z @ w
                     if grad_w is not None:
-                        _add_weight_grad(grad_w, grad_z, h, cdtype)
+                        add_weight_grad(grad_w, grad_z, h, cdtype)
                     del grad_z
                 del z
-        ctx.save_for_backward(*(g for g in (grad_h, grad_w) if g is not None))
-        ctx.has = (grad_h is not None, grad_w is not None)
-        ctx.weight_dtype = w_local.dtype
+        save_precomputed_grads(ctx, grad_h, grad_w, w_local.dtype)
         ctx.mark_non_differentiable(hits)
         return total, hits
 
     @staticmethod
     def backward(ctx: Any, grad_total: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
-        from lmforge.training.chunked_loss import precomputed_grads  # (that module imports this one)
-
         return (*precomputed_grads(ctx, grad_total), None, None, None, None, None)
 
 
@@ -194,7 +185,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                 if grad_h is not None:
                     grad_h[s:s + chunk] = grad_z @ w
                 if grad_w is not None:
-                    _add_weight_grad(grad_w, grad_z, h, cdtype)
+                    add_weight_grad(grad_w, grad_z, h, cdtype)
                 del grad_z, z
         return (grad_h, None if grad_w is None else grad_w.to(w_local.dtype),) + (None,) * 7
 
