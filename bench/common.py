@@ -9,7 +9,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -50,6 +50,13 @@ def machine(device: torch.device) -> str:
         pass
     parts.append(f"Python {platform.python_version()}")
     return ", ".join(parts)
+
+
+def interleaved(names: list[str], repeats: int) -> Iterator[tuple[int, str]]:
+    """(repeat, name) in rotated order (A B C, B C A, ...): a shared machine's drift hits every one alike."""
+    for r in range(repeats):
+        for i in range(len(names)):
+            yield r, names[(r + i) % len(names)]
 
 
 def median(xs: list[float]) -> float:

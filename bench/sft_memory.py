@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, loadavg, machine, markdown_table, median  # noqa: E402
+from common import ROOT, interleaved, loadavg, machine, markdown_table, median  # noqa: E402
 
 SETTINGS = {"before": ([], True),
             "after": ([], False),
@@ -122,11 +122,9 @@ def main() -> None:
     started, load0 = datetime.datetime.now(datetime.timezone.utc), loadavg()
     results: dict[str, list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(a.repeats):  # interleaved: a shared machine's drift hits every setting alike
-            for i in range(len(names)):
-                name = names[(r + i) % len(names)]
-                results[name].append(run(name, Path(tmp) / f"{name}-{r}", a.steps, a.threads))
-                print(f"  {name} repeat {r + 1}: {json.dumps(results[name][-1])}", flush=True)
+        for r, name in interleaved(names, a.repeats):
+            results[name].append(run(name, Path(tmp) / f"{name}-{r}", a.steps, a.threads))
+            print(f"  {name} repeat {r + 1}: {json.dumps(results[name][-1])}", flush=True)
     gb = 1e9
     base = median([x["maxrss"] for x in results[names[0]]])
     rows = []

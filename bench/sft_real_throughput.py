@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, loadavg, machine, markdown_table, median  # noqa: E402
+from common import ROOT, interleaved, loadavg, machine, markdown_table, median  # noqa: E402
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENIZER = ROOT / "tests/fixtures/tokenizers/smollm2-135m-instruct"
@@ -159,12 +159,10 @@ def main() -> None:
     started, load0 = datetime.datetime.now(datetime.timezone.utc), loadavg()
     timed: dict[str, list[float]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(a.repeats):  # interleaved: a shared machine's drift hits every system alike
-            for i in range(len(names)):
-                name = names[(r + i) % len(names)]
-                res = run(name, steps, a.threads, Path(tmp) / f"{name}-{r}")
-                timed[name] += res["times"][a.warmup:steps]
-                print(f"  {name} repeat {r + 1} (load {loadavg()}): {json.dumps(res)}", flush=True)
+        for r, name in interleaved(names, a.repeats):
+            res = run(name, steps, a.threads, Path(tmp) / f"{name}-{r}")
+            timed[name] += res["times"][a.warmup:steps]
+            print(f"  {name} repeat {r + 1} (load {loadavg()}): {json.dumps(res)}", flush=True)
     sps = {n: median(t) for n, t in timed.items()}
     tps = {n: ROWS * SEQ / s for n, s in sps.items()}
     rows = []

@@ -85,22 +85,26 @@ def _run(pipeline: Pipeline, train: bool, microbatches: list[Any], loss_fn: Loss
     if pipeline.has_last_stage:
         for i in range(len(microbatches)):
             totals = accumulate(totals, sink[i])
-    return _shared_structure(pipeline, totals)
+    return _shared_structure(pipeline, totals, train)
 
 
-def _shared_structure(pipeline: Pipeline, totals: LossStats | None) -> LossStats:
+def _shared_structure(pipeline: Pipeline, totals: LossStats | None, train: bool) -> LossStats:
     """The last stage's ``totals`` on every rank of the pipeline (its structure, then its values, sent
     from the last stage over the pipeline group), so that the loss and counts are summed over the data
-    group like any other step's, and rank 0 (a first-stage rank) logs them."""
+    group like any other step's, and rank 0 (a first-stage rank) logs them. An objective's statistics
+    keep one structure, so it is sent once (per train and eval) and the values in one tensor after."""
     import torch.distributed as dist
 
-    spec = None
-    if totals is not None:
-        spec = [(t.shape, t.dtype) for t in (totals.loss_sum, totals.loss_weight, totals.target_tokens)]
-        spec.append({k: (v.shape, v.dtype) for k, v in sorted(totals.sums.items())})
-    box = [spec]
-    dist.broadcast_object_list(box, src=pipeline.last_stage_rank, group=pipeline.group, device=pipeline.device)
-    *heads, sums = box[0]
+    cache = pipeline.__dict__.setdefault("stats_structure", {})
+    if train not in cache:
+        spec = None
+        if totals is not None:
+            spec = [(t.shape, t.dtype) for t in (totals.loss_sum, totals.loss_weight, totals.target_tokens)]
+            spec.append({k: (v.shape, v.dtype) for k, v in sorted(totals.sums.items())})
+        box = [spec]
+        dist.broadcast_object_list(box, src=pipeline.last_stage_rank, group=pipeline.group, device=pipeline.device)
+        cache[train] = box[0]
+    *heads, sums = cache[train]
     shapes = [*heads, *sums.values()]
     if totals is not None:
         parts = [totals.loss_sum, totals.loss_weight, totals.target_tokens, *(totals.sums[k] for k in sums)]
