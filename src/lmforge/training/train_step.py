@@ -25,6 +25,7 @@ from torch import nn
 
 from lmforge import distributed as dist_utils
 from lmforge.data.packing import Batch
+from lmforge.parallel.pipeline import Pipeline
 from lmforge.training.stats import LossStats, accumulate
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -72,7 +73,7 @@ def gradient_computation(
 
 def is_pipeline(model: nn.Module) -> bool:
     """``model`` is this rank's stages of a pipeline (``parallel.pp`` > 1)."""
-    return type(model).__name__ == "Pipeline" and hasattr(model, "parts")
+    return isinstance(model, Pipeline)
 
 
 def global_target_count(microbatches: list[Batch]) -> torch.Tensor:
