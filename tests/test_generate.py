@@ -170,7 +170,7 @@ def test_rollout_truncation_uses_every_stop_id_and_warns_once():
 
     def rollout(policy):
         return collect_rollout(policy, [{"prompt": "a"}, {"prompt": "b"}], [[1, 2], [3]], reward, s,
-                               stop_ids=[7, 9], pad_id=PAD, decode=str, generator=torch.Generator().manual_seed(0),
+                               stop_ids=[7, 9], pad_id=PAD, decode=str, seed=0,
                                reference=None, autocast=nullcontext())
 
     # The second stop id ends every completion: nothing is truncated and every completion is in the loss.

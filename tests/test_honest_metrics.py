@@ -89,7 +89,7 @@ def test_grpo_step_flops_match_flop_counter(tiny):
     reward = WeightedReward("length", lambda prompts, completions, **kw: [float(len(c)) for c in completions], 1.0)
     gen = torch.Generator().manual_seed(3)
     rollout = collect_rollout(model, [{"prompt": "a"}, {"prompt": "b"}], prompts, [reward], settings,
-                              stop_ids=[1, 2, 3], pad_id=0, decode=lambda ids: "x" * len(ids), generator=gen,
+                              stop_ids=[1, 2, 3], pad_id=0, decode=lambda ids: "x" * len(ids), seed=3,
                               reference=None, autocast=nullcontext())
     rows = [row for b in rollout.batches for row in b.input_ids]
     assert len(set(rollout.sequence_lengths)) > 1, "the test needs completions of different lengths"

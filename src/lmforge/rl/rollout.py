@@ -22,7 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from lmforge import distributed as dist_utils
-from lmforge.models.generate import generate
+from lmforge.rl.engines.base import Completion, RolloutEngine, SamplingSettings
+from lmforge.rl.engines.lmforge_engine import LmforgeEngine
 from lmforge.objectives.grpo import AdvantageScale, PolicyBatch, group_advantages, token_logprobs
 from lmforge.rl.rewards import WeightedReward, score_completions
 from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS
@@ -118,6 +119,10 @@ class SampledGroups:
     per_function: dict[str, list[float]]
     gen_seconds: float = 0.0
     """Time spent in ``generate`` (scoring excluded)."""
+    logprobs: list[list[float]] | None = None
+    """Per completion: the engine's log-probs of its sampled tokens (None: not asked for)."""
+    version: int = 0
+    """Optimizer steps the weights that sampled these groups had taken (for staleness)."""
 
     def __len__(self) -> int:
         return len(self.records)
@@ -134,12 +139,17 @@ class SampledGroups:
         pick = lambda xs: [xs[r] for r in rows]  # noqa: E731
         return SampledGroups(G, [self.records[i] for i in groups], [self.prompt_ids[i] for i in groups],
                              pick(self.completion_ids), pick(self.prompts), pick(self.completions),
-                             pick(self.truncated), pick(self.total), {k: pick(v) for k, v in self.per_function.items()})
+                             pick(self.truncated), pick(self.total), {k: pick(v) for k, v in self.per_function.items()},
+                             logprobs=None if self.logprobs is None else pick(self.logprobs), version=self.version)
 
     @staticmethod
     def concat(parts: Sequence["SampledGroups"], group_size: int) -> "SampledGroups":
-        out = SampledGroups(group_size, [], [], [], [], [], [], [], {})
+        out = SampledGroups(group_size, [], [], [], [], [], [], [], {},
+                            logprobs=[] if parts and all(p.logprobs is not None for p in parts) else None,
+                            version=min((p.version for p in parts), default=0))
         for p in parts:
+            if out.logprobs is not None:
+                out.logprobs += p.logprobs  # type: ignore[operator]
             out.records += p.records
             out.prompt_ids += p.prompt_ids
             out.completion_ids += p.completion_ids
@@ -153,38 +163,37 @@ class SampledGroups:
 
 
 def sample_groups(
-    policy: nn.Module, records: Sequence[dict[str, Any]], prompt_ids: Sequence[list[int]],
-    rewards: Sequence[WeightedReward], s: RolloutSettings, *, stop_ids: Sequence[int], pad_id: int,
-    decode: Callable[[list[int]], str], generator_for: Callable[[int], torch.Generator], autocast: Any,
-    prompt_field: str = "prompt", lockstep: bool = False,
+    engine: RolloutEngine, records: Sequence[dict[str, Any]], prompt_ids: Sequence[list[int]],
+    rewards: Sequence[WeightedReward], s: RolloutSettings, *, stop_ids: Sequence[int],
+    decode: Callable[[list[int]], str], seed_for: Callable[[int], int], prompt_field: str = "prompt",
+    engine_logprobs: bool = False,
 ) -> SampledGroups:
-    """G completions for each of ``records``, scored by ``rewards``.
+    """G completions for each of ``records`` from ``engine``, scored by ``rewards``.
 
-    Prompts go to ``generate`` ``prompts_per_generation`` at a time; the k-th call samples with
-    ``generator_for(k * prompts_per_generation)`` (the trainer seeds it from the global position of
-    the call's first prompt, so the same prompts draw the same completions at any world size).
-    ``lockstep`` makes every rank decode until all ranks are done (see ``generate``).
+    Prompts go to the engine ``prompts_per_generation`` at a time; the k-th call samples with seed
+    ``seed_for(k * prompts_per_generation)`` (the trainer derives it from the global position of the
+    call's first prompt, so the same prompts draw the same completions at any world size).
+    ``engine_logprobs``: keep the engine's log-probs of the sampled tokens (the behaviour policy's).
     """
     G = s.num_generations
     per_call = s.prompts_per_generation or len(prompt_ids)
-    completion_ids: list[list[int]] = []
+    sampling = SamplingSettings(s.max_new_tokens, s.temperature, s.top_p, tuple(stop_ids))
+    completions_out: list[Completion] = []
     t0 = time.perf_counter()
     for lo in range(0, len(prompt_ids), per_call):
         rows = [list(p) for p in prompt_ids[lo:lo + per_call] for _ in range(G)]
-        with autocast:
-            completion_ids += generate(policy, rows, s.max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,
-                                       temperature=s.temperature, top_p=s.top_p, generator=generator_for(lo),
-                                       lockstep=lockstep)
+        completions_out += engine.generate(rows, sampling, seed=seed_for(lo), logprobs=engine_logprobs)
     gen_seconds = time.perf_counter() - t0
-    stops = set(stop_ids)
-    truncated = [len(c) >= s.max_new_tokens and c[-1] not in stops for c in completion_ids]
+    completion_ids = [c.token_ids for c in completions_out]
+    truncated = [c.truncated(sampling) for c in completions_out]
     completions = [decode(c) for c in completion_ids]
     prompts = [rec[prompt_field] for rec in records for _ in range(G)]
     fields = {k: [rec.get(k) for rec in records for _ in range(G)] for k in records[0] if k != prompt_field}
     fields["completion_length"] = [len(c) for c in completion_ids]
     scores = score_completions(rewards, prompts, completions, fields)
+    logprobs = [list(c.logprobs or []) for c in completions_out] if engine_logprobs else None
     return SampledGroups(G, list(records), [list(p) for p in prompt_ids], completion_ids, prompts, completions,
-                         truncated, scores.total, scores.per_function, gen_seconds)
+                         truncated, scores.total, scores.per_function, gen_seconds, logprobs)
 
 
 def build_rollout(
@@ -207,7 +216,9 @@ def build_rollout(
         if s.need_old_logprobs:
             with autocast:
                 mb.old_logprobs = token_logprobs(policy, mb, s.temperature, s.chunk_tokens)
-        if s.need_rollout_logprobs:
+        if groups.logprobs is not None:
+            mb.rollout_logprobs = dense_logprobs(rows[start:end], groups.logprobs[start:end], mb.targets.shape, device)
+        elif s.need_rollout_logprobs:
             with rollout_autocast if rollout_autocast is not None else autocast:
                 mb.rollout_logprobs = token_logprobs(policy, mb, s.temperature, s.chunk_tokens)
         if reference is not None:
@@ -226,17 +237,20 @@ def build_rollout(
 def collect_rollout(
     policy: nn.Module, records: Sequence[dict[str, Any]], prompt_ids: Sequence[list[int]],
     rewards: Sequence[WeightedReward], s: RolloutSettings, *, stop_ids: Sequence[int], pad_id: int,
-    decode: Callable[[list[int]], str], generator: torch.Generator, reference: nn.Module | None,
+    decode: Callable[[list[int]], str], seed: int, reference: nn.Module | None,
     autocast: Any, prompt_field: str = "prompt",
 ) -> Rollout:
-    """Sample, score and lay out one rollout batch for ``records`` on one process, with one generator.
+    """Sample, score and lay out one rollout batch for ``records`` on one process with lmforge's engine,
+    every generate call seeded with ``seed``.
 
     A completion ends at the first of ``stop_ids`` (all the tokens that end a reply, see
     :func:`lmforge.data.chat.stop_token_ids`); one that ends at none of them is truncated.
     """
     t0 = time.perf_counter()
-    groups = sample_groups(policy, records, prompt_ids, rewards, s, stop_ids=stop_ids, pad_id=pad_id, decode=decode,
-                           generator_for=lambda _: generator, autocast=autocast, prompt_field=prompt_field)
+    engine = LmforgeEngine(pad_id=pad_id, autocast=autocast)
+    engine.load_weights(policy, 0)
+    groups = sample_groups(engine, records, prompt_ids, rewards, s, stop_ids=stop_ids, decode=decode,
+                           seed_for=lambda _: seed, prompt_field=prompt_field)
     return build_rollout(policy, groups, s, pad_id=pad_id, reference=reference, autocast=autocast,
                          gen_seconds=groups.gen_seconds, started=t0)
 
@@ -281,6 +295,15 @@ def layout(prompts: list[list[int]], completions: list[list[int]], keep: list[bo
         if keep[i]:
             mask[i, len(p) - 1: len(seq) - 1] = 1.0  # the targets at these positions are the completion
     return PolicyBatch(ids[:, :-1].to(device), ids[:, 1:].to(device), mask.to(device), advantages.float())
+
+
+def dense_logprobs(prompts: list[list[int]], logprobs: list[list[float]], shape: torch.Size,
+                   device: torch.device) -> Tensor:
+    """Per-completion log-prob lists placed at their target positions of a :func:`layout` batch (0 elsewhere)."""
+    out = torch.zeros(shape)
+    for i, (p, lp) in enumerate(zip(prompts, logprobs)):
+        out[i, len(p) - 1: len(p) - 1 + len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    return out.to(device)
 
 
 def rollout_metrics(total: list[float], per_fn: dict[str, list[float]], lengths: list[int], truncated: list[bool],

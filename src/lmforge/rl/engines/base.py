@@ -34,9 +34,16 @@ class Completion:
 class RolloutEngine(Protocol):
     name: str
 
-    def generate(self, prompts: Sequence[list[int]], sampling: SamplingSettings, *, seed: int) -> list[Completion]:
+    version: int
+    """The ``version`` of the weights last loaded (-1: none yet)."""
+    sync_seconds: float
+    """Seconds the last ``load_weights`` took."""
+
+    def generate(self, prompts: Sequence[list[int]], sampling: SamplingSettings, *, seed: int,
+                 logprobs: bool = False) -> list[Completion]:
         """One completion per prompt row (repeat a prompt for several samples). ``seed`` fixes the
-        random stream of this call: the same call with the same seed and weights draws the same tokens."""
+        random stream of this call where the engine can (the same call with the same seed and weights
+        draws the same tokens); ``logprobs`` asks for the sampled tokens' log-probs."""
         ...
 
     def load_weights(self, model: nn.Module, version: int) -> None:

@@ -1,0 +1,88 @@
+"""The built-in engine: lmforge's KV-cache decoder (:func:`lmforge.models.generate.generate`).
+
+Two ways to hold the weights:
+
+* **live** (``copy_weights=False``, synchronous GRPO): the engine samples from the trainer's own model
+  (under FSDP2 the caller gathers it with :func:`lmforge.distributed.full_parameters`); weight sync is
+  free, since there is nothing to copy.
+* **snapshot** (``copy_weights=True``, asynchronous GRPO): the engine keeps its own full copy, so the
+  trainer can update its parameters while a rollout is being sampled from older ones; ``load_weights``
+  copies the current ones in.
+
+Log-probs of the sampled tokens (``SamplingSettings`` asks with ``logprobs=True``) come from one
+teacher-forced pass over prompt + completion in the engine's precision, the same numbers the decoder
+sampled from up to kernel differences (the decoder itself does not keep them).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from contextlib import nullcontext
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from lmforge.models.generate import generate
+from lmforge.rl.engines.base import Completion, SamplingSettings
+
+
+class LmforgeEngine:
+    name = "lmforge"
+
+    def __init__(self, *, pad_id: int, autocast: Any = None, lockstep: bool = False, copy_weights: bool = False,
+                 chunk_tokens: int = 1024) -> None:
+        self.pad_id, self.autocast, self.lockstep = pad_id, autocast, lockstep
+        self.copy_weights, self.chunk_tokens = copy_weights, chunk_tokens
+        self.model: nn.Module | None = None
+        self.version = -1
+        self.sync_seconds = 0.0
+
+    def load_weights(self, model: nn.Module, version: int) -> None:
+        t0 = time.perf_counter()
+        if not self.copy_weights:
+            self.model = model
+        elif self.model is None:
+            self.model = copy.deepcopy(model).requires_grad_(False)
+        else:
+            with torch.no_grad():
+                for mine, theirs in zip(self.model.state_dict().values(), model.state_dict().values()):
+                    mine.copy_(theirs)
+        self.version = version
+        self.sync_seconds = time.perf_counter() - t0
+
+    def generate(self, prompts: Sequence[list[int]], sampling: SamplingSettings, *, seed: int,
+                 logprobs: bool = False) -> list[Completion]:
+        if self.model is None:
+            raise RuntimeError("LmforgeEngine.generate before load_weights")
+        device = next(self.model.parameters()).device
+        generator = torch.Generator(device=device).manual_seed(seed)
+        with self.autocast if self.autocast is not None else nullcontext():
+            ids = generate(self.model, [list(p) for p in prompts], sampling.max_new_tokens,
+                           stop_ids=list(sampling.stop_ids), pad_id=self.pad_id, temperature=sampling.temperature,
+                           top_p=sampling.top_p, generator=generator, lockstep=self.lockstep)
+            lps = self.sampled_logprobs(prompts, ids, sampling.temperature) if logprobs else [None] * len(ids)
+        return [Completion(c, lp) for c, lp in zip(ids, lps)]
+
+    @torch.no_grad()
+    def sampled_logprobs(self, prompts: Sequence[list[int]], completions: list[list[int]],
+                         temperature: float) -> list[list[float]]:
+        """log p of each completion token under softmax(logits / temperature), teacher-forced."""
+        from lmforge.objectives.grpo import token_logprobs
+        from lmforge.rl.rollout import layout
+
+        device = next(self.model.parameters()).device
+        out: list[list[float]] = []
+        for lo in range(0, len(prompts), 16):
+            p, c = [list(x) for x in prompts[lo:lo + 16]], completions[lo:lo + 16]
+            if all(len(x) == 0 for x in c):
+                out += [[] for _ in c]
+                continue
+            batch = layout(p, c, [True] * len(c), self.pad_id, torch.zeros(len(c)), device)
+            dense = token_logprobs(self.model, batch, temperature, self.chunk_tokens).float().cpu()
+            out += [dense[i, len(pi) - 1: len(pi) - 1 + len(ci)].tolist() for i, (pi, ci) in enumerate(zip(p, c))]
+        return out
+
+    def close(self) -> None:
+        self.model = None

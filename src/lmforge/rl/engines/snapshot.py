@@ -1,0 +1,73 @@
+"""Policy weights as files vLLM reads: a whole Hugging Face model directory to start an engine on, and a
+safetensors snapshot per weight sync.
+
+Snapshots are written next to each other under one directory (``/dev/shm`` by default: a file there is
+shared memory, so a sync is one copy out of the trainer and one memory-mapped read in the engine), under
+a temporary name renamed into place, and the previous one is removed once the engine has loaded the new.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from lmforge.models.hf import hf_state_dict_from_lmforge
+
+
+def full_cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model`` whole and on the CPU, also when FSDP2 shards it (then a
+    collective: every rank must call it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def default_sync_dir() -> Path:
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return Path(tempfile.mkdtemp(prefix="lmforge-weights-", dir=base))
+
+
+class WeightSnapshots:
+    """Numbered safetensors snapshots of a policy under ``directory``."""
+
+    def __init__(self, directory: Path | None = None) -> None:
+        self.owned = directory is None
+        self.dir = default_sync_dir() if directory is None else Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.current: Path | None = None
+
+    def write(self, model: nn.Module, version: int) -> Path:
+        """The Hugging Face-named weights of ``model`` as one file; returns its path."""
+        state = {k: v for k, v in full_cpu_state(model).items()}
+        hf = hf_state_dict_from_lmforge(state, model.args)
+        tensors, seen = {}, set()
+        for k, v in hf.items():  # safetensors refuses shared storage (tied embeddings)
+            v = v.detach().contiguous()
+            if v.untyped_storage().data_ptr() in seen:
+                v = v.clone()
+            seen.add(v.untyped_storage().data_ptr())
+            tensors[k] = v
+        path = self.dir / f"weights-{version:08d}.safetensors"
+        tmp = path.with_suffix(".partial")
+        save_file(tensors, str(tmp), metadata={"format": "pt", "version": str(version)})
+        os.replace(tmp, path)
+        return path
+
+    def loaded(self, path: Path) -> None:
+        """The engine has loaded ``path``: the snapshot before it can go."""
+        if self.current is not None and self.current != path:
+            self.current.unlink(missing_ok=True)
+        self.current = path
+
+    def close(self) -> None:
+        if self.owned:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        elif self.current is not None:
+            self.current.unlink(missing_ok=True)
