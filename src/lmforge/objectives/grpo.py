@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from lmforge import distributed as dist_utils
+from lmforge.objectives.policy_losses import PolicyLoss, check_policy_loss, policy_terms
 from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobHead
 from lmforge.training.stats import LossStats
 
@@ -165,32 +166,34 @@ def token_logprobs(model: nn.Module, batch: PolicyBatch, temperature: float,
 class GRPOLoss:
     """The loss function handed to ``gradient_computation``: ``(model, PolicyBatch) -> (sum, stats)``.
 
-    Per completion token t of o_i, with ratio rho = pi(t) / pi_old(t) and advantage A_i:
+    Per completion token t of o_i, with ratio rho = pi(t) / pi_old(t) and advantage A_i, for the
+    default ``policy_loss="ppo"``:
         l_it = -min(rho * A_i, clip(rho, 1 - eps_low, 1 + eps_high) * A_i) + beta * k3_it
     The clip keeps a token from moving the policy further once its ratio has left the trust region
     in the direction the advantage pushes it. Separate low/high epsilons (DAPO's "clip-higher")
-    let rarely sampled tokens grow faster than they may shrink.
+    let rarely sampled tokens grow faster than they may shrink. ``gspo`` and ``cispo`` replace the
+    policy term (:mod:`lmforge.objectives.policy_losses`); the KL term and the aggregation stay.
 
-    With ``tis_cap`` and rollout log-probs in the batch, each token's term is multiplied by
+    With ``tis_cap`` and rollout log-probs in the batch, each token's policy term is multiplied by
     :func:`tis_weights` (the KL term is not: it is an expectation under the policy, not the sampler).
     """
 
     def __init__(self, *, eps_low: float, eps_high: float, beta: float, aggregation: Aggregation,
                  max_new_tokens: int, temperature: float, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 tis_cap: float = 0.0) -> None:
+                 tis_cap: float = 0.0, policy_loss: PolicyLoss = "ppo") -> None:
+        check_policy_loss(policy_loss, aggregation)
         self.eps_low, self.eps_high, self.beta = eps_low, eps_high, beta
         self.aggregation, self.max_new_tokens, self.temperature = aggregation, max_new_tokens, temperature
-        self.chunk_tokens, self.tis_cap = chunk_tokens, tis_cap
+        self.chunk_tokens, self.tis_cap, self.policy_loss = chunk_tokens, tis_cap, policy_loss
 
     def __call__(self, model: nn.Module, batch: PolicyBatch) -> tuple[Tensor, LossStats]:
         logp, entropy = policy_logprobs(model, batch, self.temperature, chunk_tokens=self.chunk_tokens, entropy=True)
         assert entropy is not None
         mask = batch.mask
         old = logp.detach() if batch.old_logprobs is None else batch.old_logprobs
-        ratio = torch.exp(logp - old)
         adv = batch.advantages.unsqueeze(1)
-        clipped_ratio = ratio.clamp(1 - self.eps_low, 1 + self.eps_high)
-        surrogate = -torch.minimum(ratio * adv, clipped_ratio * adv)
+        terms = policy_terms(self.policy_loss, logp, old, adv, mask, self.eps_low, self.eps_high)
+        surrogate = terms.per_token
         tis = None
         if self.tis_cap and batch.rollout_logprobs is not None:
             tis = tis_weights(old, batch.rollout_logprobs, self.tis_cap)
@@ -205,8 +208,8 @@ class GRPOLoss:
             sums = {
                 "policy_loss_sum": policy_sum.detach(),
                 "kl_sum": (kl.detach() * mask).sum(),
-                "clip_low_count": (((ratio < 1 - self.eps_low) & (adv < 0)).float() * mask).sum(),
-                "clip_high_count": (((ratio > 1 + self.eps_high) & (adv > 0)).float() * mask).sum(),
+                "clip_low_count": (terms.clipped_low.float() * mask).sum(),
+                "clip_high_count": (terms.clipped_high.float() * mask).sum(),
                 "entropy_sum": (entropy * mask).sum(),
             }
             if tis is not None:
@@ -249,10 +252,10 @@ class GRPOObjective:
 
     def __init__(self, *, eps_low: float, eps_high: float, beta: float, aggregation: Aggregation,
                  max_new_tokens: int, temperature: float, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 tis_cap: float = 0.0) -> None:
+                 tis_cap: float = 0.0, policy_loss: PolicyLoss = "ppo") -> None:
         self.loss_fn = GRPOLoss(eps_low=eps_low, eps_high=eps_high, beta=beta, aggregation=aggregation,
                                 max_new_tokens=max_new_tokens, temperature=temperature, chunk_tokens=chunk_tokens,
-                                tis_cap=tis_cap)
+                                tis_cap=tis_cap, policy_loss=policy_loss)
         self.aggregation, self.max_new_tokens = aggregation, max_new_tokens
 
     def normalizer(self, microbatches: list[PolicyBatch]) -> Tensor:

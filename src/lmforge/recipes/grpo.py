@@ -27,6 +27,7 @@ from lmforge.data.tasks import TaskExample
 from lmforge.errors import UserError
 from lmforge.evaluation.tasks import TaskEval
 from lmforge.objectives.grpo import GRPOObjective
+from lmforge.objectives.policy_losses import check_policy_loss
 from lmforge.recipes.base import Recipe, register
 from lmforge.rl.rewards import WeightedReward, load_rewards, probe_rewards
 from lmforge.rl.rollout_source import RolloutSource
@@ -47,8 +48,26 @@ class GRPOSection(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     num_iterations: int = Field(1, ge=1)
     """Optimizer updates per rollout batch; past the first, the rollout's log-probs are pi_old."""
-    epsilon_low: float = Field(0.2, ge=0, lt=1)
+    epsilon_low: float = Field(0.2, ge=0, le=1)
+    """Clip range [1 - epsilon_low, 1 + epsilon_high] of the importance ratio (per token; per completion
+    for gspo; of the IS weight for cispo); 1 puts no lower bound."""
     epsilon_high: float = Field(0.2, ge=0)
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """The policy term (formulas: :mod:`lmforge.objectives.policy_losses`):
+
+    * ``ppo``: the token-level clipped surrogate of PPO/GRPO/DAPO; a token whose ratio pi/pi_old left
+      the clip range in the direction its advantage pushes gets no gradient.
+    * ``gspo``: Group Sequence Policy Optimization, one length-normalized importance ratio per completion
+      (the geometric mean of its token ratios), clipped as a whole, so one noisy token cannot drop or
+      inflate a completion's update (the paper reports steadier training, notably of MoE models). Needs
+      ``loss_aggregation = "grpo"`` (a mean over completions). Its ratio stays much closer to 1 than a
+      token's: the paper clips at 3e-4 / 4e-4 (``epsilon_low`` / ``epsilon_high``); at the token-level 0.2
+      far fewer completions are clipped than tokens would be.
+    * ``cispo``: MiniMax-M1's clipped IS-weight policy optimization: -sg(clip(ratio)) * A * log pi per token,
+      the clip bounds the weight and never drops a token's gradient (rare "fork" tokens keep learning).
+      MiniMax sets no lower bound (``epsilon_low = 1``), tunes ``epsilon_high`` only, and averages over
+      all tokens (``loss_aggregation = "dapo"``).
+    """
     beta: float = Field(0.0, ge=0)
     """KL penalty weight (k3 estimator) to the frozen starting model; 0 loads no reference model."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
@@ -78,6 +97,11 @@ class GRPOSection(Section):
     """Prompts per generate call (0: a rank's whole share of a sampling round). Each call samples from
     a stream seeded by its first prompt's position, so calls of the same size draw the same completions
     at any world size."""
+
+    @model_validator(mode="after")
+    def _policy_loss_fits_aggregation(self) -> "GRPOSection":
+        check_policy_loss(self.policy_loss, self.loss_aggregation)
+        return self
 
     @field_validator("rewards", mode="before")
     @classmethod
@@ -151,7 +175,7 @@ class GRPO(Recipe):
         objective = GRPOObjective(eps_low=g.epsilon_low, eps_high=g.epsilon_high, beta=g.beta,
                                   aggregation=g.loss_aggregation, max_new_tokens=g.max_new_tokens,
                                   temperature=g.temperature, chunk_tokens=cfg.training.loss_chunk_tokens,
-                                  tis_cap=g.tis_cap)
+                                  tis_cap=g.tis_cap, policy_loss=g.policy_loss)
         tasks = TaskEval([TaskExample(r.get("task", "file"), r[g.prompt_field], str(r["answer"]))
                           for r in inputs.eval if r.get("answer") is not None and isinstance(r[g.prompt_field], str)],
                          cfg.tasks.eval_max_new_tokens)
