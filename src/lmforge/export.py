@@ -60,7 +60,7 @@ def byte_tokenizer_json(tokenizer: ByteTokenizer) -> str:
     return tok.to_str()
 
 
-def _write_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
+def write_tokenizer_files(tokenizer: Tokenizer, out: Path) -> None:
     if isinstance(tokenizer, HFTokenizer):
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
             src = tokenizer.path / name
@@ -103,7 +103,7 @@ def write_hf_dir(model: Transformer, tokenizer: Tokenizer, out: Path) -> None:
     score = state.pop("score.weight", None)  # a reward model: written as *ForSequenceClassification
     save_hf_model(state, model.args, out, bos_token_id=tokenizer.bos_id,
                   eos_token_id=stops if len(stops) > 1 else stops[0], pad_token_id=tokenizer.pad_id, score=score)
-    _write_tokenizer(tokenizer, out)
+    write_tokenizer_files(tokenizer, out)
 
 
 def export_gguf(source: str | Path, out_file: str | Path, gguf_type: str = "f16") -> Path:

@@ -212,8 +212,9 @@ class GRPOLoss:
                 "clip_high_count": (terms.clipped_high.float() * mask).sum(),
                 "entropy_sum": (entropy * mask).sum(),
             }
-            if tis is not None:
+            if batch.rollout_logprobs is not None:  # how far the sampler's numbers are from the trainer's
                 sums["rollout_gap_sum"] = ((old - batch.rollout_logprobs).abs() * mask).sum()
+            if tis is not None:
                 sums["tis_weight_sum"] = (tis * mask).sum()
             stats = LossStats(objective.detach(), aggregation_weight(mask, self.aggregation, self.max_new_tokens),
                               mask.sum(), sums)
@@ -236,8 +237,8 @@ def update_metrics(totals: dict[str, Tensor]) -> dict[str, Tensor]:
         "grpo/clip_low": totals["clip_low_count"] / tokens,
         "grpo/clip_high": totals["clip_high_count"] / tokens,
         "grpo/entropy": totals["entropy_sum"] / tokens,
-    } | ({"grpo/rollout_logprob_gap": totals["rollout_gap_sum"] / tokens,
-          "grpo/tis_weight": totals["tis_weight_sum"] / tokens} if "rollout_gap_sum" in totals else {})
+    } | ({"grpo/rollout_logprob_gap": totals["rollout_gap_sum"] / tokens} if "rollout_gap_sum" in totals else {}) \
+      | ({"grpo/tis_weight": totals["tis_weight_sum"] / tokens} if "tis_weight_sum" in totals else {})
 
 
 class GRPOObjective:

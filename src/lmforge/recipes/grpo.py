@@ -17,7 +17,6 @@ from pydantic import Field, field_validator, model_validator
 
 from lmforge.config import (
     Config,
-    Section,
     StartEvalSection,
     TasksSection,
     comma_separated,
@@ -29,13 +28,14 @@ from lmforge.evaluation.tasks import TaskEval
 from lmforge.objectives.grpo import GRPOObjective
 from lmforge.objectives.policy_losses import check_policy_loss
 from lmforge.recipes.base import Recipe, register
+from lmforge.rl.engines.settings import EngineKeys
 from lmforge.rl.rewards import WeightedReward, load_rewards, probe_rewards
 from lmforge.rl.rollout_source import RolloutSource
 from lmforge.training.loop import Job
 from lmforge.training.runtime import Runtime
 
 
-class GRPOSection(Section):
+class GRPOSection(EngineKeys):
     prompt_field: str = "prompt"
     """Column of a ``.jsonl``/``.parquet`` prompt file holding the prompt: a string (the user message)
     or a list of chat messages. The other columns reach the rewards."""

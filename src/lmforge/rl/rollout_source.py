@@ -17,10 +17,12 @@ prompt position, so a resumed run draws the same completions and scores KL again
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-from contextlib import nullcontext
-from typing import Any
+from contextlib import contextmanager, nullcontext
+from functools import partial
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -31,7 +33,11 @@ from lmforge.data.record_formats import prompt_messages
 from lmforge.errors import UserError
 from lmforge.models.tokenizer import Tokenizer
 from lmforge.objectives.grpo import PolicyBatch
+from lmforge.rl.engines.base import RolloutEngine
+from lmforge.rl.engines.factory import make_engine
+from lmforge.rl.engines.lmforge_engine import LmforgeEngine
 from lmforge.rl.rewards import WeightedReward
+from lmforge.rl.rollout_queue import RolloutQueue
 from lmforge.rl.rollout import (
     AllTruncatedWarning, PromptSampler, Rollout, RolloutSettings, SampledGroups, build_rollout, sample_groups,
 )
@@ -61,9 +67,23 @@ class RolloutSource:
         self.truncation_warning = AllTruncatedWarning(names, g.max_new_tokens, g.mask_truncated)
         self.reference = FrozenReference.for_run(rt) if g.beta > 0 else None
         """The frozen KL reference (only with beta > 0)."""
+        self.engine: RolloutEngine | None = None
+        """Built at the first rollout (after a resume has loaded the weights it starts from)."""
+        self.queue = RolloutQueue(g.async_steps) if g.async_steps else None
+        self.engine_logprobs = g.engine != "lmforge" or self.queue is not None
+        """Keep the sampler's own log-probs: another engine's, or older weights' (the behaviour policy)."""
+        if self.queue is not None and g.engine == "lmforge" and (_is_fsdp(rt.model) or _is_fsdp(rt.raw_model)):
+            raise UserError("grpo.async_steps with grpo.engine=lmforge needs whole weights on every rank (one process "
+                            "or DDP): under FSDP2 use grpo.engine=vllm")
+        self.sync_seconds = 0.0
+        """Seconds of the engine's last weight load (0 for lmforge's live engine: nothing to load)."""
         self.rollout: Rollout | None = None
         self.uses_left = 0
         """Updates still to be trained on the current rollout (saved with it when > 0)."""
+        if self.queue is not None and not g.tis_cap:
+            rt.metrics.record_event("async_without_tis", 0, "warning: grpo.async_steps samples from weights up to "
+                                    f"{g.async_steps} steps old and grpo.tis_cap=0 leaves that uncorrected; "
+                                    "grpo.tis_cap=2 weights each token by pi_old / pi_sampler")
         if g.top_p < 1:
             rt.metrics.record_event("top_p", 0, f"warning: grpo.top_p={g.top_p} samples from the nucleus, but the "
                                     "ratio, the KL and the entropy use the whole distribution at grpo.temperature")
@@ -71,7 +91,7 @@ class RolloutSource:
     def next_step(self, step: int) -> StepBatch:
         if self.rollout is None or self.uses_left == 0:
             with self.rt.metrics.timed("rollout"):
-                self.rollout = self.sample()
+                self.rollout = self.sample(version=step - 1)
             self.uses_left = self.g.num_iterations
             warning = self.truncation_warning.check(self.rollout.metrics)
             if warning:
@@ -89,21 +109,30 @@ class RolloutSource:
         lengths = r.sequence_lengths or [n for b in r.batches for n in [b.input_ids.shape[1]] * b.input_ids.shape[0]]
         return self.rt.training_flops(lengths)
 
-    def sample(self) -> Rollout:
-        """This rank's share of the next rollout: one sampling round, or with dynamic sampling as many
+    def sample(self, version: int) -> Rollout:
+        """This rank's share of the next rollout, for the update after ``version`` optimizer steps: one
+        sampling round (taken from the queue when sampling runs ahead), or with dynamic sampling as many
         as it takes (at most ``max_sampling_rounds``) to fill every rank's share with groups whose
         rewards differ. The decision to draw again is taken on all ranks together."""
         g, rt = self.g, self.rt
         t0 = time.perf_counter()
+        if self.engine is None:
+            self.engine = make_engine(rt, g, autocast=self.rollout_autocast(), own_copy=self.queue is not None)
+        if self.queue is not None:
+            batch = self.sample_ahead(version)
+            generated = sum(len(c) for c in batch.completion_ids)
+            gen_seconds = batch.gen_seconds
+            return self.build(batch, version, t0, gen_seconds, {
+                "rollout/tokens_per_sec": generated / gen_seconds if gen_seconds > 0 else 0.0})
         share = self.sampler.per_rollout // self.sampler.world
         kept: list[SampledGroups] = []
         dropped: list[SampledGroups] = []
         rounds = n_kept = generated = 0
         gen_seconds = 0.0
-        with dist_utils.full_parameters(rt.raw_model) as policy:
+        with self.serving(version):
             while True:
                 rounds += 1
-                groups = self.sample_round(policy, self.sampler.next_positions())
+                groups = self.sample_round(self.sampler.next_positions())
                 gen_seconds += groups.gen_seconds
                 generated += sum(len(c) for c in groups.completion_ids)
                 if not g.dynamic_sampling:
@@ -127,10 +156,53 @@ class RolloutSource:
             counts = dist_utils.all_reduce_sum(torch.tensor([float(rounds * share), float(len(reserve) - fill)],
                                                             dtype=torch.float64, device=rt.dist.device)).tolist()
             extra |= {"grpo/prompts_drawn": counts[0], "grpo/dropped_groups": counts[1], "grpo/sampling_rounds": rounds}
+        return self.build(batch, version, t0, gen_seconds, extra)
+
+    def build(self, batch: SampledGroups, version: int, t0: float, gen_seconds: float,
+              extra: dict[str, float]) -> Rollout:
+        rt, engine = self.rt, self.engine
+        assert engine is not None
+        extra = extra | {"rollout/staleness": float(version - batch.version), "rollout/sync_seconds": self.sync_seconds}
         reference = self.reference.model_for(rt.raw_model) if self.reference is not None else None
         return build_rollout(rt.raw_model, batch, self.settings, pad_id=rt.tokenizer.pad_id, reference=reference,
                              autocast=rt.autocast(), rollout_autocast=self.rollout_autocast(), gen_seconds=gen_seconds,
                              started=t0, extra_metrics=extra)
+
+    @contextmanager
+    def serving(self, version: int) -> Iterator[None]:
+        """The engine holds the weights of ``version`` within: lmforge's live engine samples from the
+        trainer's model itself (gathered once under FSDP2), any other engine gets them loaded when
+        ``sync_every`` steps have passed since its last load."""
+        engine = self.engine
+        if isinstance(engine, LmforgeEngine) and not engine.copy_weights:
+            with dist_utils.full_parameters(self.rt.raw_model) as policy:
+                engine.load_weights(policy, version)
+                yield
+            return
+        self.sync(version)
+        yield
+
+    def sync(self, version: int) -> None:
+        engine = self.engine
+        assert engine is not None
+        if engine.version >= 0 and version - engine.version < self.g.sync_every:
+            return
+        engine.load_weights(self.rt.raw_model, version)
+        self.sync_seconds = engine.sync_seconds
+
+    def sample_ahead(self, version: int) -> SampledGroups:
+        """The oldest round in flight; the engine then takes the current weights and the next round is
+        queued (the first call fills the queue, ``async_steps`` rounds deep)."""
+        assert self.queue is not None
+        if not len(self.queue):
+            self.sync(version)
+            for _ in range(self.queue.depth):
+                self.queue.submit(partial(self.sample_round, self.sampler.next_positions()))
+        batch = self.queue.take()
+        self.queue.wait_idle()
+        self.sync(version)
+        self.queue.submit(partial(self.sample_round, self.sampler.next_positions()))
+        return batch
 
     def rollout_autocast(self) -> Any:
         """The precision sampling runs in: ``grpo.rollout_dtype``, or the training one (``auto``)."""
@@ -138,20 +210,24 @@ class RolloutSource:
             return torch.autocast(self.rt.dist.device.type, dtype=torch.bfloat16)
         return nullcontext() if self.g.rollout_dtype == "float32" else self.rt.autocast()
 
-    def sample_round(self, policy: nn.Module, positions: list[int]) -> SampledGroups:
-        """G completions for each prompt at ``positions`` of the prompt order, scored."""
+    def sample_round(self, positions: list[int]) -> SampledGroups:
+        """G completions for each prompt at ``positions`` of the prompt order, scored (on the main thread,
+        or on the queue's when sampling runs ahead)."""
         rt, field, seed = self.rt, self.g.prompt_field, self.rt.cfg.training.seed
+        engine = self.engine
+        assert engine is not None
         records = [self.prompts[self.sampler.index(p)] for p in positions]
         prompt_ids = [prompt_token_ids(rt.tokenizer, r[field], self.chat) for r in records]
 
-        def generator_for(offset: int) -> torch.Generator:
-            """Seeded by the global position of the call's first prompt: the same at any world size."""
-            gen = torch.Generator(device=rt.dist.device)
-            return gen.manual_seed(seed * 1_000_003 + 7919 * positions[offset] + 1)
+        def seed_for(offset: int) -> int:
+            """From the global position of the call's first prompt: the same at any world size."""
+            return seed * 1_000_003 + 7919 * positions[offset] + 1
 
-        return sample_groups(policy, records, prompt_ids, self.rewards, self.settings, stop_ids=self.stop_ids,
-                             pad_id=rt.tokenizer.pad_id, decode=rt.tokenizer.decode, generator_for=generator_for,
-                             autocast=self.rollout_autocast(), prompt_field=field, lockstep=True)
+        groups = sample_groups(engine, records, prompt_ids, self.rewards, self.settings, stop_ids=self.stop_ids,
+                               decode=rt.tokenizer.decode, seed_for=seed_for, prompt_field=field,
+                               engine_logprobs=self.engine_logprobs)
+        groups.version = engine.version
+        return groups
 
     def state_dict(self) -> dict[str, Any]:
         reference = self.reference.state_dict() if self.reference else {"reference": str(self.rt.model_source)}
@@ -164,16 +240,20 @@ class RolloutSource:
         self.rollout, self.uses_left = None, 0
 
     def rank_state(self) -> dict[str, Any]:
-        """The rollout still being trained on (``num_iterations > 1``, stopped part-way through it): a
-        resume must train on the same completions, not sample new ones from newer weights."""
+        """The rollout still being trained on (``num_iterations > 1``, stopped part-way through it), and
+        the rounds sampled ahead (``async_steps``): a resume must train on the same completions, not
+        sample new ones from newer weights."""
+        ahead = {"ahead": [dataclasses.asdict(r) for r in self.queue.drain()]} if self.queue is not None else {}
         if self.rollout is None or self.uses_left == 0:
-            return {}
+            return ahead
         r = self.rollout
-        return {"uses_left": self.uses_left, "tokens": r.tokens, "metrics": r.metrics, "lengths": r.sequence_lengths,
+        return ahead | {"uses_left": self.uses_left, "tokens": r.tokens, "metrics": r.metrics, "lengths": r.sequence_lengths,
                 "batches": [{k: v for k, v in vars(b).items()} for b in r.batches]}
 
     def load_rank_state(self, state: dict[str, Any]) -> None:
-        if not state:
+        if self.queue is not None and state.get("ahead"):
+            self.queue.restore([SampledGroups(**r) for r in state["ahead"]])
+        if "batches" not in state:
             return
         device = self.rt.dist.device
         batches = [PolicyBatch(**{k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()})
@@ -185,6 +265,17 @@ class RolloutSource:
 
     def close(self) -> None:
         self.rollout = None
+        if self.queue is not None:
+            self.queue.close()
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 def prompt_token_ids(tokenizer: Tokenizer, prompt: str | list[dict[str, str]],

