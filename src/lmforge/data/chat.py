@@ -267,11 +267,9 @@ class JinjaChatFormat:
 
     def encode(self, messages: Sequence[Mapping[str, Any]], tools: Tools = None) -> EncodedChat:
         text, spans = self.template.answer_spans(messages, self.control_tokens, tools)
-        for tool in tools or ():
-            name = tool["function"]["name"]
-            if name not in text:
-                raise ValueError(f"{self.source}: the template does not show the tool `{name}` (it ignores `tools`); "
-                                 "describe the tools in the system message or use a template with tool support")
+        if tools and self.render(messages) == text:
+            raise ValueError(f"{self.source}: the template ignores `tools` (renders the same without them); "
+                             "describe the tools in the system message or use a template with tool support")
         ids, offsets = self.tok.encode_with_offsets(text)
         return EncodedChat(ids, _mask_from_spans(offsets, spans))
 

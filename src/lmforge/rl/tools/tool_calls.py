@@ -63,7 +63,7 @@ class ParsedTurn:
 def detect_call_format(template_text: str | None) -> CallFormat:
     """``llama3`` for a template that asks for bare ``{"name": ..., "parameters": ...}`` JSON (Llama 3.1's
     ``<|python_tag|>``/``ipython`` templates), else ``hermes``."""
-    text = template_text or ""
+    text = (template_text or "").replace('\\"', '"')  # a quote escaped inside a Jinja string literal
     if "<tool_call>" in text:
         return "hermes"
     if '"parameters"' in text and (_PYTHON_TAG in text or "ipython" in text):
