@@ -206,3 +206,24 @@ def test_continuation_is_the_rendering_after_the_turn_tokenized_in_place(qwen):
     assert whole[-len(cont):] == cont and whole[:-len(cont)] == chat.encode(turn, tools).ids[:-1]  # its "\n"
     with pytest.raises(ValueError, match="must end with an assistant message"):
         chat.continuation_ids(messages[:2], results, tools)
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-instruct", "smollm2-135m-instruct", "mistral-7b-instruct-v0.1"])
+def test_continuation_ids_equal_transformers_tokenization_of_the_whole_chat(family):
+    """Against ``apply_chat_template`` of the longer conversation: its ids after the answer's end-of-turn token
+    are the continuation (ChatML's ``\n<|im_start|>user...``; Mistral v0.1's `` [INST] ... [/INST]`` on a
+    SentencePiece tokenizer)."""
+    d = REAL_TOKENIZERS / family
+    hf = transformers.AutoTokenizer.from_pretrained(str(d))
+    tok = load_tokenizer(str(d))
+    chat = chat_format_for(tok)
+    turn = [{"role": "user", "content": "What is 6 * 7?"},
+            {"role": "assistant", "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n'
+                                             "</tool_call>"}]
+    added = [{"role": "user", "content": "<tool_response>\n42\n</tool_response>"}]
+    whole = hf_ids(hf, turn + added, add_generation_prompt=True)
+    end = chat.end_of_turn_ids()[0]
+    boundary = max(i for i, t in enumerate(whole) if t == end) + 1 if family.startswith("mistral") else \
+        [i for i, t in enumerate(whole) if t == end][-2] + 1  # ChatML: the answer's <|im_end|>, not the result's
+    cont = chat.continuation_ids(turn, added)
+    assert whole[boundary:] == cont and whole[:boundary] == chat.encode(turn).ids[:boundary]
