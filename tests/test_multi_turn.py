@@ -111,7 +111,7 @@ def test_episode_ids_are_the_template_rendering_and_the_mask_is_the_models(famil
 def test_episode_outcomes_rewards_and_tool_results():
     tok, chat, env, engine, episodes = play("qwen2.5-instruct")
     got = [(e.end, e.turns, e.tool_calls, e.tool_errors, e.truncated, e.reward) for e in episodes]
-    assert got == [("answer", 3, 2, 0, False, 1.0), ("answer", 3, 1, 1, False, 1.0),
+    assert got == [("answer", 3, 2, 0, False, 1.0), ("answer", 3, 2, 1, False, 1.0),
                    ("answer", 1, 0, 0, False, 0.0), ("max_turns", 3, 2, 0, True, 0.0)]
     for e in episodes:
         assert e.reward == (float(answers_match(e.final_text, e.record["answer"])) if e.final_text else 0.0)
@@ -168,6 +168,24 @@ def test_token_budget_and_cut_turns_truncate():
     assert all(len(e.completion_ids) == 8 and sum(e.loss_mask) == 8 for e in episodes)
 
 
+def test_a_turn_the_template_cannot_render_ends_that_episode_only():
+    """A policy early in training can sample anything, U+E000 (the masking sentinel) included."""
+    tok, chat, stops = setup("smollm2-135m-instruct")
+    odd = call("1 + 1", "\ue000")
+    SCRIPTS["odd question"] = [odd, "#### 2"]
+    try:
+        engine = ScriptedEngine(tok, stops[0])
+        env = GSM8KCalculatorEnv(chat)
+        sampling = SamplingSettings(max_new_tokens=200, temperature=1.0, stop_ids=stops)
+        episodes = run_episodes(engine, env, [{"prompt": "odd question", "answer": "2"}, RECORDS[0]], chat, tok,
+                                sampling, seed=0)
+    finally:
+        del SCRIPTS["odd question"]
+    assert episodes[0].end == "template_error" and "U+E000" in episodes[0].template_error
+    assert episodes[0].truncated and episodes[0].reward == 0.0
+    assert episodes[1].end == "answer" and episodes[1].reward == 1.0
+
+
 def test_without_engine_logprobs_the_episode_has_none():
     *_, episodes = play("qwen2.5-instruct", logprobs=False)
     assert all(e.logprobs is None for e in episodes)
@@ -192,11 +210,14 @@ def test_environment_turns():
                    format_tool_call(ToolCall("calculator", {"expression": "1/0"})) +
                    format_tool_call(ToolCall("calculator", {"expr": "1"})))
     assert not out.done and out.tool_calls == 3 and out.tool_errors == 3
-    assert [m["content"] for m in out.results] == ["error: unknown tool 'abacus' (available: calculator)",
-                                                   "error: division by zero",
-                                                   'error: calculator takes one argument, "expression" (a string)']
+    assert [m["content"] for m in out.results] == ["error: division by zero",
+                                                   'error: calculator takes one argument, "expression" (a string)',
+                                                   "error: unknown tool 'abacus' (available: calculator)"]
+    assert [c["function"]["name"] for c in out.assistant["tool_calls"]] == ["calculator", "calculator"]
     many = "".join(format_tool_call(ToolCall("calculator", {"expression": f"{k}+1"})) for k in range(10))
     out = env.step(RECORDS[0], [], many)
-    assert out.tool_calls == env.max_calls_per_turn and out.results[-1]["content"].startswith("error: at most 8")
+    assert [m["content"] for m in out.results] == [str(k + 1) for k in range(8)] + [
+        "error: at most 8 tool calls per turn; the rest were not run"]
+    assert out.tool_calls == 9 and out.tool_errors == 1 and len(out.assistant["tool_calls"]) == 8
     assert env.reward(RECORDS[0], "#### 72") == 1.0 and env.reward(RECORDS[0], None) == 0.0
     assert env.reward(RECORDS[0], "#### 71") == 0.0

@@ -15,8 +15,10 @@ template's tokens. Where the model writes exactly what the template would, the e
 template's rendering of the whole conversation, tokenized.
 
 An episode ends with an answer, or is *truncated*: a turn cut off at ``max_new_tokens`` (no stop token),
-the ``max_turns`` limit reached with tools still being called, or the episode's token budget
-(``max_total_tokens``, model and template tokens of the completion together) spent.
+the ``max_turns`` limit reached with tools still being called, the episode's token budget
+(``max_total_tokens``, model and template tokens of the completion together) spent, or a turn the chat
+template cannot render (a sampled U+E000, which marks answers while masking; a template's own refusal),
+which ends that episode rather than the run.
 """
 
 from __future__ import annotations
@@ -49,14 +51,19 @@ class Episode:
     reward: float = 0.0
     turns: int = 0
     tool_calls: int = 0
+    """Tool results the episode received (one per call attempted, malformed ones included)."""
     tool_errors: int = 0
+    """Of those, the errors (see :class:`~lmforge.rl.environments.TurnOutcome`)."""
     truncated: bool = False
     end: str = ""
-    """Why it ended: ``answer``, ``max_new_tokens`` (a turn cut off), ``max_turns`` or ``token_budget``."""
+    """Why it ended: ``answer``, ``max_new_tokens`` (a turn cut off), ``max_turns``, ``token_budget``, or
+    ``template_error`` (the chat template refused the conversation so far; see :attr:`template_error`)."""
     final_text: str | None = None
     """The last turn's text when it is the answer; None when the episode was truncated."""
     last_text: str = ""
     """The last turn's text, answer or not (for logs)."""
+    template_error: str = ""
+    """Why the template could not render the conversation on (``end == "template_error"``)."""
 
     @property
     def done(self) -> bool:
@@ -146,7 +153,12 @@ def _play_turn(e: Episode, ids: list[int], logprobs: list[float] | None, env: En
         return
     e.tool_calls += outcome.tool_calls
     e.tool_errors += outcome.tool_errors
-    cont = chat.continuation_ids(e.messages, outcome.results, e.tools)
+    try:
+        cont = chat.continuation_ids(e.messages, outcome.results, e.tools)
+    except ValueError as err:  # a turn the template cannot render (e.g. U+E000 in sampled text): end it here
+        e.template_error = str(err)
+        e._finish("template_error")
+        return
     e.messages += outcome.results
     if len(e.completion_ids) + len(cont) >= budget:  # no room left for the model to say anything
         e._finish("token_budget")

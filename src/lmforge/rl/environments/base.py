@@ -48,8 +48,9 @@ class TurnOutcome:
     done: bool = False
     """The turn is the final answer."""
     tool_calls: int = 0
+    """Results given: one per call attempted, malformed ones included."""
     tool_errors: int = 0
-    """Results that are errors: malformed calls, unknown tools, failed evaluations."""
+    """Results that are errors: malformed calls, unknown tools, failed evaluations, calls over the limit."""
 
 
 class Environment(Protocol):
@@ -188,9 +189,13 @@ class ToolEnvironment:
         parsed = self.parse(text)
         if not parsed.wants_tools:
             return TurnOutcome({"role": "assistant", "content": text}, done=True)
-        calls = parsed.calls[: self.max_calls_per_turn]
-        errors = list(parsed.errors)
-        if len(parsed.calls) > self.max_calls_per_turn:
+        known = [c for c in parsed.calls if c.name in self.tools]
+        calls = known[: self.max_calls_per_turn]
+        # Unknown names are answered with an error and kept out of ``tool_calls``: a template given a name
+        # it cannot write (quotes, control characters of a policy early in training) could not render the turn.
+        errors = [f"error: unknown tool {c.name[:60]!r} (available: {', '.join(self.tools)})"
+                  for c in parsed.calls if c.name not in self.tools] + list(parsed.errors)
+        if len(known) > self.max_calls_per_turn:
             errors.append(f"error: at most {self.max_calls_per_turn} tool calls per turn; the rest were not run")
         if self.style.native and calls:
             assistant = {"role": "assistant", "content": parsed.content,
@@ -202,7 +207,7 @@ class ToolEnvironment:
         results = [(c.name, self.run_tool(c)) for c in calls] + [(None, e if e.startswith("error:") else f"error: {e}")
                                                                for e in errors]
         n_errors = sum(r.startswith("error:") for _, r in results)
-        return TurnOutcome(assistant, self._result_messages(results), tool_calls=len(calls), tool_errors=n_errors)
+        return TurnOutcome(assistant, self._result_messages(results), tool_calls=len(results), tool_errors=n_errors)
 
     def _result_messages(self, results: list[tuple[str | None, str]]) -> list[Message]:
         if self.style.native:
