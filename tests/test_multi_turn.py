@@ -43,6 +43,8 @@ SCRIPTS = {  # question -> the model's turns (text without the stop token)
 
 class ScriptedEngine:
     name = "scripted"
+    version = -1
+    sync_seconds = 0.0
 
     def __init__(self, tokenizer, stop_id: int, logprobs: bool = True, split: dict[str, list[int]] | None = None):
         self.tok, self.stop_id, self.with_logprobs = tokenizer, stop_id, logprobs
@@ -50,7 +52,7 @@ class ScriptedEngine:
         self.calls: list[tuple[int, int, int]] = []  # (batch size, max_new_tokens, seed)
         self.turn = -1
 
-    def generate(self, prompts, sampling, *, seed):
+    def generate(self, prompts, sampling, *, seed, logprobs=False):
         self.turn += 1
         self.calls.append((len(prompts), sampling.max_new_tokens, seed))
         out = []
@@ -61,7 +63,7 @@ class ScriptedEngine:
             said = turns[min(self.turn, len(turns) - 1)]
             ids = self.split.get(said) or self.tok.encode(said)
             ids = (ids + [self.stop_id])[: sampling.max_new_tokens]
-            lp = [-0.01 * (k + 1) - self.turn for k in range(len(ids))] if self.with_logprobs else None
+            lp = [-0.01 * (k + 1) - self.turn for k in range(len(ids))] if logprobs and self.with_logprobs else None
             out.append(Completion(ids, lp))
         return out
 
@@ -85,7 +87,7 @@ def play(family: str, max_turns: int = 3, **kw):
     env = GSM8KCalculatorEnv(chat, max_turns=max_turns)
     engine = ScriptedEngine(tok, stops[0], **{k: kw.pop(k) for k in ("logprobs", "split") if k in kw})
     sampling = SamplingSettings(max_new_tokens=kw.pop("max_new_tokens", 200), temperature=1.0, stop_ids=stops)
-    episodes = run_episodes(engine, env, RECORDS, chat, tok, sampling, seed=11, **kw)
+    episodes = run_episodes(engine, env, RECORDS, chat, tok, sampling, seed=11, logprobs=kw.pop("ask", True), **kw)
     return tok, chat, env, engine, episodes
 
 
@@ -187,7 +189,9 @@ def test_a_turn_the_template_cannot_render_ends_that_episode_only():
 
 
 def test_without_engine_logprobs_the_episode_has_none():
-    *_, episodes = play("qwen2.5-instruct", logprobs=False)
+    *_, episodes = play("qwen2.5-instruct", logprobs=False)  # asked for, not reported
+    assert all(e.logprobs is None for e in episodes)
+    *_, episodes = play("qwen2.5-instruct", ask=False)  # not asked for
     assert all(e.logprobs is None for e in episodes)
 
 
@@ -221,3 +225,53 @@ def test_environment_turns():
     assert out.tool_calls == 9 and out.tool_errors == 1 and len(out.assistant["tool_calls"]) == 8
     assert env.reward(RECORDS[0], "#### 72") == 1.0 and env.reward(RECORDS[0], None) == 0.0
     assert env.reward(RECORDS[0], "#### 71") == 0.0
+
+
+def test_with_the_lmforge_engine_logprobs_line_up_with_the_whole_sequence():
+    """A tiny random model behind the real engine: the first turn is a scripted tool call (scored by the
+    engine's teacher-forced pass), the second is sampled. Scoring the finished episode in one pass must give
+    the engine's log-probs at every model token: the turns' contexts are the episode's own tokens."""
+    import torch
+
+    from lmforge.models.model import ModelArgs, Transformer
+    from lmforge.rl.engines.lmforge_engine import LmforgeEngine
+
+    tok, chat, stops = setup("byte")
+    model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=tok.vocab_size,
+                                  max_seq_len=2048))
+    model.init_weights(seed=0)
+    model.eval()
+    inner = LmforgeEngine(pad_id=tok.pad_id)
+    inner.load_weights(model, 0)
+
+    class FirstTurnScripted:
+        name, version, sync_seconds = "first-scripted", 0, 0.0
+
+        def __init__(self):
+            self.turn = -1
+
+        def generate(self, prompts, sampling, *, seed, logprobs=False):
+            self.turn += 1
+            if self.turn > 0:
+                return inner.generate(prompts, sampling, seed=seed, logprobs=logprobs)
+            ids = [tok.encode(call("48 / 2")) + [tok.eos_id] for _ in prompts]
+            lps = inner.sampled_logprobs(prompts, ids, sampling.temperature)
+            return [Completion(i, lp) for i, lp in zip(ids, lps)]
+
+        def load_weights(self, model, version):
+            pass
+
+        def close(self):
+            pass
+
+    env = GSM8KCalculatorEnv(chat, max_turns=2)
+    sampling = SamplingSettings(max_new_tokens=100, temperature=1.0, stop_ids=stops)
+    episodes = run_episodes(FirstTurnScripted(), env, RECORDS[:2], chat, tok, sampling, seed=3, logprobs=True,
+                            max_total_tokens=300)
+    for e in episodes:
+        assert e.turns == 2 and e.tool_calls == 1 and sum(1 - k for k in e.loss_mask) > 0
+        whole = inner.sampled_logprobs([e.prompt_ids], [e.completion_ids], 1.0)[0]
+        got = torch.tensor([lp for lp, k in zip(e.logprobs, e.loss_mask) if k])
+        want = torch.tensor([lp for lp, k in zip(whole, e.loss_mask) if k])
+        assert torch.allclose(got, want, atol=1e-4)
+        assert all(lp == 0.0 for lp, k in zip(e.logprobs, e.loss_mask) if not k)

@@ -47,7 +47,7 @@ class Episode:
     loss_mask: list[int] = field(default_factory=list)
     """1 on the model's tokens, 0 on the template's (tool results, role headers)."""
     logprobs: list[float] | None = field(default_factory=list)
-    """The engine's log p of each model token, 0.0 on template tokens; None when the engine reports none."""
+    """The engine's log p of each model token, 0.0 on template tokens; None when not asked for or not reported."""
     reward: float = 0.0
     turns: int = 0
     tool_calls: int = 0
@@ -95,12 +95,13 @@ def turn_seed(seed: int, turn: int) -> int:
 
 def run_episodes(engine: RolloutEngine, env: Environment, records: Sequence[Mapping[str, Any]], chat: ChatFormat,
                  tokenizer: Tokenizer, sampling: SamplingSettings, seed: int, *,
-                 max_total_tokens: int | None = None) -> list[Episode]:
+                 max_total_tokens: int | None = None, logprobs: bool = False) -> list[Episode]:
     """One episode per record (repeat a record for a group), played turn by turn; see the module docstring.
 
     ``sampling.max_new_tokens`` bounds each turn and ``sampling.stop_ids`` ends one (include the template's
     end-of-turn token, :func:`lmforge.data.chat.stop_token_ids`); ``max_total_tokens`` bounds the whole
-    completion (default ``max_new_tokens * env.max_turns``). Rewards are the environment's, on the answer.
+    completion (default ``max_new_tokens * env.max_turns``). ``logprobs`` asks the engine for the sampled
+    tokens' log-probs (``Episode.logprobs`` is None otherwise). Rewards are the environment's, on the answer.
     """
     if not sampling.stop_ids:
         raise ValueError("run_episodes needs sampling.stop_ids (the tokens that end a turn)")
@@ -111,7 +112,8 @@ def run_episodes(engine: RolloutEngine, env: Environment, records: Sequence[Mapp
     episodes = []
     for record in records:
         start = env.start(record)
-        episodes.append(Episode(record, list(start.messages), start.tools, chat.prompt_ids(start.messages, start.tools)))
+        episodes.append(Episode(record, list(start.messages), start.tools, chat.prompt_ids(start.messages, start.tools),
+                                logprobs=[] if logprobs else None))
     for turn in range(env.max_turns):
         active = [e for e in episodes if not e.done]
         if not active:
@@ -119,7 +121,7 @@ def run_episodes(engine: RolloutEngine, env: Environment, records: Sequence[Mapp
         room = max(budget - len(e.completion_ids) for e in active)
         settings = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room))
         outs = engine.generate([e.prompt_ids + e.completion_ids for e in active], settings,
-                               seed=turn_seed(seed, turn))
+                               seed=turn_seed(seed, turn), logprobs=logprobs)
         if len(outs) != len(active):
             raise RuntimeError(f"engine {getattr(engine, 'name', engine)!r} returned {len(outs)} completions "
                                f"for {len(active)} prompts")
