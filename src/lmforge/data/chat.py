@@ -31,7 +31,7 @@ from lmforge.errors import UserError
 from lmforge.models.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = ["ChatFormat", "ByteChatFormat", "JinjaChatFormat", "EncodedChat", "chat_format_for",
-           "stop_token_ids", "BYTE_CHAT_TEMPLATE", "validate_messages", "validate_tools", "uses_tools"]
+           "stop_token_ids", "BYTE_CHAT_TEMPLATE", "validate_messages", "validate_tools"]
 
 ROLES = ("system", "user", "assistant", "tool")
 BYTE_ROLES = ("system", "user", "assistant")
@@ -164,11 +164,6 @@ def validate_tools(tools: Any) -> list[dict[str, Any]] | None:
     return tools
 
 
-def uses_tools(messages: Sequence[Mapping[str, Any]], tools: Any = None) -> bool:
-    """Whether a conversation has tool definitions, tool calls or tool results."""
-    return bool(tools) or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
-
-
 class ByteChatFormat:
     """The built-in chat format of :class:`~lmforge.models.tokenizer.ByteTokenizer`."""
 
@@ -288,8 +283,9 @@ class JinjaChatFormat:
         """The text after the last answer's span (its end-of-turn token included) in the rendering of
         ``messages + added`` with the generation prompt, tokenized *in that rendering*: the whole text is
         tokenized and the tokens from the span's end taken, so a tokenizer that treats the start of a
-        string specially (SentencePiece's prefix space) gives the ids training would. The span must end
-        on a token boundary there (it does where it ends with a special token)."""
+        string specially (SentencePiece's prefix space) gives the ids training would. Where a token
+        straddles the span's end (no template tested does this: spans end with a special token), the
+        rest is tokenized alone."""
         if not messages or messages[-1]["role"] != "assistant":
             raise ValueError("continuation_ids: the conversation must end with an assistant message")
         text, spans = self.template.answer_spans(messages, self.control_tokens, tools)

@@ -31,7 +31,7 @@ import json
 import re
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from lmforge.errors import UserError
 
@@ -40,7 +40,7 @@ __all__ = ["ChatTemplate", "Span", "SENTINEL", "Tools"]
 Span = tuple[int, int]
 """A ``[start, end)`` character range of a rendered conversation."""
 
-Tools = "Sequence[Mapping[str, Any]] | None"
+Tools = Optional[Sequence[Mapping[str, Any]]]
 """JSON-schema tool definitions (``{"type": "function", "function": {...}}``) as a template receives them."""
 
 SENTINEL = "\ue000{}\ue001"
