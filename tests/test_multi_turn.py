@@ -19,7 +19,7 @@ from lmforge.models.tokenizer import ByteTokenizer, load_tokenizer
 from lmforge.rl.engines.base import Completion, SamplingSettings
 from lmforge.rl.environments import GSM8KCalculatorEnv, tool_style_for
 from lmforge.rl.math_answers import answers_match
-from lmforge.rl.multi_turn import run_episodes, turn_seed
+from lmforge.rl.multi_turn import episode_metrics, run_episodes, turn_seed
 from lmforge.rl.tools.calculator import calculate
 from lmforge.rl.tools.tool_calls import ToolCall, format_tool_call
 
@@ -127,6 +127,16 @@ def test_episode_outcomes_rewards_and_tool_results():
     assert weng[3]["role"] == "tool" and weng[3]["content"].startswith("error: tool call 1: invalid JSON")
     # The last allowed turn's calls are not run: no turn would read their results.
     assert episodes[3].messages[-1]["role"] == "assistant" and episodes[3].final_text is None
+
+
+def test_episode_metrics_are_the_means_over_episodes():
+    *_, episodes = play("qwen2.5-instruct")
+    m = episode_metrics(episodes)
+    assert m["tools/turns"] == (3 + 3 + 1 + 3) / 4 and m["tools/calls"] == (2 + 2 + 0 + 2) / 4
+    assert m["tools/error_rate"] == 1 / 6 and m["tools/truncated"] == 1 / 4 and m["tools/template_errors"] == 0
+    tokens = [len(e.completion_ids) for e in episodes]
+    assert m["tools/model_tokens"] + m["tools/template_tokens"] == pytest.approx(sum(tokens) / 4)
+    assert episode_metrics([])["tools/error_rate"] == 0.0
 
 
 def test_text_style_describes_tools_in_the_system_message():

@@ -32,7 +32,7 @@ from lmforge.models.tokenizer import Tokenizer
 from lmforge.rl.engines.base import RolloutEngine, SamplingSettings
 from lmforge.rl.environments.base import Environment
 
-__all__ = ["Episode", "run_episodes", "turn_seed"]
+__all__ = ["Episode", "run_episodes", "turn_seed", "episode_metrics"]
 
 
 @dataclass
@@ -166,3 +166,21 @@ def _play_turn(e: Episode, ids: list[int], logprobs: list[float] | None, env: En
         e._finish("token_budget")
         return
     e._append(cont, False)
+
+
+def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """Means over a batch of episodes, for the metrics log: turns, tool results per episode, the share of
+    results that are errors, the shares of truncated episodes and of template errors, and the model's
+    and the template's tokens per episode."""
+    n = max(len(episodes), 1)
+    calls = sum(e.tool_calls for e in episodes)
+    model = sum(sum(e.loss_mask) for e in episodes)
+    return {
+        "tools/turns": sum(e.turns for e in episodes) / n,
+        "tools/calls": calls / n,
+        "tools/error_rate": sum(e.tool_errors for e in episodes) / calls if calls else 0.0,
+        "tools/truncated": sum(e.truncated for e in episodes) / n,
+        "tools/template_errors": sum(e.end == "template_error" for e in episodes) / n,
+        "tools/model_tokens": model / n,
+        "tools/template_tokens": (sum(len(e.completion_ids) for e in episodes) - model) / n,
+    }
