@@ -102,7 +102,8 @@ def test_episode_ids_are_the_template_rendering_and_the_mask_is_the_models(famil
         assert len(enc.ids) - (n + m) == (0 if family == "byte" else 1)  # ChatML's "\n" after the last <|im_end|>
         assert e.loss_mask == [int(x) for x in enc.assistant_mask[n: n + m]]
         model = [t for t, k in zip(e.completion_ids, e.loss_mask) if k]
-        scripted = [t for said in SCRIPTS[e.record["prompt"]][: e.turns] for t in tok.encode(said) + [chat.end_of_turn_ids()[0]]]
+        eot = chat.end_of_turn_ids()[0]
+        scripted = [t for said in SCRIPTS[e.record["prompt"]][: e.turns] for t in tok.encode(said) + [eot]]
         assert model == scripted
         engine_lps = [-0.01 * (k + 1) - t for t, said in enumerate(SCRIPTS[e.record["prompt"]][: e.turns])
                       for k in range(len(tok.encode(said)) + 1)]
@@ -119,7 +120,8 @@ def test_episode_outcomes_rewards_and_tool_results():
         assert e.reward == (float(answers_match(e.final_text, e.record["answer"])) if e.final_text else 0.0)
     natalia = episodes[0].messages
     assert [m["role"] for m in natalia] == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant"]
-    assert [m["content"] for m in natalia if m["role"] == "tool"] == [calculate("48 / 2"), calculate("48 + 24")] == ["24", "72"]
+    results = [m["content"] for m in natalia if m["role"] == "tool"]
+    assert results == [calculate("48 / 2"), calculate("48 + 24")] == ["24", "72"]
     assert natalia[2]["content"] == "In May she sold half of 48."
     assert natalia[2]["tool_calls"] == [{"type": "function", "function": {"name": "calculator",
                                                                            "arguments": {"expression": "48 / 2"}}}]

@@ -100,7 +100,8 @@ def test_mask_starts_after_each_generation_prompt(qwen):
         starts = [i for i, m in enumerate(enc.assistant_mask) if m and not enc.assistant_mask[i - 1]]
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         assert starts == [len(chat.prompt_ids(messages[:i], record["tools"])) for i in turns]
-        ends = [i for i, m in enumerate(enc.assistant_mask) if m and (i + 1 == len(enc.ids) or not enc.assistant_mask[i + 1])]
+        mask = enc.assistant_mask
+        ends = [i for i, m in enumerate(mask) if m and (i + 1 == len(mask) or not mask[i + 1])]
         assert all(enc.ids[i] == end for i in ends)
         masked = tok.decode([t for t, m in zip(enc.ids, enc.assistant_mask) if m], skip_special=False)
         assert "<tool_response>" not in masked and "# Tools" not in masked
@@ -218,8 +219,8 @@ def test_continuation_ids_equal_transformers_tokenization_of_the_whole_chat(fami
     tok = load_tokenizer(str(d))
     chat = chat_format_for(tok)
     turn = [{"role": "user", "content": "What is 6 * 7?"},
-            {"role": "assistant", "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n'
-                                             "</tool_call>"}]
+            {"role": "assistant",
+             "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'}]
     added = [{"role": "user", "content": "<tool_response>\n42\n</tool_response>"}]
     whole = hf_ids(hf, turn + added, add_generation_prompt=True)
     end = chat.end_of_turn_ids()[0]
