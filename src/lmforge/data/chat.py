@@ -24,16 +24,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
-from lmforge.data.chat_template import ChatTemplate, Span
+from lmforge.data.chat_template import ChatTemplate, Span, Tools
 from lmforge.errors import UserError
 from lmforge.models.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = ["ChatFormat", "ByteChatFormat", "JinjaChatFormat", "EncodedChat", "chat_format_for",
-           "stop_token_ids", "BYTE_CHAT_TEMPLATE", "validate_messages"]
+           "stop_token_ids", "BYTE_CHAT_TEMPLATE", "validate_messages", "validate_tools"]
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+BYTE_ROLES = ("system", "user", "assistant")
 
 BYTE_CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -56,11 +57,11 @@ class EncodedChat:
 
 
 class ChatFormat(Protocol):
-    def encode(self, messages: Sequence[dict[str, str]]) -> EncodedChat:
+    def encode(self, messages: Sequence[Mapping[str, Any]], tools: Tools = None) -> EncodedChat:
         """A whole conversation, with the assistant mask."""
         ...
 
-    def prompt_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def prompt_ids(self, messages: Sequence[Mapping[str, Any]], tools: Tools = None) -> list[int]:
         """The conversation followed by the generation prompt (the assistant speaks next)."""
         ...
 
@@ -68,18 +69,57 @@ class ChatFormat(Protocol):
         """The token(s) that end an assistant turn: generation stops there."""
         ...
 
+    def continuation_ids(self, messages: Sequence[Mapping[str, Any]], added: Sequence[Mapping[str, Any]],
+                         tools: Tools = None) -> list[int]:
+        """The tokens the template writes after the last message (an assistant turn) ends: what follows its
+        end-of-turn token, then ``added`` (tool results, a user turn) and the next generation prompt."""
+        ...
 
-def validate_messages(messages: Any) -> list[dict[str, str]]:
+
+def _tool_calls(value: Any, i: int) -> list[dict[str, Any]]:
+    """``tool_calls`` of assistant message ``i``, each ``{"type": "function", "function": {"name", "arguments"}}``
+    (``type`` defaults to ``function``; an ``id`` is kept). ``arguments`` stay as given, an object or a
+    JSON string, because templates write them as given (Qwen2.5's ``tojson``), as ``transformers`` does."""
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"message {i}: 'tool_calls' must be a non-empty list")
+    out = []
+    for j, call in enumerate(value):
+        where = f"message {i} tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict):
+            raise ValueError(f"{where} needs a 'function' object ({{\"type\": \"function\", \"function\": "
+                             "{\"name\": ..., \"arguments\": {...}}}})")
+        if call.get("type", "function") != "function":
+            raise ValueError(f"{where} has type {call.get('type')!r} (expected 'function')")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"{where} needs a non-empty string function 'name'")
+        args = fn.get("arguments", {})
+        if not isinstance(args, (dict, str)):
+            raise ValueError(f"{where} 'arguments' must be an object or a JSON string, got {type(args).__name__}")
+        entry: dict[str, Any] = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Check the ``messages`` shape; raises ValueError with a short reason (callers add file:line).
 
     ``content`` is a string, or a list of ``{"type": "text", "text": ...}`` parts (the multimodal
     layout Gemma 3 and others use), joined into one string: lmforge trains on text only.
+
+    Tool use, in the layout of ``transformers``' chat templates: an assistant message may carry
+    ``tool_calls`` (its ``content`` may then be empty, missing or null), and ``tool`` messages hold the
+    results (their ``name`` and ``tool_call_id`` are kept for the templates that write them).
     """
     if not isinstance(messages, list) or not messages:
         raise ValueError("'messages' must be a non-empty list")
     out = []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
+        if content is None and isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls"):
+            content = ""
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
@@ -90,8 +130,38 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
             raise ValueError(f"message {i} needs string 'role' and 'content'")
         if m["role"] not in ROLES:
             raise ValueError(f"message {i} has role {m['role']!r} (expected one of {', '.join(ROLES)})")
-        out.append({"role": m["role"], "content": content})
+        message: dict[str, Any] = {"role": m["role"], "content": content}
+        if m.get("tool_calls") is not None:
+            if m["role"] != "assistant":
+                raise ValueError(f"message {i}: only assistant messages carry 'tool_calls' (role {m['role']!r})")
+            message["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        if m["role"] == "tool":
+            for key in ("name", "tool_call_id"):
+                if m.get(key) is not None:
+                    if not isinstance(m[key], str):
+                        raise ValueError(f"message {i}: tool message {key!r} must be a string")
+                    message[key] = m[key]
+        out.append(message)
     return out
+
+
+def validate_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """A record's ``tools``: None, or a list of ``{"type": "function", "function": {"name", "description",
+    "parameters"}}`` JSON schemas (as ``apply_chat_template(tools=...)`` takes them); ValueError otherwise."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise ValueError(f"'tools' must be a list of function schemas, got {type(tools).__name__}")
+    for j, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"tools[{j}] needs {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                             "\"parameters\": {...}}}}")
+        if tool.get("type", "function") != "function":
+            raise ValueError(f"tools[{j}] has type {tool.get('type')!r} (expected 'function')")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise ValueError(f"tools[{j}] 'parameters' must be a JSON-schema object")
+    return tools
 
 
 class ByteChatFormat:
@@ -100,11 +170,14 @@ class ByteChatFormat:
     def __init__(self, tokenizer: ByteTokenizer) -> None:
         self.tok = tokenizer
         sp = tokenizer.special_tokens
-        self.role_ids = {r: sp[r] for r in ROLES}
+        self.role_ids = {r: sp[r] for r in BYTE_ROLES}
         self.end_id = sp["end"]
 
-    def _append(self, ids: list[int], mask: list[bool], message: dict[str, str]) -> None:
+    def _append(self, ids: list[int], mask: list[bool], message: Mapping[str, Any]) -> None:
         role = message["role"]
+        if role not in self.role_ids or message.get("tool_calls"):
+            raise ValueError("the byte chat format has no tool calls or tool messages; use a tokenizer whose "
+                             "chat template supports tools (e.g. Qwen2.5's)")
         body = self.tok.encode(message["content"])
         ids.append(self.role_ids[role])
         mask.append(False)
@@ -115,17 +188,33 @@ class ByteChatFormat:
             ids += body + [self.end_id]
             mask += [False] * (len(body) + 1)
 
-    def encode(self, messages: Sequence[dict[str, str]]) -> EncodedChat:
+    @staticmethod
+    def _no_tools(tools: Tools) -> None:
+        if tools:
+            raise ValueError("the byte chat format cannot show tool definitions; use a tokenizer whose chat "
+                             "template supports tools")
+
+    def encode(self, messages: Sequence[Mapping[str, Any]], tools: Tools = None) -> EncodedChat:
+        self._no_tools(tools)
         ids, mask = [self.tok.bos_id], [False]
         for m in messages:
             self._append(ids, mask, m)
         return EncodedChat(ids, mask)
 
-    def prompt_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        return self.encode(messages).ids + [self.role_ids["assistant"]]
+    def prompt_ids(self, messages: Sequence[Mapping[str, Any]], tools: Tools = None) -> list[int]:
+        return self.encode(messages, tools).ids + [self.role_ids["assistant"]]
 
     def end_of_turn_ids(self) -> list[int]:
         return [self.tok.eos_id]
+
+    def continuation_ids(self, messages: Sequence[Mapping[str, Any]], added: Sequence[Mapping[str, Any]],
+                         tools: Tools = None) -> list[int]:
+        """Nothing follows EOS in this format: the added messages' ids, then the assistant role token."""
+        self._no_tools(tools)
+        ids: list[int] = []
+        for m in added:
+            self._append(ids, [], m)
+        return ids + [self.role_ids["assistant"]]
 
 
 def _token_string(value: Any) -> str | None:
@@ -167,16 +256,20 @@ class JinjaChatFormat:
         self.template = ChatTemplate(template, special_strings, source)
         self.control_tokens = list(getattr(tokenizer, "control_tokens", {}))
 
-    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> str:
-        return self.template.render(messages, add_generation_prompt)
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False,
+               tools: Tools = None) -> str:
+        return self.template.render(messages, add_generation_prompt, tools)
 
-    def encode(self, messages: Sequence[dict[str, str]]) -> EncodedChat:
-        text, spans = self.template.answer_spans(messages, self.control_tokens)
+    def encode(self, messages: Sequence[Mapping[str, Any]], tools: Tools = None) -> EncodedChat:
+        text, spans = self.template.answer_spans(messages, self.control_tokens, tools)
+        if tools and self.render(messages) == text:
+            raise ValueError(f"{self.source}: the template ignores `tools` (renders the same without them); "
+                             "describe the tools in the system message or use a template with tool support")
         ids, offsets = self.tok.encode_with_offsets(text)
         return EncodedChat(ids, _mask_from_spans(offsets, spans))
 
-    def prompt_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        text = self.render(messages, add_generation_prompt=True)
+    def prompt_ids(self, messages: Sequence[Mapping[str, Any]], tools: Tools = None) -> list[int]:
+        text = self.render(messages, add_generation_prompt=True, tools=tools)
         return self.tok.encode(text) if text else []
 
     def end_of_turn_ids(self) -> list[int]:
@@ -184,6 +277,30 @@ class JinjaChatFormat:
         token = self.template.end_of_turn(self.control_tokens)
         tid = self.tok.token_id(token) if token else None
         return [tid] if tid is not None else []
+
+    def continuation_ids(self, messages: Sequence[Mapping[str, Any]], added: Sequence[Mapping[str, Any]],
+                         tools: Tools = None) -> list[int]:
+        """The text after the last answer's span (its end-of-turn token included) in the rendering of
+        ``messages + added`` with the generation prompt, tokenized *in that rendering*: the whole text is
+        tokenized and the tokens from the span's end taken, so a tokenizer that treats the start of a
+        string specially (SentencePiece's prefix space) gives the ids training would. Where a token
+        straddles the span's end (no template tested does this: spans end with a special token), the
+        rest is tokenized alone."""
+        if not messages or messages[-1]["role"] != "assistant":
+            raise ValueError("continuation_ids: the conversation must end with an assistant message")
+        text, spans = self.template.answer_spans(messages, self.control_tokens, tools)
+        if not spans:
+            raise ValueError(f"{self.source}: the template does not write the last assistant message")
+        end = spans[-1][1]
+        full = self.render([*messages, *added], add_generation_prompt=True, tools=tools)
+        if not full.startswith(text[:end]):
+            raise ValueError(f"{self.source}: the template renders the conversation differently once messages "
+                             "follow it, so the next turn's tokens cannot be appended")
+        ids, offsets = self.tok.encode_with_offsets(full)
+        first = next((t for t, (start, stop) in enumerate(offsets) if stop > end), len(ids))
+        if first < len(ids) and offsets[first][0] < end:
+            return self.tok.encode(full[end:])  # a token straddles the answer's end: tokenize the rest alone
+        return ids[first:]
 
 
 def _tokenizer_config(tokenizer: Tokenizer) -> dict[str, Any]:

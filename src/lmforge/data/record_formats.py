@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Literal
 
-from lmforge.data.chat import validate_messages
+from lmforge.data.chat import validate_messages, validate_tools
 
 PROMPT_TURNS = "prompt_turns"
 """Key of a mapped record: how many leading messages are prompt (context without loss, even the
@@ -63,11 +63,18 @@ def _string(record: dict[str, Any], key: str, fmt: str, optional: bool = False) 
     return value
 
 
+def _with_tools(out: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
+    """``out`` with the record's ``tools`` (function schemas the template shows the model), if it has any."""
+    tools = validate_tools(record.get("tools"))
+    return {**out, "tools": tools} if tools else out
+
+
 def messages_record(record: dict[str, Any]) -> dict[str, Any]:
-    """``{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}``"""
+    """``{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": "..."}, ...], "tools": [...]}``
+    (assistant messages may carry ``tool_calls``; ``tools`` is optional)."""
     if "messages" not in record:
         raise ValueError(f"missing key 'messages' (format messages; keys: {_keys(record)})")
-    return {"messages": validate_messages(record["messages"])}
+    return _with_tools({"messages": validate_messages(record["messages"])}, record)
 
 
 def prompt_completion_record(record: dict[str, Any]) -> dict[str, Any]:
@@ -84,7 +91,7 @@ def prompt_completion_record(record: dict[str, Any]) -> dict[str, Any]:
     if isinstance(prompt, list) and isinstance(completion, list):
         if not completion:
             raise ValueError("'completion' is an empty message list")
-        return {"messages": validate_messages(prompt + completion), PROMPT_TURNS: len(prompt)}
+        return _with_tools({"messages": validate_messages(prompt + completion), PROMPT_TURNS: len(prompt)}, record)
     raise ValueError(f"'prompt' and 'completion' must both be strings or both message lists "
                      f"(got {type(prompt).__name__} and {type(completion).__name__})")
 

@@ -4,8 +4,10 @@ Records (JSONL lines or parquet rows) of the common formats (``data.format``: me
 prompt/completion, Alpaca, ShareGPT, text; see :mod:`lmforge.data.record_formats`) are first mapped
 to one of three shapes, which are tokenized here:
 
-* ``{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}`` - rendered with
-  the chat format (:mod:`lmforge.data.chat`); loss on assistant turns, end-of-turn token included;
+* ``{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": ...}, ...], "tools": [...]}``
+  - rendered with the chat format (:mod:`lmforge.data.chat`), ``tools`` (optional) passed to the
+  template; loss on assistant turns, end-of-turn token included, and on the tool calls the template
+  writes for an assistant's ``tool_calls``; tool results are context;
 * ``{"prompt": ..., "completion": ...}`` - plain text ``prompt + completion + EOS`` (no template,
   so ``lmforge generate`` with the same prompt text continues it); loss on completion and EOS;
 * ``{"text": ...}`` - plain text plus EOS, loss on every token.
@@ -134,11 +136,12 @@ def _tokenize(record: dict[str, Any], tokenizer: Tokenizer, chat: ChatFormat | N
             raise ValueError(f"conversational records need a chat template and {tokenizer!r} has none "
                              "(give one with sft.chat_template=FILE.jinja)")
         messages = validate_messages(record["messages"])
-        enc = chat.encode(messages)
+        tools = record.get("tools")
+        enc = chat.encode(messages, tools)
         ids, mask = enc.ids, enc.assistant_mask
         prompt_turns = record.get(PROMPT_TURNS, 0)
         if prompt_turns:  # conversational prompt/completion: assistant turns of the prompt are context
-            prompt = chat.prompt_ids(messages[:prompt_turns])
+            prompt = chat.prompt_ids(messages[:prompt_turns], tools)
             if ids[:len(prompt)] != prompt:
                 raise ValueError("the chat template renders the prompt differently on its own and before the "
                                  "completion, so the completion cannot be located; use the messages format")
