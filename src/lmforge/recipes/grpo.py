@@ -162,11 +162,13 @@ class GRPO(Recipe):
         """Everything the user can get wrong (batch shape, rewards, prompt data), before any work."""
         g = cfg.grpo
         check_batch_shape(cfg, 1)
+        named = not g.environment or "rewards" in g.model_fields_set  # an environment brings its own reward
         rewards = load_rewards(g.rewards, g.rewards_weights, max_new_tokens=g.max_new_tokens,
-                               overlong_buffer=g.overlong_buffer)
+                               overlong_buffer=g.overlong_buffer) if named else []
         train, test = (prompt_records(cfg.data, cfg.tasks, split, g.prompt_field, g.answer_field)
                        for split in ("train", "test"))
-        probe_rewards(rewards, train[0], g.prompt_field)
+        if rewards:
+            probe_rewards(rewards, train[0], g.prompt_field)
         return GRPOInputs(rewards, train, test)
 
     def build(self, rt: Runtime, cfg: GRPOConfig, inputs: GRPOInputs) -> Job:

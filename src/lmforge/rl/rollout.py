@@ -123,6 +123,11 @@ class SampledGroups:
     """Per completion: the engine's log-probs of its sampled tokens (None: not asked for)."""
     version: int = 0
     """Optimizer steps the weights that sampled these groups had taken (for staleness)."""
+    completion_masks: list[list[int]] | None = None
+    """Per completion, 1 where the policy wrote the token and 0 where an environment did (tool results,
+    template text between turns); None: every completion token is the policy's."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """This rank's means of per-episode statistics (multi-turn), combined over ranks when laid out."""
 
     def __len__(self) -> int:
         return len(self.records)
@@ -140,16 +145,24 @@ class SampledGroups:
         return SampledGroups(G, [self.records[i] for i in groups], [self.prompt_ids[i] for i in groups],
                              pick(self.completion_ids), pick(self.prompts), pick(self.completions),
                              pick(self.truncated), pick(self.total), {k: pick(v) for k, v in self.per_function.items()},
-                             logprobs=None if self.logprobs is None else pick(self.logprobs), version=self.version)
+                             logprobs=None if self.logprobs is None else pick(self.logprobs), version=self.version,
+                             completion_masks=None if self.completion_masks is None else pick(self.completion_masks),
+                             metrics=dict(self.metrics))
 
     @staticmethod
     def concat(parts: Sequence["SampledGroups"], group_size: int) -> "SampledGroups":
         out = SampledGroups(group_size, [], [], [], [], [], [], [], {},
                             logprobs=[] if parts and all(p.logprobs is not None for p in parts) else None,
-                            version=min((p.version for p in parts), default=0))
+                            version=min((p.version for p in parts), default=0),
+                            completion_masks=[] if parts and all(p.completion_masks is not None for p in parts) else None)
+        rows = sum(len(p.completion_ids) for p in parts)
+        for key in {k for p in parts for k in p.metrics}:  # means weighted by rows
+            out.metrics[key] = sum(p.metrics.get(key, 0.0) * len(p.completion_ids) for p in parts) / max(rows, 1)
         for p in parts:
             if out.logprobs is not None:
                 out.logprobs += p.logprobs  # type: ignore[operator]
+            if out.completion_masks is not None:
+                out.completion_masks += p.completion_masks  # type: ignore[operator]
             out.records += p.records
             out.prompt_ids += p.prompt_ids
             out.completion_ids += p.completion_ids
@@ -212,7 +225,8 @@ def build_rollout(
     for start in range(0, len(rows), s.micro_batch_size):
         end = start + s.micro_batch_size
         keep = [not (s.mask_truncated and t) for t in groups.truncated[start:end]]
-        mb = layout(rows[start:end], groups.completion_ids[start:end], keep, pad_id, advantages[start:end], device)
+        masks = None if groups.completion_masks is None else groups.completion_masks[start:end]
+        mb = layout(rows[start:end], groups.completion_ids[start:end], keep, pad_id, advantages[start:end], device, masks)
         if s.need_old_logprobs:
             with autocast:
                 mb.old_logprobs = token_logprobs(policy, mb, s.temperature, s.chunk_tokens)
@@ -229,6 +243,11 @@ def build_rollout(
     lengths = [len(c) for c in groups.completion_ids]
     metrics = rollout_metrics(groups.total, groups.per_function, lengths, groups.truncated, int(zero_std),
                               len(groups), gen_seconds, time.perf_counter() - t0, device)
+    if groups.metrics:  # every rank holds as many episodes: the mean of the ranks' means
+        keys = sorted(groups.metrics)
+        sums = dist_utils.all_reduce_sum(torch.tensor([groups.metrics[k] for k in keys], dtype=torch.float64,
+                                                      device=device)).tolist()
+        metrics |= {k: v / dist_utils.data_world_size() for k, v in zip(keys, sums)}
     return Rollout(batches, groups.prompts, groups.completions, groups.total, groups.per_function,
                    metrics | (extra_metrics or {}), tokens=sum(b.input_ids.numel() for b in batches),
                    sequence_lengths=[len(p) + len(c) - 1 for p, c in zip(rows, groups.completion_ids)])
@@ -279,7 +298,7 @@ class AllTruncatedWarning:
 
 
 def layout(prompts: list[list[int]], completions: list[list[int]], keep: list[bool], pad_id: int,
-           advantages: Tensor, device: torch.device) -> PolicyBatch:
+           advantages: Tensor, device: torch.device, masks: list[list[int]] | None = None) -> PolicyBatch:
     """Right-padded ``prompt + completion`` rows with next-token targets and a completion mask.
 
     Right padding keeps every real token at the position it would have alone (positions count from
@@ -292,8 +311,8 @@ def layout(prompts: list[list[int]], completions: list[list[int]], keep: list[bo
     mask = torch.zeros(B, T)
     for i, (p, c, seq) in enumerate(zip(prompts, completions, seqs)):
         ids[i, : len(seq)] = torch.tensor(seq)
-        if keep[i]:
-            mask[i, len(p) - 1: len(seq) - 1] = 1.0  # the targets at these positions are the completion
+        if keep[i]:  # the targets at these positions are the completion (its policy-written tokens)
+            mask[i, len(p) - 1: len(seq) - 1] = 1.0 if masks is None else torch.tensor(masks[i], dtype=torch.float32)
     return PolicyBatch(ids[:, :-1].to(device), ids[:, 1:].to(device), mask.to(device), advantages.float())
 
 

@@ -36,6 +36,7 @@ from lmforge.objectives.grpo import PolicyBatch
 from lmforge.rl.engines.base import RolloutEngine
 from lmforge.rl.engines.factory import make_engine
 from lmforge.rl.engines.lmforge_engine import LmforgeEngine
+from lmforge.rl.episode_groups import load_environment, sample_episode_groups
 from lmforge.rl.rewards import WeightedReward
 from lmforge.rl.rollout_queue import RolloutQueue
 from lmforge.rl.rollout import (
@@ -67,6 +68,8 @@ class RolloutSource:
         self.truncation_warning = AllTruncatedWarning(names, g.max_new_tokens, g.mask_truncated)
         self.reference = FrozenReference.for_run(rt) if g.beta > 0 else None
         """The frozen KL reference (only with beta > 0)."""
+        self.environment = (load_environment(g.environment, self.chat, max_turns=g.max_turns, prompt_field=g.prompt_field,
+                                             answer_field=g.answer_field) if g.environment else None)
         self.engine: RolloutEngine | None = None
         """Built at the first rollout (after a resume has loaded the weights it starts from)."""
         self.queue = RolloutQueue(g.async_steps) if g.async_steps else None
@@ -223,6 +226,13 @@ class RolloutSource:
             """From the global position of the call's first prompt: the same at any world size."""
             return seed * 1_000_003 + 7919 * positions[offset] + 1
 
+        if self.environment is not None:
+            groups = sample_episode_groups(engine, self.environment, records, self.rewards, self.settings,
+                                           chat=self.chat, tokenizer=rt.tokenizer, stop_ids=self.stop_ids,
+                                           seed=seed_for(0), prompt_field=field, engine_logprobs=self.engine_logprobs,
+                                           max_total_tokens=self.g.max_total_tokens)
+            groups.version = engine.version
+            return groups
         groups = sample_groups(engine, records, prompt_ids, self.rewards, self.settings, stop_ids=self.stop_ids,
                                decode=rt.tokenizer.decode, seed_for=seed_for, prompt_field=field,
                                engine_logprobs=self.engine_logprobs)

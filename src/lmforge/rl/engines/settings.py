@@ -33,6 +33,15 @@ class EngineKeys(Section):
     is then sampled by weights up to ``async_steps`` optimizer steps old; the loss's ratio is taken
     against the current policy and ``tis_cap`` weights each token by pi_old / pi_sampler."""
 
+    environment: str = ""
+    """Multi-turn episodes with tools instead of one completion per prompt: ``gsm8k_calculator`` (GSM8K
+    with a sandboxed calculator) or ``module:Class`` (an :class:`lmforge.rl.environments.Environment`);
+    empty: single-turn. The environment's reward is the episode's, plus ``rewards`` if set explicitly."""
+    max_turns: int = Field(4, ge=1)
+    """The policy's turns per episode (``environment``); ``max_new_tokens`` bounds each turn."""
+    max_total_tokens: int = Field(0, ge=0)
+    """Tokens after the prompt per episode, the environment's included (0: max_new_tokens x max_turns)."""
+
     @model_validator(mode="after")
     def _engine_keys_agree(self) -> "EngineKeys":
         if self.vllm_url and self.vllm_mode != "server":

@@ -1,0 +1,69 @@
+"""Multi-turn rollouts for GRPO (``grpo.environment``): groups of episodes laid out like completions.
+
+Each prompt record starts ``num_generations`` episodes (:func:`lmforge.rl.multi_turn.run_episodes`); an
+episode's completion is everything after its prompt: the policy's turns and, between them, the tool results
+and template text the environment added. Only the policy's tokens carry loss (``completion_masks``). The
+reward is the environment's, plus any ``grpo.rewards`` named explicitly, scored on the episode's answer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from typing import Any, Sequence
+
+from lmforge.data.chat import ChatFormat
+from lmforge.errors import UserError
+from lmforge.models.tokenizer import Tokenizer
+from lmforge.rl.engines.base import RolloutEngine, SamplingSettings
+from lmforge.rl.environments import Environment, GSM8KCalculatorEnv
+from lmforge.rl.multi_turn import episode_metrics, run_episodes
+from lmforge.rl.rewards import WeightedReward, score_completions
+from lmforge.rl.rollout import RolloutSettings, SampledGroups
+
+BUILTIN_ENVIRONMENTS = {"gsm8k_calculator": GSM8KCalculatorEnv}
+
+
+def load_environment(name: str, chat: ChatFormat, *, max_turns: int, prompt_field: str, answer_field: str) -> Environment:
+    """A built-in environment by name, or ``module:Class`` (called with the chat format and ``max_turns``)."""
+    if name in BUILTIN_ENVIRONMENTS:
+        return BUILTIN_ENVIRONMENTS[name](chat, max_turns=max_turns, prompt_field=prompt_field,
+                                          answer_field=answer_field)
+    module, _, attr = name.partition(":")
+    if not attr:
+        raise UserError(f"grpo.environment={name!r}: not a built-in ({', '.join(BUILTIN_ENVIRONMENTS)}) "
+                        "nor module:Class")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise UserError(f"grpo.environment={name!r}: cannot load it ({type(e).__name__}: {e})") from None
+    return cls(chat, max_turns=max_turns)
+
+
+def sample_episode_groups(
+    engine: RolloutEngine, env: Environment, records: Sequence[dict[str, Any]], rewards: Sequence[WeightedReward],
+    s: RolloutSettings, *, chat: ChatFormat, tokenizer: Tokenizer, stop_ids: Sequence[int], seed: int,
+    prompt_field: str, engine_logprobs: bool, max_total_tokens: int = 0,
+) -> SampledGroups:
+    G = s.num_generations
+    rows = [r for r in records for _ in range(G)]
+    sampling = SamplingSettings(s.max_new_tokens, s.temperature, s.top_p, tuple(stop_ids))
+    t0 = time.perf_counter()
+    episodes = run_episodes(engine, env, rows, chat, tokenizer, sampling, seed,
+                            max_total_tokens=max_total_tokens or None, logprobs=engine_logprobs)
+    gen_seconds = time.perf_counter() - t0
+    prompts = [r[prompt_field] for r in rows]
+    total = [e.reward for e in episodes]
+    per_function = {"environment": list(total)}
+    if rewards:
+        fields = {k: [r.get(k) for r in rows] for k in records[0] if k != prompt_field}
+        fields["completion_length"] = [len(e.completion_ids) for e in episodes]
+        scores = score_completions(rewards, prompts, [e.final_text or "" for e in episodes], fields)
+        total = [a + b for a, b in zip(total, scores.total)]
+        per_function |= scores.per_function
+    return SampledGroups(
+        G, list(records), [episodes[i * G].prompt_ids for i in range(len(records))],
+        [e.completion_ids for e in episodes], prompts, [tokenizer.decode(e.completion_ids) for e in episodes],
+        [e.truncated for e in episodes], total, per_function, gen_seconds,
+        logprobs=[list(e.logprobs or []) for e in episodes] if engine_logprobs else None,
+        completion_masks=[list(e.loss_mask) for e in episodes], metrics=episode_metrics(episodes))
