@@ -67,9 +67,11 @@ def run(name: str, model: Path, steps: int, work: Path) -> list[dict]:
              **extra}
     cmd = [python, "-m", "lmforge", "grpo", *[f"--{k}={v}" for k, v in flags.items()]]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS=str(os.cpu_count()))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"{name}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
+    log = work / f"{run_dir.name}.log"
+    with log.open("w") as f:  # a file, not a pipe: vLLM's helper processes can outlive the run
+        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc:
+        raise SystemExit(f"{name}: exit {rc}\n{log.read_text(errors='replace')[-2000:]}")
     return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
 
 

@@ -35,6 +35,14 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="2")
 
 
+def _run(cmd: list[str], log: Path, timeout: int) -> tuple[int, str]:
+    """Run ``cmd`` with its output in ``log`` (not a pipe: vLLM's helper processes can outlive the command
+    and would hold a pipe open); its exit status and output."""
+    with log.open("w") as f:
+        rc = subprocess.run(cmd, env=_env(), stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+    return rc, log.read_text(errors="replace")
+
+
 @pytest.fixture(scope="module")
 def smollm2_dir(tmp_path_factory) -> Path:
     """The real weights as a Hugging Face directory (vLLM reads those; lmforge reads the GGUF too)."""
@@ -53,12 +61,12 @@ def smollm2_dir(tmp_path_factory) -> Path:
 
 @needs_vllm
 @pytest.mark.parametrize("mode", ["colocate", "server"])
-def test_weight_sync_reaches_every_tensor(smollm2_dir, mode):
+def test_weight_sync_reaches_every_tensor(smollm2_dir, mode, tmp_path):
     python = str(VLLM_PYTHON) if mode == "colocate" else sys.executable
-    out = subprocess.run([python, str(REPO / "tests/_vllm_sync_check.py"), str(smollm2_dir), str(TOKENIZER), mode,
-                          str(VLLM_PYTHON)], env=_env(), capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    rc, out = _run([python, str(REPO / "tests/_vllm_sync_check.py"), str(smollm2_dir), str(TOKENIZER), mode,
+                    str(VLLM_PYTHON)], tmp_path / "log", 600)
+    assert rc == 0, out[-3000:]
+    r = json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("{")))
     assert r["tokens"] > 20
     assert r["gap_start"] < 1e-3 and r["gap_synced"] < 1e-3, r  # fp32 engine vs fp32 trainer, same weights
     assert r["gap_stale"] > 0.05, r  # the weights did change: a sync that loaded nothing would fail above
@@ -70,8 +78,8 @@ def _grpo(python: str, model: Path, run_dir: Path, **flags: object) -> list[dict
             "optimizer.lr": 2e-6, "grpo.max_new_tokens": 24, "grpo.rewards": "math_answer",
             "metrics.log_every": 1, "checkpoint.enabled": "false", "tasks.eval_examples": 0, "run.dir": run_dir}
     cmd = [python, "-m", "lmforge", "grpo", *[f"--{k}={v}" for k, v in (base | flags).items()]]
-    out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
+    rc, out = _run(cmd, run_dir.parent / f"{run_dir.name}.log", 900)
+    assert rc == 0, out[-3000:]
     return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
 
 

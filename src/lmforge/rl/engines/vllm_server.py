@@ -29,7 +29,7 @@ WORKER_EXTENSION = "lmforge.rl.engines.vllm_worker.WeightSync"
 
 class VllmRunner:
     def __init__(self, model_dir: str, *, dtype: str = "auto", seed: int = 0, max_model_len: int | None = None,
-                 gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False) -> None:
+                 gpu_memory_utilization: float = 0.3) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -37,7 +37,7 @@ class VllmRunner:
         self.is_cpu = current_platform.is_cpu()
         kwargs: dict[str, Any] = {}
         if not self.is_cpu:
-            kwargs |= {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": enable_sleep_mode}
+            kwargs |= {"gpu_memory_utilization": gpu_memory_utilization}
         self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
                        logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
                        skip_tokenizer_init=True, enforce_eager=self.is_cpu, **kwargs)
@@ -65,14 +65,11 @@ class VllmRunner:
     def load_weights(self, path: str) -> float:
         return float(max(self.llm.collective_rpc("lmforge_load_weights", args=(str(path),))))
 
-    def sleep(self) -> None:
-        """Free the weights and KV cache on a GPU while the trainer runs (colocate); no-op on a CPU."""
-        if not self.is_cpu:
-            self.llm.sleep(level=1)
-
-    def wake_up(self) -> None:
-        if not self.is_cpu:
-            self.llm.wake_up()
+    def close(self) -> None:
+        """Stop vLLM's engine processes now, not whenever the interpreter gets to it."""
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
 
 
 def serve(runner: VllmRunner, host: str, port: int) -> ThreadingHTTPServer:
