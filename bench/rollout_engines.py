@@ -11,7 +11,8 @@ once as a Hugging Face directory) on the embedded ``add`` task: 8 prompts x 8 co
 in the same precision), AdamW at lr 1e-6, ``grpo.tis_cap=2``. Per system: seconds per step = the median
 over the timed steps of the wall time between consecutive step records (sampling, weight sync and the
 update together); rollout tokens/s = generated tokens / seconds in the engine's generate calls (the
-median over timed steps); sync seconds = the median time to load new weights into the engine.
+median over timed steps); sync seconds = the median time to load new weights into the engine; log-prob gap =
+the median `grpo/rollout_logprob_gap` of the steps whose rollout was sampled by the current weights.
 
 * ``lmforge`` / ``lmforge-async``: the built-in decoder, ``grpo.async_steps`` 0 / 1 (async: on its own copy
   of the weights, in a thread of the trainer's process);
@@ -57,14 +58,14 @@ def hf_dir(work: Path) -> Path:
     return out
 
 
-def run(name: str, model: Path, steps: int, work: Path) -> list[dict]:
+def run(name: str, model: Path, steps: int, work: Path, dtype: str) -> list[dict]:
     python, extra = SYSTEMS[name]
     run_dir = work / f"{name}-{len(list(work.glob(name + '-*')))}"
     flags = {"model.from_hf": model, "data.train": "embedded", "tasks.names": "add", "training.steps": steps,
              "training.global_batch_size": 64, "training.micro_batch_size": 32, "optimizer.lr": 1e-6,
              "grpo.max_new_tokens": 48, "grpo.rewards": "exact_answer", "grpo.tis_cap": 2.0,
              "metrics.log_every": 1, "checkpoint.enabled": "false", "tasks.eval_examples": 0, "run.dir": run_dir,
-             **extra}
+             "training.dtype": dtype, **extra}
     cmd = [python, "-m", "lmforge", "grpo", *[f"--{k}={v}" for k, v in flags.items()]]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS=str(os.cpu_count()))
     log = work / f"{run_dir.name}.log"
@@ -81,28 +82,33 @@ def main() -> None:
     p.add_argument("--timed-from", type=int, default=3, help="first timed step (earlier ones warm up)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--dtype", default="auto", help="training.dtype (the engines sample in the same precision)")
     a = p.parse_args()
     names = a.systems.split(",")
     if any("vllm" in n for n in names) and not VLLM_PYTHON.exists():
         raise SystemExit(f"{VLLM_PYTHON} not found: make vllm-env (or set LMFORGE_VLLM_PYTHON)")
     work = Path(tempfile.mkdtemp(prefix="rollout_engines_"))
     model = hf_dir(work)
-    per: dict[str, dict[str, list[float]]] = {n: {"wall": [], "tps": [], "sync": [], "reward": []} for n in names}
+    per: dict[str, dict[str, list[float]]] = {n: {"wall": [], "tps": [], "sync": [], "reward": [], "gap": []}
+                                             for n in names}
     for _, name in interleaved(names, a.repeats):
-        recs = run(name, model, a.steps, work)
+        recs = run(name, model, a.steps, work, a.dtype)
         for prev, r in zip(recs, recs[1:]):
             if r["step"] >= a.timed_from:
                 per[name]["wall"].append(r["time"] - prev["time"])
                 per[name]["tps"].append(r["rollout/tokens_per_sec"])
                 per[name]["sync"].append(r["rollout/sync_seconds"])
         per[name]["reward"] += [r["reward/mean"] for r in recs]
+        per[name]["gap"] += [r["grpo/rollout_logprob_gap"] for r in recs if r["rollout/staleness"] == 0]
         print(name, {k: round(median(v), 3) for k, v in per[name].items() if v}, flush=True)
     base = median(per[names[0]]["wall"])
     rows = [[n, f"{median(per[n]['tps']):.0f}", f"{median(per[n]['wall']):.2f}", f"{base / median(per[n]['wall']):.2f}x",
-             f"{median(per[n]['sync']):.2f}", f"{sum(per[n]['reward']) / len(per[n]['reward']):.3f}"] for n in names]
-    table = markdown_table(["system", "rollout tokens/s", "s/step", f"speed vs {names[0]}", "sync s", "mean reward"],
-                           rows)
-    print(f"\n{machine(__import__('torch').device('cpu'))}, {datetime.date.today()}, load {loadavg()}\n\n{table}")
+             f"{median(per[n]['sync']):.2f}", f"{sum(per[n]['reward']) / len(per[n]['reward']):.3f}",
+             f"{median(per[n]['gap']):.2g}" if per[n]["gap"] else "-"] for n in names]
+    table = markdown_table(["system", "rollout tokens/s", "s/step", f"speed vs {names[0]}", "sync s", "mean reward",
+                            "log-prob gap (fresh weights)"], rows)
+    print(f"\n{machine(__import__('torch').device('cpu'))}, {datetime.date.today()}, load {loadavg()}, "
+          f"training.dtype={a.dtype}\n\n{table}")
 
 
 if __name__ == "__main__":

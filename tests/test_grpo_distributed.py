@@ -40,7 +40,10 @@ def test_grpo_ddp_and_fsdp_match_one_process(tmp_path):
                            schedule_kind="constant", schedule_warmup_steps=0, eval_interval=2, tasks_eval_examples=5,
                            tasks_eval_max_new_tokens=6, checkpoint_enabled=False)
     runs = {"one": lmforge_cmd("grpo", *common), "ddp": torchrun_cmd("grpo", *common, "--parallel.mode=ddp"),
-            "fsdp": torchrun_cmd("grpo", *common, "--parallel.mode=fsdp")}
+            "fsdp": torchrun_cmd("grpo", *common, "--parallel.mode=fsdp"),
+            # sampling one step ahead on each rank's own copy of the weights: 2 DDP ranks = 1 process
+            "one_async": lmforge_cmd("grpo", *common, "--grpo.async_steps=1"),
+            "ddp_async": torchrun_cmd("grpo", *common, "--parallel.mode=ddp", "--grpo.async_steps=1")}
     procs = {name: subprocess.Popen([*cmd, "--rewards=tiny_rewards:lowercase", f"--run.dir={name}"], cwd=tmp_path,
                                     env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for name, cmd in runs.items()}
@@ -59,6 +62,11 @@ def test_grpo_ddp_and_fsdp_match_one_process(tmp_path):
         for step, values in train["one"].items():
             assert train[name][step] == pytest.approx(values, rel=1e-4, abs=1e-6), (name, step)
         assert evals[name] == evals["one"], name
+    for step, values in train["one_async"].items():
+        assert train["ddp_async"][step] == pytest.approx(values, rel=1e-4, abs=1e-6), ("ddp_async", step)
+    stale = [r["rollout/staleness"] for r in got["ddp_async"] if r["kind"] == "train"]
+    assert stale == [0.0, 0.0, 2.0, 2.0]  # the second rollout was sampled one rollout (2 updates) behind
+    assert train["one_async"][3] != pytest.approx(train["one"][3], rel=1e-3)  # older weights sampled it
 
 
 def test_task_eval_sharded_equals_unsharded(tmp_path):

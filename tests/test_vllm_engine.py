@@ -75,7 +75,8 @@ def test_weight_sync_reaches_every_tensor(smollm2_dir, mode, tmp_path):
 def _grpo(python: str, model: Path, run_dir: Path, **flags: object) -> list[dict]:
     base = {"model.from_hf": model, "data.train": "embedded", "tasks.names": "add", "training.steps": 4,
             "training.global_batch_size": 64, "training.micro_batch_size": 32, "training.dtype": "float32",
-            "optimizer.lr": 2e-6, "grpo.max_new_tokens": 24, "grpo.rewards": "math_answer",
+            "optimizer.lr": 2e-6, "grpo.max_new_tokens": 24, "grpo.rewards": "math_answer,overlong_penalty",
+            "grpo.overlong_buffer": 16,
             "metrics.log_every": 1, "checkpoint.enabled": "false", "tasks.eval_examples": 0, "run.dir": run_dir}
     cmd = [python, "-m", "lmforge", "grpo", *[f"--{k}={v}" for k, v in (base | flags).items()]]
     rc, out = _run(cmd, run_dir.parent / f"{run_dir.name}.log", 900)
@@ -92,12 +93,13 @@ def test_grpo_curves_match_across_engines(smollm2_dir, tmp_path):
             "grpo.engine": "vllm", "grpo.vllm_mode": "server", "grpo.vllm_python": VLLM_PYTHON}),
     }
     means = {name: sum(r["reward/mean"] for r in recs) / len(recs) for name, recs in runs.items()}
-    assert 0.05 < means["lmforge"] < 0.95, means  # the task has signal for this model
-    # 4 steps x 64 completions per run: the standard error of a mean reward is <= 0.03
-    assert max(means.values()) - min(means.values()) < 0.15, means
+    assert all(r["reward/std"] > 0.05 for recs in runs.values() for r in recs)  # the rewards carry a signal
+    # 4 steps x 64 completions per run, reward std <= 0.5: a mean's standard error is <= 0.03, a difference's
+    # <= 0.045; the engines' means must agree within 2.7 of those
+    assert max(means.values()) - min(means.values()) < 0.12, means
     for name in ("colocate", "server"):
         recs = runs[name]
         assert all(r["grpo/rollout_logprob_gap"] < 1e-3 for r in recs), [r["grpo/rollout_logprob_gap"] for r in recs]
         assert all(r["rollout/staleness"] == 0 and r["rollout/sync_seconds"] > 0 for r in recs[1:])
-        assert all(abs(r["loss"]) < 10 and r["grad_norm"] > 0 for r in recs)
+        assert all(abs(r["loss"]) < 10 and r["grad_norm"] > 0 for r in recs), [r["grad_norm"] for r in recs]
     assert "grpo/rollout_logprob_gap" not in runs["lmforge"][0]  # the live engine samples the trainer's own model

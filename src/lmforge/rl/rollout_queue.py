@@ -3,8 +3,8 @@
 With ``async_steps = k`` the source keeps k sampling rounds in flight: when a step needs a rollout it
 takes the oldest round, loads the current weights into the engine and queues the next round, which then
 samples while the step trains. The engine is idle whenever weights are loaded (a round never mixes two
-versions of the weights), so a round taken at optimizer step v was sampled by weights of step v - k or
-later: its *staleness* (logged per rollout as ``rollout/staleness``) is at most k.
+versions of the weights), so a round taken at optimizer step v was sampled by weights of step
+v - k x ``num_iterations`` or later: its *staleness* (``rollout/staleness``, in optimizer steps) is at most that.
 
 The thread only samples and scores (no collectives: ranks never wait for each other from it); everything
 that needs all ranks (advantages with batch scaling, log-probs, metrics) happens on the main thread when

@@ -29,9 +29,9 @@ class EngineKeys(Section):
     """Load the policy's weights into the engine every this many optimizer steps (in between, the engine
     samples from older weights: ``tis_cap`` corrects for it)."""
     async_steps: int = Field(0, ge=0)
-    """Sample rollouts this many steps ahead while the current update trains (0: synchronous). A rollout
-    is then sampled by weights up to ``async_steps`` optimizer steps old; the loss's ratio is taken
-    against the current policy and ``tis_cap`` weights each token by pi_old / pi_sampler."""
+    """Sample this many rollouts ahead while the current update trains (0: synchronous). A rollout is then
+    sampled by weights up to ``async_steps x num_iterations`` optimizer steps old; the loss's ratio is
+    taken against the current policy and ``tis_cap`` weights each token by pi_old / pi_sampler."""
 
     environment: str = ""
     """Multi-turn episodes with tools instead of one completion per prompt: ``gsm8k_calculator`` (GSM8K
