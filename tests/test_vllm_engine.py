@@ -103,3 +103,32 @@ def test_grpo_curves_match_across_engines(smollm2_dir, tmp_path):
         assert all(r["rollout/staleness"] == 0 and r["rollout/sync_seconds"] > 0 for r in recs[1:])
         assert all(abs(r["loss"]) < 10 and r["grad_norm"] > 0 for r in recs), [r["grad_norm"] for r in recs]
     assert "grpo/rollout_logprob_gap" not in runs["lmforge"][0]  # the live engine samples the trainer's own model
+
+
+@needs_vllm
+def test_two_ranks_share_one_server_and_sample_ahead(tmp_path):
+    """torchrun, 2 DDP ranks, a tiny model: rank 0 starts the server and syncs it, both ranks sample their
+    share from it, one rollout ahead (async_steps=1). The server's fp32 log-probs of rollouts sampled by
+    the current weights equal the trainer's; later ones come from one update back."""
+    from _helpers import cli_env, read_records, tiny_run_args, torchrun_cmd
+
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"Say something {i}"}) + "\n"
+                                                    for i in range(8)))
+    (tmp_path / "tiny_rewards.py").write_text(
+        "def lowercase(prompts, completions, **f):\n"
+        "    return [sum('a' <= c <= 'z' for c in x) / max(len(x), 1) for x in completions]\n")
+    args = tiny_run_args("prompts.jsonl", data_seq_len=None, training_steps=3, training_global_batch_size=16,
+                         training_micro_batch_size=8, grpo_num_generations=4, grpo_max_new_tokens=8,
+                         optimizer_lr=1e-2, schedule_kind="constant", schedule_warmup_steps=0, checkpoint_enabled=False,
+                         tasks_eval_examples=0)
+    cmd = torchrun_cmd("grpo", *args, "--parallel.mode=ddp", "--rewards=tiny_rewards:lowercase", "--grpo.engine=vllm",
+                       "--grpo.vllm_mode=server", f"--grpo.vllm_python={VLLM_PYTHON}", "--grpo.async_steps=1",
+                       "--grpo.tis_cap=2", f"--run.dir={tmp_path / 'run'}")
+    with (tmp_path / "log").open("w") as f:
+        rc = subprocess.run(cmd, cwd=tmp_path, env=cli_env(), stdout=f, stderr=subprocess.STDOUT, timeout=600).returncode
+    assert rc == 0, (tmp_path / "log").read_text()[-3000:]
+    train = [r for r in read_records(tmp_path / "run") if r["kind"] == "train"]
+    assert [r["rollout/staleness"] for r in train] == [0.0, 1.0, 1.0]
+    assert train[0]["grpo/rollout_logprob_gap"] < 1e-3  # sampled by the weights being trained
+    assert all(r["grpo/rollout_logprob_gap"] > 1e-3 for r in train[1:])  # one update behind (lr 1e-2)
+    assert all(0 < r["grad_norm"] for r in train) and (tmp_path / "run" / "vllm_server.log").is_file()

@@ -145,6 +145,20 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def savable_tensors(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` as safetensors accepts it: on the CPU, contiguous, no two tensors sharing storage (a tied
+    pair). Copies only where needed, so a large model is not duplicated in memory."""
+    tensors: dict[str, Tensor] = {}
+    seen: set[int] = set()
+    for k, v in state.items():
+        v = v.detach().to("cpu").contiguous()
+        if v.untyped_storage().data_ptr() in seen:
+            v = v.clone()
+        seen.add(v.untyped_storage().data_ptr())
+        tensors[k] = v
+    return tensors
+
+
 def save_hf_model(
     model_state: dict[str, Tensor], args: ModelArgs, out_dir: str | Path, *,
     bos_token_id: int | None = None, eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
@@ -164,16 +178,7 @@ def save_hf_model(
     if score is not None:
         hf.pop("lm_head.weight", None)
         hf["score.weight"] = score
-    # safetensors refuses aliased or non-contiguous storage: copy only where needed so a
-    # large model is not duplicated in memory.
-    tensors: dict[str, Tensor] = {}
-    seen: set[int] = set()
-    for k, v in hf.items():
-        v = v.detach().to("cpu").contiguous()
-        if v.untyped_storage().data_ptr() in seen:
-            v = v.clone()
-        seen.add(v.untyped_storage().data_ptr())
-        tensors[k] = v
+    tensors = savable_tensors(hf)
     dtype = tensors["model.embed_tokens.weight"].dtype
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 

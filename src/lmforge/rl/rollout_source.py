@@ -85,7 +85,8 @@ class RolloutSource:
         """Updates still to be trained on the current rollout (saved with it when > 0)."""
         if self.queue is not None and not g.tis_cap:
             rt.metrics.record_event("async_without_tis", 0, "warning: grpo.async_steps samples from weights up to "
-                                    f"{g.async_steps} steps old and grpo.tis_cap=0 leaves that uncorrected; "
+                                    f"{g.async_steps * g.num_iterations} optimizer steps old and grpo.tis_cap=0 "
+                                    "leaves that uncorrected; "
                                     "grpo.tis_cap=2 weights each token by pi_old / pi_sampler")
         if g.top_p < 1:
             rt.metrics.record_event("top_p", 0, f"warning: grpo.top_p={g.top_p} samples from the nucleus, but the "

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from lmforge.models.hf import hf_state_dict_from_lmforge
+from lmforge.models.hf import hf_state_dict_from_lmforge, savable_tensors
 
 
 def full_cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -52,14 +52,7 @@ class WeightSnapshots:
         path = self.dir / f"weights-{version:08d}.safetensors"
         if not self.writes:
             return path
-        hf = hf_state_dict_from_lmforge(state, model.args)
-        tensors, seen = {}, set()
-        for k, v in hf.items():  # safetensors refuses shared storage (tied embeddings)
-            v = v.detach().contiguous()
-            if v.untyped_storage().data_ptr() in seen:
-                v = v.clone()
-            seen.add(v.untyped_storage().data_ptr())
-            tensors[k] = v
+        tensors = savable_tensors(hf_state_dict_from_lmforge(state, model.args))
         tmp = path.with_suffix(".partial")
         save_file(tensors, str(tmp), metadata={"format": "pt", "version": str(version)})
         os.replace(tmp, path)
