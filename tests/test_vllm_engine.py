@@ -120,7 +120,8 @@ def test_two_ranks_share_one_server_and_sample_ahead(tmp_path):
     args = tiny_run_args("prompts.jsonl", data_seq_len=None, training_steps=3, training_global_batch_size=16,
                          training_micro_batch_size=8, grpo_num_generations=4, grpo_max_new_tokens=8,
                          optimizer_lr=1e-2, schedule_kind="constant", schedule_warmup_steps=0, checkpoint_enabled=False,
-                         tasks_eval_examples=0)
+                         tasks_eval_examples=0, model_dim=128, model_n_heads=2, model_n_kv_heads=1)  # vLLM's CPU
+    # attention kernels take head dimensions of 32 and up
     cmd = torchrun_cmd("grpo", *args, "--parallel.mode=ddp", "--rewards=tiny_rewards:lowercase", "--grpo.engine=vllm",
                        "--grpo.vllm_mode=server", f"--grpo.vllm_python={VLLM_PYTHON}", "--grpo.async_steps=1",
                        "--grpo.tis_cap=2", f"--run.dir={tmp_path / 'run'}")

@@ -31,6 +31,9 @@ class VllmRunner:
     def __init__(self, model_dir: str, *, dtype: str = "auto", seed: int = 0, max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.3) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        # vLLM keeps a CPU core for its front end by default; with few cores that halves sampling (measured
+        # on 2 cores, 16 x 8 completions of 64 tokens: fp32 316 -> 508 tokens/s, bf16 661 -> 884)
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         from vllm import LLM
         from vllm.platforms import current_platform
 
