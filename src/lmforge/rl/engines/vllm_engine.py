@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -55,12 +56,30 @@ class ServerBackend:
         return float(self._post("/load_weights", {"path": str(path)})["seconds"])
 
     def close(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
+        """Stop a server lmforge started, with the engine processes vLLM started under it (its process
+        group: they would outlive a signal to the server alone, each holding a copy of the model)."""
+        if self.process is None:
+            return
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
             try:
-                self.process.wait(timeout=30)
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(timeout=wait)
+                time.sleep(0.5)  # the group's other members handle the same signal
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                continue
+
+
+def _die_with_parent() -> None:
+    """In the server's process (before exec): SIGTERM when the trainer dies, however it dies (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _free_port() -> int:
@@ -79,7 +98,8 @@ def start_server(python: str, model_dir: Path, *, dtype: str, seed: int, max_mod
            "--dtype", dtype, "--seed", str(seed), "--max-model-len", str(max_model_len)]
     log.parent.mkdir(parents=True, exist_ok=True)
     try:
-        proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     except OSError as e:
         raise UserError(f"grpo.vllm_python: cannot start {python} ({e.strerror})") from None
     backend = ServerBackend(f"http://127.0.0.1:{port}", proc)

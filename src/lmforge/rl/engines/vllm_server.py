@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -31,8 +32,8 @@ class VllmRunner:
     def __init__(self, model_dir: str, *, dtype: str = "auto", seed: int = 0, max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.3) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        # vLLM keeps a CPU core for its front end by default; with few cores that halves sampling (measured
-        # on 2 cores, 16 x 8 completions of 64 tokens: fp32 316 -> 508 tokens/s, bf16 661 -> 884)
+        # vLLM keeps a CPU core for its front end by default: with few cores that slows sampling a lot
+        # (bench/vllm_generate.py; docs/rollout_engines.md has the numbers)
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -127,6 +128,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     runner = VllmRunner(a.model, dtype=a.dtype, seed=a.seed, max_model_len=a.max_model_len,
                         gpu_memory_utilization=a.gpu_memory_utilization)
     server = serve(runner, a.host, a.port)
+
+    def stop(signum: int, frame: Any) -> None:  # vLLM's engine processes go with the server
+        runner.close()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
     print(f"lmforge vllm server ready on http://{a.host}:{server.server_address[1]} "
           f"({time.perf_counter() - t0:.1f} s to start)", flush=True)
     server.serve_forever()
