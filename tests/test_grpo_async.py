@@ -82,3 +82,22 @@ def test_vllm_engine_without_vllm_is_one_line(tiny_task):
                                                     checkpoint_enabled=False)), cwd=tiny_task)
     assert rc == 2
     shutil.rmtree(tiny_task / "v", ignore_errors=True)
+
+
+def test_an_unreachable_vllm_server_is_one_line(tiny_task, capsys):
+    """grpo.vllm_url naming nothing that listens: the first weight sync fails with one line naming the
+    URL and the key, exit 2; the weight snapshot directory made for the run is removed."""
+    import glob
+
+    from _helpers import lmforge_in_process
+    from test_grpo import _grpo_args
+
+    before = set(glob.glob("/dev/shm/lmforge-weights-*"))
+    rc = lmforge_in_process(*_grpo_args("v", **dict(COMMON, training_steps=1, grpo_engine="vllm",
+                                                    grpo_vllm_mode="server", grpo_vllm_url="http://127.0.0.1:9",
+                                                    checkpoint_enabled=False)), cwd=tiny_task)
+    err = capsys.readouterr().err
+    assert rc == 2
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "http://127.0.0.1:9" in lines[0] and "grpo.vllm_url" in lines[0], err
+    assert set(glob.glob("/dev/shm/lmforge-weights-*")) == before
