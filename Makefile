@@ -23,7 +23,7 @@ $(VENV)/.bench: $(VENV)/.dev
 	$(PY) -m pip install -q -e ".[dev,bench]"
 	touch $@
 
-.PHONY: setup dev train test test-vllm vllm-env sft grpo demo demo-real bench report
+.PHONY: setup dev train test test-vllm vllm-env sft grpo demo demo-real demo-tools bench report
 setup: $(VENV)/.core
 dev: $(VENV)/.dev
 
@@ -62,6 +62,10 @@ demo: $(VENV)/.core
 # runs/demo_real/, then held-out exact match before/after each stage (docs/demo_real.md).
 demo-real: $(VENV)/.dev
 	$(PY) examples/demo_real.py
+
+# The real SmolLM2 learns to call a calculator (SFT on tool chats), then GRPO with multi-turn episodes.
+demo-tools: $(VENV)/.dev
+	$(PY) examples/tools_demo.py
 
 bench: $(VENV)/.bench
 	$(PY) bench/throughput.py

@@ -27,10 +27,12 @@ import json
 import re
 import shutil
 import sys
+from pathlib import Path
 
 from demo import ROOT, machine, run_stage  # examples/demo.py: the stage runner and the machine line
 from demo_real import gguf_path, wilson
 
+from lmforge.checkpoint import resolve_checkpoint
 from lmforge.data.chat import chat_format_for, stop_token_ids
 from lmforge.data.tasks import task_examples
 from lmforge.metrics.records import read_records
@@ -63,8 +65,9 @@ def tool_chats(env: GSM8KCalculatorEnv, problems: list) -> list[dict]:
 
 def evaluate(source: str, problems: list) -> dict[str, float]:
     """Greedy calculator episodes on ``problems`` with the model at ``source``."""
-    lm = load_model(ModelSource.from_hf(source) if source.endswith(".gguf") else ModelSource("checkpoint", source),
-                    tokenizer=str(TOKENIZER))
+    where = (ModelSource.from_hf(source) if source.endswith(".gguf")
+             else ModelSource("checkpoint", str(resolve_checkpoint(Path(source)))))
+    lm = load_model(where, tokenizer=str(TOKENIZER))
     chat = chat_format_for(lm.tokenizer)
     env = GSM8KCalculatorEnv(chat, max_turns=3)
     engine = LmforgeEngine(pad_id=lm.tokenizer.pad_id)
@@ -76,18 +79,24 @@ def evaluate(source: str, problems: list) -> dict[str, float]:
     return {"hits": hits, "n": len(episodes), **episode_metrics(episodes)}
 
 
-def main() -> int:
+def train_stages(gguf: str) -> dict[str, float]:
+    """The chats and prompts, then SFT and GRPO (runs/demo_tools is deleted first); their wall seconds."""
     shutil.rmtree(OUT, ignore_errors=True)
     OUT.mkdir(parents=True)
-    gguf = str(gguf_path())
     train = task_examples("train", 464, tasks=["add"])
-    held_out = task_examples("test", 100, tasks=["add"])
     env = GSM8KCalculatorEnv(chat_format_for(load_tokenizer(str(TOKENIZER))), max_turns=3)
     (OUT / "tool_chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in tool_chats(env, train[:400])))
     (OUT / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n"
                                                for p in train[400:]))
-    wall = {"sft": run_stage("sft", "sft", "configs/sft_tools.toml", None, OUT, [f"--model.from_hf={gguf}"]),
+    return {"sft": run_stage("sft", "sft", "configs/sft_tools.toml", None, OUT, [f"--model.from_hf={gguf}"]),
             "grpo": run_stage("grpo", "grpo", "configs/grpo_tools.toml", "sft", OUT)}
+
+
+def main() -> int:
+    """``--eval-only``: score the models of an earlier run of this script again (no training)."""
+    gguf = str(gguf_path())
+    held_out = task_examples("test", 100, tasks=["add"])
+    wall = {} if "--eval-only" in sys.argv else train_stages(gguf)
     rows = []
     for label, source in (("base", gguf), ("after SFT", str(OUT / "sft")), ("after GRPO", str(OUT / "grpo"))):
         r = evaluate(source, held_out)
@@ -100,7 +109,8 @@ def main() -> int:
     print("| model | held-out add with the calculator (greedy) | tool calls / episode | tool errors | turns |")
     print("|---|---|---|---|---|")
     print("\n".join(rows))
-    print(f"\nGRPO reward/mean by step: {curve}; wall: SFT {wall['sft']:.0f} s, GRPO {wall['grpo']:.0f} s")
+    took = f"; wall: SFT {wall['sft']:.0f} s, GRPO {wall['grpo']:.0f} s" if wall else ""
+    print(f"\nGRPO reward/mean by step: {curve}{took}")
     return 0
 
 
