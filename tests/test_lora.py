@@ -251,3 +251,24 @@ def test_grpo_with_lora_scores_kl_against_the_base_with_adapters_off(tmp_path):
     assert rc == 0, err[-3000:]
     kl = [r["grpo/kl"] for r in read_records(tmp_path / "run") if r["kind"] == "train"]
     assert abs(kl[0]) < 1e-6 and kl[-1] > 0
+
+
+def test_an_engine_weight_snapshot_folds_the_adapters_and_leaves_the_model_adapted(tmp_path):
+    """What vLLM loads after a sync: a plain model's Hugging Face names with the adapters merged in; the
+    trained model keeps its adapters (the merge is on a copy)."""
+    from safetensors.torch import load_file
+
+    from lmforge.models.hf import hf_state_dict_from_lmforge, lmforge_state_dict_from_hf
+    from lmforge.rl.engines.snapshot import WeightSnapshots
+
+    model = apply_lora(_model(), LoraSection(rank=4, alpha=8, target_modules=["wq", "wv", "w2"]))
+    _train_adapters(model)
+    x = torch.randint(0, 64, (2, 10))
+    adapted = model(x).detach()
+    path = WeightSnapshots(tmp_path, owned=False).write(model, 3)
+    assert path.name == "weights-00000003.safetensors" and has_adapters(model)
+    plain = _model(seed=1)
+    saved = load_file(str(path))
+    assert sorted(saved) == sorted(hf_state_dict_from_lmforge(plain.state_dict(), plain.args))
+    plain.load_state_dict(lmforge_state_dict_from_hf(saved, plain.args))
+    torch.testing.assert_close(plain(x), adapted, atol=1e-5, rtol=1e-5)

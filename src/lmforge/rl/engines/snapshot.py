@@ -8,6 +8,7 @@ a temporary name renamed into place, and the previous one is removed once the en
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import tempfile
@@ -17,14 +18,25 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from lmforge.errors import UserError
 from lmforge.models.hf import hf_state_dict_from_lmforge, savable_tensors
 
 
 def full_cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of ``model`` whole and on the CPU, also when FSDP2 shards it (then a
-    collective: every rank must call it)."""
+    """Every weight of ``model`` whole and on the CPU, as an inference engine needs it: also when FSDP2
+    shards it (then a collective: every rank must call it), and with LoRA adapters folded into their
+    base weights (on a copy: the trained model keeps its adapters)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    from lmforge.models.lora import has_adapters, merge_adapters
+
+    if has_adapters(model):
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, FSDPModule):
+            raise UserError("grpo.engine=vllm with [lora] under FSDP2 is not supported: use DDP or one process")
+        with torch.no_grad():
+            return {k: v.detach().cpu() for k, v in merge_adapters(copy.deepcopy(model)).state_dict().items()}
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
