@@ -75,12 +75,16 @@ def test_vllm_engine_without_vllm_is_one_line(tiny_task):
         pytest.skip("vLLM is installed here")
     except ImportError:
         pass
+    import glob
+
     from _helpers import lmforge_in_process
     from test_grpo import _grpo_args
 
+    before = set(glob.glob("/dev/shm/lmforge-weights-*"))
     rc = lmforge_in_process(*_grpo_args("v", **dict(COMMON, training_steps=1, grpo_engine="vllm",
                                                     checkpoint_enabled=False)), cwd=tiny_task)
     assert rc == 2
+    assert set(glob.glob("/dev/shm/lmforge-weights-*")) == before  # the run's snapshot directory is gone
     shutil.rmtree(tiny_task / "v", ignore_errors=True)
 
 

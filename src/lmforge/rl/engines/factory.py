@@ -40,7 +40,6 @@ def make_engine(rt: Runtime, g: Any, *, autocast: Any, own_copy: bool) -> Rollou
         return LmforgeEngine(pad_id=rt.tokenizer.pad_id, autocast=autocast, copy_weights=own_copy,
                              lockstep=rt.dist.world_size > 1 and not own_copy,
                              chunk_tokens=rt.cfg.training.loss_chunk_tokens)
-    from lmforge.rl.engines import vllm_engine
 
     dtype = rollout_dtype(rt, g)
     seed = rt.cfg.training.seed + 7919 * rt.dist.rank
@@ -48,6 +47,16 @@ def make_engine(rt: Runtime, g: Any, *, autocast: Any, own_copy: bool) -> Rollou
     if dist.is_initialized():  # one directory for all ranks
         dist.broadcast_object_list(where, src=0)
     snapshots = WeightSnapshots(Path(where[0]), owned=not g.vllm_sync_dir, writes=rt.dist.is_main)
+    try:
+        return _vllm_engine(rt, g, snapshots, dtype, seed)
+    except BaseException:  # no engine to close it later: the snapshot directory goes now
+        snapshots.close()
+        raise
+
+
+def _vllm_engine(rt: Runtime, g: Any, snapshots: WeightSnapshots, dtype: str, seed: int) -> RolloutEngine:
+    from lmforge.rl.engines import vllm_engine
+
     max_len = rt.model_args.max_seq_len
     if g.vllm_mode == "server" and g.vllm_url:
         backend: Any = vllm_engine.ServerBackend(g.vllm_url)
