@@ -83,3 +83,17 @@ def test_tool_episodes_train_on_the_policys_tokens_only(tmp_path, monkeypatch):
         if i % 2 == 0 and question != RECORDS[2]["prompt"]:
             assert "<tool_response>" in tok.decode(env, skip_special=False)  # the results are in, unmasked
     shutil.rmtree(tmp_path / "run")
+
+
+def test_an_unknown_environment_is_one_line_before_anything_is_written(tmp_path, capsys):
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    args = tiny_run_args(data, data_seq_len=None, training_steps=1, training_global_batch_size=8,
+                         grpo_num_generations=2, checkpoint_enabled=False, tasks_eval_examples=0)
+    for name, says in (("calculator_world", "not a built-in (gsm8k_calculator) nor module:Class"),
+                       ("no_such_module:Env", "cannot load it (ModuleNotFoundError")):
+        rc = lmforge_in_process("grpo", *args, f"--grpo.environment={name}", f"--run.dir={tmp_path / 'run'}",
+                                cwd=tmp_path)
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert rc == 2 and len(err) == 1 and says in err[0], err
+        assert not (tmp_path / "run").exists()

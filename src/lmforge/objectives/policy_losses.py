@@ -30,7 +30,6 @@ from typing import Literal
 from torch import Tensor
 
 PolicyLoss = Literal["ppo", "gspo", "cispo"]
-POLICY_LOSSES: tuple[str, ...] = ("ppo", "gspo", "cispo")
 
 
 @dataclass
@@ -96,6 +95,7 @@ def cispo_terms(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, eps_low: f
 
 
 TERMS = {"ppo": ppo_terms, "gspo": gspo_terms, "cispo": cispo_terms}
+POLICY_LOSSES: tuple[str, ...] = tuple(TERMS)
 
 
 def policy_terms(policy_loss: PolicyLoss, logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor,

@@ -26,9 +26,10 @@ from lmforge.data.tasks import TaskExample
 from lmforge.errors import UserError
 from lmforge.evaluation.tasks import TaskEval
 from lmforge.objectives.grpo import GRPOObjective
-from lmforge.objectives.policy_losses import check_policy_loss
+from lmforge.objectives.policy_losses import PolicyLoss, check_policy_loss
 from lmforge.recipes.base import Recipe, register
 from lmforge.rl.engines.settings import EngineKeys
+from lmforge.rl.episode_groups import environment_class
 from lmforge.rl.rewards import WeightedReward, load_rewards, probe_rewards
 from lmforge.rl.rollout_source import RolloutSource
 from lmforge.training.loop import Job
@@ -52,7 +53,7 @@ class GRPOSection(EngineKeys):
     """Clip range [1 - epsilon_low, 1 + epsilon_high] of the importance ratio (per token; per completion
     for gspo; of the IS weight for cispo); 1 puts no lower bound."""
     epsilon_high: float = Field(0.2, ge=0)
-    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    policy_loss: PolicyLoss = "ppo"
     """The policy term (formulas: :mod:`lmforge.objectives.policy_losses`):
 
     * ``ppo``: the token-level clipped surrogate of PPO/GRPO/DAPO; a token whose ratio pi/pi_old left
@@ -169,6 +170,8 @@ class GRPO(Recipe):
                        for split in ("train", "test"))
         if rewards:
             probe_rewards(rewards, train[0], g.prompt_field)
+        if g.environment:
+            environment_class(g.environment)
         return GRPOInputs(rewards, train, test)
 
     def build(self, rt: Runtime, cfg: GRPOConfig, inputs: GRPOInputs) -> Job:

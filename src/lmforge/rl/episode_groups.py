@@ -24,19 +24,26 @@ from lmforge.rl.rollout import RolloutSettings, SampledGroups
 BUILTIN_ENVIRONMENTS = {"gsm8k_calculator": GSM8KCalculatorEnv}
 
 
-def load_environment(name: str, chat: ChatFormat, *, max_turns: int, prompt_field: str, answer_field: str) -> Environment:
-    """A built-in environment by name, or ``module:Class`` (called with the chat format and ``max_turns``)."""
+def environment_class(name: str) -> Any:
+    """``grpo.environment``: a built-in environment's class by name, or ``module:Class`` imported."""
     if name in BUILTIN_ENVIRONMENTS:
-        return BUILTIN_ENVIRONMENTS[name](chat, max_turns=max_turns, prompt_field=prompt_field,
-                                          answer_field=answer_field)
+        return BUILTIN_ENVIRONMENTS[name]
     module, _, attr = name.partition(":")
     if not attr:
         raise UserError(f"grpo.environment={name!r}: not a built-in ({', '.join(BUILTIN_ENVIRONMENTS)}) "
                         "nor module:Class")
     try:
-        cls = getattr(importlib.import_module(module), attr)
+        return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
         raise UserError(f"grpo.environment={name!r}: cannot load it ({type(e).__name__}: {e})") from None
+
+
+def load_environment(name: str, chat: ChatFormat, *, max_turns: int, prompt_field: str, answer_field: str) -> Environment:
+    """The environment ``name`` names (:func:`environment_class`); a ``module:Class`` is called with the chat
+    format and ``max_turns``, a built-in also with the prompt records' column names."""
+    cls = environment_class(name)
+    if name in BUILTIN_ENVIRONMENTS:
+        return cls(chat, max_turns=max_turns, prompt_field=prompt_field, answer_field=answer_field)
     return cls(chat, max_turns=max_turns)
 
 

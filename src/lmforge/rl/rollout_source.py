@@ -34,7 +34,7 @@ from lmforge.errors import UserError
 from lmforge.models.tokenizer import Tokenizer
 from lmforge.objectives.grpo import PolicyBatch
 from lmforge.rl.engines.base import RolloutEngine
-from lmforge.rl.engines.factory import make_engine
+from lmforge.rl.engines.factory import make_engine, rollout_dtype
 from lmforge.rl.engines.lmforge_engine import LmforgeEngine
 from lmforge.rl.episode_groups import load_environment, sample_episode_groups
 from lmforge.rl.rewards import WeightedReward
@@ -78,8 +78,6 @@ class RolloutSource:
         if self.queue is not None and g.engine == "lmforge" and (_is_fsdp(rt.model) or _is_fsdp(rt.raw_model)):
             raise UserError("grpo.async_steps with grpo.engine=lmforge needs whole weights on every rank (one process "
                             "or DDP): under FSDP2 use grpo.engine=vllm")
-        self.sync_seconds = 0.0
-        """Seconds of the engine's last weight load (0 for lmforge's live engine: nothing to load)."""
         self.rollout: Rollout | None = None
         self.uses_left = 0
         """Updates still to be trained on the current rollout (saved with it when > 0)."""
@@ -165,8 +163,8 @@ class RolloutSource:
     def build(self, batch: SampledGroups, version: int, t0: float, gen_seconds: float,
               extra: dict[str, float]) -> Rollout:
         rt, engine = self.rt, self.engine
-        assert engine is not None
-        extra = extra | {"rollout/staleness": float(version - batch.version), "rollout/sync_seconds": self.sync_seconds}
+        assert engine is not None  # its last weight load: ~0 for lmforge's live engine, which loads nothing
+        extra = extra | {"rollout/staleness": float(version - batch.version), "rollout/sync_seconds": engine.sync_seconds}
         reference = self.reference.model_for(rt.raw_model) if self.reference is not None else None
         return build_rollout(rt.raw_model, batch, self.settings, pad_id=rt.tokenizer.pad_id, reference=reference,
                              autocast=rt.autocast(), rollout_autocast=self.rollout_autocast(), gen_seconds=gen_seconds,
@@ -192,7 +190,6 @@ class RolloutSource:
         if engine.version >= 0 and version - engine.version < self.g.sync_every:
             return
         engine.load_weights(self.rt.raw_model, version)
-        self.sync_seconds = engine.sync_seconds
 
     def sample_ahead(self, version: int) -> SampledGroups:
         """The oldest round in flight; the engine then takes the current weights and the next round is
@@ -210,9 +207,9 @@ class RolloutSource:
 
     def rollout_autocast(self) -> Any:
         """The precision sampling runs in: ``grpo.rollout_dtype``, or the training one (``auto``)."""
-        if self.g.rollout_dtype == "bfloat16":
+        if rollout_dtype(self.rt, self.g) == "bfloat16":
             return torch.autocast(self.rt.dist.device.type, dtype=torch.bfloat16)
-        return nullcontext() if self.g.rollout_dtype == "float32" else self.rt.autocast()
+        return nullcontext()
 
     def sample_round(self, positions: list[int]) -> SampledGroups:
         """G completions for each prompt at ``positions`` of the prompt order, scored (on the main thread,
@@ -221,7 +218,6 @@ class RolloutSource:
         engine = self.engine
         assert engine is not None
         records = [self.prompts[self.sampler.index(p)] for p in positions]
-        prompt_ids = [prompt_token_ids(rt.tokenizer, r[field], self.chat) for r in records]
 
         def seed_for(offset: int) -> int:
             """From the global position of the call's first prompt: the same at any world size."""
@@ -232,11 +228,11 @@ class RolloutSource:
                                            chat=self.chat, tokenizer=rt.tokenizer, stop_ids=self.stop_ids,
                                            seed=seed_for(0), prompt_field=field, engine_logprobs=self.engine_logprobs,
                                            max_total_tokens=self.g.max_total_tokens)
-            groups.version = engine.version
-            return groups
-        groups = sample_groups(engine, records, prompt_ids, self.rewards, self.settings, stop_ids=self.stop_ids,
-                               decode=rt.tokenizer.decode, seed_for=seed_for, prompt_field=field,
-                               engine_logprobs=self.engine_logprobs)
+        else:
+            prompt_ids = [prompt_token_ids(rt.tokenizer, r[field], self.chat) for r in records]
+            groups = sample_groups(engine, records, prompt_ids, self.rewards, self.settings, stop_ids=self.stop_ids,
+                                   decode=rt.tokenizer.decode, seed_for=seed_for, prompt_field=field,
+                                   engine_logprobs=self.engine_logprobs)
         groups.version = engine.version
         return groups
 

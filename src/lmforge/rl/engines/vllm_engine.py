@@ -8,6 +8,7 @@ rank samples from the old weights).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -156,10 +157,8 @@ class VllmEngine:
 
 def colocated_runner(model_dir: Path, *, dtype: str, seed: int, max_model_len: int,
                      gpu_memory_utilization: float) -> Any:
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        raise UserError(f"grpo.engine=vllm with grpo.vllm_mode=colocate: {INSTALL}") from None
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError(f"grpo.engine=vllm with grpo.vllm_mode=colocate: {INSTALL}")
     from lmforge.rl.engines.vllm_server import VllmRunner
 
     return VllmRunner(str(model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
@@ -167,13 +166,11 @@ def colocated_runner(model_dir: Path, *, dtype: str, seed: int, max_model_len: i
 
 
 def python_for_server(configured: str) -> str:
-    """The interpreter that runs the server: ``grpo.vllm_python``, or this one when vLLM imports here."""
+    """The interpreter that runs the server: ``grpo.vllm_python``, or this one when vLLM is installed here."""
     if configured:
         if not Path(configured).exists():
             raise UserError(f"grpo.vllm_python: {configured} does not exist")
         return configured
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        raise UserError(f"grpo.engine=vllm with grpo.vllm_mode=server and no grpo.vllm_url: {INSTALL}") from None
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError(f"grpo.engine=vllm with grpo.vllm_mode=server and no grpo.vllm_url: {INSTALL}")
     return sys.executable
