@@ -100,8 +100,11 @@ class GRPOSection(EngineKeys):
     at any world size."""
 
     @model_validator(mode="after")
-    def _policy_loss_fits_aggregation(self) -> "GRPOSection":
+    def _keys_agree(self) -> "GRPOSection":
         check_policy_loss(self.policy_loss, self.loss_aggregation)
+        if self.async_steps and self.dynamic_sampling:
+            raise ValueError("grpo.async_steps with grpo.dynamic_sampling is not supported: dynamic sampling "
+                             "decides on all ranks together between sampling rounds")
         return self
 
     @field_validator("rewards", mode="before")

@@ -46,7 +46,4 @@ class EngineKeys(Section):
     def _engine_keys_agree(self) -> "EngineKeys":
         if self.vllm_url and self.vllm_mode != "server":
             raise ValueError("grpo.vllm_url names a server: set grpo.vllm_mode=server")
-        if self.async_steps and getattr(self, "dynamic_sampling", False):
-            raise ValueError("grpo.async_steps with grpo.dynamic_sampling is not supported: dynamic sampling "
-                             "decides on all ranks together between sampling rounds")
         return self
