@@ -2,7 +2,7 @@
 
     python bench/step_profile.py --size small --dtype bfloat16          # top ops by self time
     python bench/step_profile.py --size small --dtype float32 --rows 30
-    python bench/step_profile.py --size small --ab                       # fp32 vs bf16 step times only
+    python bench/step_profile.py --size small --ab                       # fp32 vs bf16 step times, auto's pick
 
 The step is the trainer's own: the pretraining objective's loss (chunked cross-entropy through the
 model's output head), ``gradient_computation`` under the run's autocast, then ``run_optimizer_step``
@@ -30,6 +30,7 @@ from lmforge.models.flops import flops_per_token  # noqa: E402
 from lmforge.models.model import Transformer, model_args_for  # noqa: E402
 from lmforge.models.tokenizer import load_tokenizer  # noqa: E402
 from lmforge.objectives.next_token import NextTokenObjective  # noqa: E402
+from lmforge.training.precision import choose_dtype  # noqa: E402
 from lmforge.training.train_step import build_optimizer, gradient_computation, run_optimizer_step  # noqa: E402
 
 KINDS = {  # op-name fragments -> kind, first match wins
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{steps[d].flops / m / 1e9:.1f} GFLOP/s")
         print(f"bf16 / fp32 speed: {statistics.median(times['float32']) / statistics.median(times['bfloat16']):.2f}x"
               f" (load {loadavg()})")
+        nonemb = steps["float32"].model.num_params(exclude_embeddings=True)
+        print("training.dtype=auto here: %s (%s)" % choose_dtype("auto", device, nonemb))
         return
     step = Step(a.size, a.dtype, a.seq_len, a.batch, device)
     time_steps(step, 3)

@@ -229,10 +229,20 @@ def test_auto_dtype_rule(monkeypatch):
 
     cpu = torch.device("cpu")
     assert precision.choose_dtype("float32", cpu, 10**9) == ("float32", "training.dtype")
+    bf16, fp32 = precision.cpu_bf16_matmul_rates(cpu)  # measured here, then replaced to test the rule
+    assert bf16 > 0 and fp32 > 0
     monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(precision, "cpu_bf16_matmul_rates", lambda device: (4e11, 1e11))
     dtype, why = precision.choose_dtype("auto", cpu, 140_000)
     assert dtype == "float32" and "0.1M non-embedding parameters" in why
-    assert precision.choose_dtype("auto", cpu, precision.CPU_BF16_MIN_PARAMS)[0] == "bfloat16"
+    dtype, why = precision.choose_dtype("auto", cpu, precision.CPU_BF16_MIN_PARAMS)
+    assert dtype == "bfloat16" and "4.00x the fp32 rate" in why
+    # a CPU that lists AVX512-BF16 but runs bf16 matmuls slower than fp32 (measured on an Intel Xeon)
+    monkeypatch.setattr(precision, "cpu_bf16_matmul_rates", lambda device: (1.4e11, 2.6e11))
+    dtype, why = precision.choose_dtype("auto", cpu, 10**9)
+    assert dtype == "float32" and "0.54x the fp32 rate" in why
+    monkeypatch.setattr(precision, "cpu_bf16_matmul_rates", lambda device: (1.4e11, 1e11))
+    assert precision.choose_dtype("auto", cpu, 10**9)[0] == "float32"  # faster, but not by the margin
     monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda: False)
     assert precision.choose_dtype("auto", cpu, 10**9)[0] == "float32"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)

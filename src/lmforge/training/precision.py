@@ -1,11 +1,18 @@
 """Which autocast dtype a run trains in: ``training.dtype = "auto"`` picks bf16 where it is faster.
 
 On a GPU with bf16 support bf16 autocast is always the faster choice. On a CPU it depends on the
-model: bf16 matmuls only pay off when the CPU has native bf16 instructions (AVX512-BF16 or AMX) and
-the matmuls are large enough for them to outweigh the casts autocast adds around every op. Measured
-on a 2-core AVX512-BF16 CPU (docs/performance.md, 2026-11-30, before bf16 attention on CPU ran as
-explicit matmuls), bf16 ran a step at 0.58x the fp32 speed for the ``debug`` model (0.8M non-embedding
-parameters) and 1.9x for ``small`` (6.5M), so the CPU rule is a parameter threshold between the two.
+CPU and on the model, and neither alone decides it:
+
+- CPUs differ in how fast their bf16 matmuls are, even among those that advertise native bf16. On a
+  2-core AMD EPYC with AVX512-BF16 bf16 matmuls measured ~4x the fp32 rate; on a 2-core Intel Xeon
+  that also lists AVX512-BF16 (and no AMX), 0.55x, so a bf16 ``small`` step ran at 0.66x the fp32
+  speed there (docs/performance.md). The rule therefore measures both rates (the same matmul peak
+  MFU is measured against, cached for the process) and asks bf16 to be clearly faster.
+- Autocast adds casts around every op; they only pay off when the matmuls are big enough. On the
+  AMD CPU bf16 ran a step at 0.58x the fp32 speed for the ``debug`` model (0.8M non-embedding
+  parameters) and 1.9x for ``small`` (6.5M), hence a parameter threshold between the two.
+
+Every rank of a run must train in the same dtype, so the measured ratio is the minimum over ranks.
 """
 
 from __future__ import annotations
@@ -13,14 +20,23 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
+import torch.distributed as dist
+
+from lmforge.models.flops import peak_flops_per_device
 
 CPU_BF16_MIN_PARAMS = 4_000_000
-"""Non-embedding parameters from which bf16 autocast beats fp32 on a CPU with native bf16."""
+"""Non-embedding parameters from which bf16 autocast beats fp32 on a CPU with fast bf16 matmuls."""
+
+CPU_BF16_MIN_SPEEDUP = 1.5
+"""How much faster than fp32 a CPU's measured bf16 matmuls must be for ``auto`` to pick bf16.
+
+Break-even is near 1.0-1.1 for ``small`` (half of an fp32 step is matmuls; bf16 adds ~4% casts);
+the margin keeps a noisy measurement from choosing the slower dtype."""
 
 
 @lru_cache(maxsize=1)
 def cpu_has_fast_bf16() -> bool:
-    """Whether this CPU executes bf16 matmuls natively (AVX512-BF16 or AMX-BF16, from /proc/cpuinfo)."""
+    """Whether this CPU has native bf16 instructions (AVX512-BF16 or AMX-BF16, from /proc/cpuinfo)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
@@ -30,6 +46,17 @@ def cpu_has_fast_bf16() -> bool:
     except OSError:
         pass
     return False
+
+
+def cpu_bf16_matmul_rates(device: torch.device) -> tuple[float, float]:
+    """Measured (bf16, fp32) matmul FLOP/s on this CPU, bf16's as the lowest bf16/fp32 ratio of any rank."""
+    bf16 = peak_flops_per_device(device, torch.bfloat16)[0]
+    fp32 = peak_flops_per_device(device, torch.float32)[0]
+    if dist.is_available() and dist.is_initialized():
+        ratio = torch.tensor([bf16 / fp32], dtype=torch.float64)
+        dist.all_reduce(ratio, op=dist.ReduceOp.MIN)
+        bf16 = float(ratio) * fp32
+    return bf16, fp32
 
 
 def choose_dtype(setting: str, device: torch.device, non_embedding_params: int) -> tuple[str, str]:
@@ -48,4 +75,9 @@ def choose_dtype(setting: str, device: torch.device, non_embedding_params: int) 
     if non_embedding_params < CPU_BF16_MIN_PARAMS:
         return "float32", (f"auto: {millions:.1f}M non-embedding parameters, under the "
                            f"{CPU_BF16_MIN_PARAMS / 1e6:g}M from which bf16 is faster on CPU")
-    return "bfloat16", f"auto: {millions:.1f}M non-embedding parameters on a CPU with native bf16"
+    bf16, fp32 = cpu_bf16_matmul_rates(device)
+    rates = (f"bf16 matmuls {bf16 / fp32:.2f}x the fp32 rate on this CPU "
+             f"({bf16 / 1e12:.3f} vs {fp32 / 1e12:.3f} TFLOP/s measured)")
+    if bf16 < CPU_BF16_MIN_SPEEDUP * fp32:
+        return "float32", f"auto: {rates}, under the {CPU_BF16_MIN_SPEEDUP:g}x bf16 needs"
+    return "bfloat16", f"auto: {millions:.1f}M non-embedding parameters; {rates}"
