@@ -11,8 +11,10 @@ a GGUF-loaded model counts as quantized). Both train on the same chats
 published tokenizer in tests/fixtures/tokenizers/smollm2-135m-instruct), 8 rows x 256 tokens a step:
 
 * lmforge: ``lmforge sft`` with its defaults (packing on, loss on assistant tokens, AdamW), 8 packed
-  sequences of 256 tokens a step; ``--training.dtype=auto`` (bf16 autocast on a CPU with AVX512-BF16,
-  parameters and optimizer state fp32) and ``--training.dtype=float32``;
+  sequences of 256 tokens a step; ``--training.dtype=auto`` (bf16 autocast on a CPU whose bf16
+  matmuls are fast, parameters and optimizer state fp32; fp32 elsewhere) and ``--training.dtype=float32``;
+  optionally (``--systems ...,lmforge-auto-compile``) the defaults plus ``training.compile=true``, whose
+  compilation falls in the warm-up steps (its wall time is printed with each run);
 * transformers: ``Trainer`` with ``TrainingArguments`` defaults (fp32, its default optimizer,
   per-device batch 8) except ``max_steps``, ``output_dir``, ``report_to``, ``save_strategy``; each row is
   256 tokens of the concatenated rendered chats (no attention boundaries between chats, labels =
@@ -46,6 +48,7 @@ TOKENIZER = ROOT / "tests/fixtures/tokenizers/smollm2-135m-instruct"
 DATA = ROOT / "tests/fixtures/data/fastchat_identity_multiturn.jsonl"
 ROWS, SEQ = 8, 256
 SYSTEMS = ["hf-fp32", "lmforge-auto", "lmforge-fp32"]
+OPTIONAL = ["lmforge-auto-compile"]  # lmforge's defaults plus training.compile=true
 
 
 def gguf_path() -> Path:
@@ -105,21 +108,24 @@ def hf_worker(steps: int, threads: int, out_dir: str) -> dict:
             "bf16": args.bf16, "fp16": args.fp16, "tokens": ROWS * SEQ}
 
 
-def lmforge_run(dtype: str, steps: int, threads: int, run_dir: Path) -> dict:
-    argv = ["sft", f"--model.from_hf={gguf_path()}", f"--model.tokenizer={TOKENIZER}", f"--data.train={DATA}",
+def lmforge_run(dtype: str, steps: int, threads: int, run_dir: Path, compile_: bool = False) -> dict:
+    argv = ["sft", f"--training.compile={str(compile_).lower()}", f"--model.from_hf={gguf_path()}", f"--model.tokenizer={TOKENIZER}", f"--data.train={DATA}",
             f"--data.validation={DATA}", f"--data.seq_len={SEQ}", f"--training.global_batch_size={ROWS}",
             f"--training.micro_batch_size={ROWS}", f"--training.steps={steps}", f"--training.dtype={dtype}",
             f"--training.threads={threads}", "--eval.interval=0", "--eval.at_start=false",
             "--checkpoint.enabled=false", "--metrics.log_every=1", "--metrics.tensorboard=false",
             "--metrics.progress=off", f"--run.dir={run_dir}"]
     env = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": str(threads), "PATH": "/usr/bin:/bin"}
+    t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "lmforge", *argv], cwd=ROOT, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"lmforge {dtype} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     from lmforge.metrics.records import read_records
 
     train = read_records(run_dir, "train")
-    return {"times": [r["seconds"] for r in train], "tokens": ROWS * SEQ,
+    return {"times": [r["seconds"] for r in train], "tokens": ROWS * SEQ, "wall_s": round(wall, 1),
+            "dtype": read_records(run_dir, "setup")[-1]["dtype"],
             "own_tokens_per_s": [r["tokens_per_sec_per_device"] for r in train],
             "log_dtype": [ln for ln in (proc.stdout + proc.stderr).splitlines() if "bf16" in ln.lower()
                           or "bfloat16" in ln.lower()][:2]}
@@ -127,7 +133,8 @@ def lmforge_run(dtype: str, steps: int, threads: int, run_dir: Path) -> dict:
 
 def run(system: str, steps: int, threads: int, work: Path) -> dict:
     if system.startswith("lmforge"):
-        return lmforge_run("auto" if system == "lmforge-auto" else "float32", steps, threads, work)
+        return lmforge_run("float32" if system == "lmforge-fp32" else "auto", steps, threads, work,
+                           compile_=system.endswith("-compile"))
     env = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": str(threads), "PATH": "/usr/bin:/bin",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HOME": os.environ.get("HOME", "/tmp")}
     cmd = [sys.executable, __file__, "--worker", "--steps-total", str(steps), "--threads", str(threads),
@@ -144,7 +151,7 @@ def main() -> None:
     p.add_argument("--timed", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"of {', '.join(SYSTEMS + OPTIONAL)}")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--steps-total", type=int, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -155,18 +162,26 @@ def main() -> None:
     import torch
 
     names = a.systems.split(",")
+    if unknown := [n for n in names if n not in SYSTEMS + OPTIONAL]:
+        raise SystemExit(f"unknown --systems {unknown}: choose from {SYSTEMS + OPTIONAL}")
     steps = a.warmup + a.timed
     started, load0 = datetime.datetime.now(datetime.timezone.utc), loadavg()
     timed: dict[str, list[float]] = {n: [] for n in names}
+    dtypes: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r, name in interleaved(names, a.repeats):
             res = run(name, steps, a.threads, Path(tmp) / f"{name}-{r}")
             timed[name] += res["times"][a.warmup:steps]
+            if "dtype" in res:
+                dtypes[name] = res["dtype"]
             print(f"  {name} repeat {r + 1} (load {loadavg()}): {json.dumps(res)}", flush=True)
     sps = {n: median(t) for n, t in timed.items()}
     tps = {n: ROWS * SEQ / s for n, s in sps.items()}
     rows = []
-    pairs = [("lmforge defaults (dtype=auto: bf16 autocast)", "lmforge-auto", "transformers Trainer defaults (fp32)"),
+    auto = dtypes.get("lmforge-auto") or dtypes.get("lmforge-auto-compile", "?")
+    pairs = [(f"lmforge defaults (dtype=auto: {auto})", "lmforge-auto", "transformers Trainer defaults (fp32)"),
+             (f"lmforge defaults + training.compile=true ({auto})", "lmforge-auto-compile",
+              "transformers Trainer defaults (fp32)"),
              ("lmforge fp32", "lmforge-fp32", "transformers Trainer defaults (fp32)")]
     for label, lm, hf_label in pairs:
         if lm in sps and "hf-fp32" in sps:
