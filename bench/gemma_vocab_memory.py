@@ -9,7 +9,7 @@ embeddings, sliding window 512 with 5 local : 1 global layers, RoPE 10k local / 
 RMSNorms around both sublayers, q/k norms, scaled embeddings), with ``--layers`` layers (18 in the
 real model; 6 by default, for time: the embedding/output matrix, which is what the loss is about,
 is 168M of the 268M parameters either way). Built with ``spec_for_args(args).build(args)`` and
-``init_weights(seed=0)``; fp32; AdamW as lmforge's trainers build it (``build_optimizer``: foreach,
+``init_weights(seed=0)``; fp32; AdamW as lmforge's trainers build it (``build_optimizer``: fused,
 decay on matrices). One SFT step = ``zero_grad(set_to_none=True)``, loss, ``backward``, ``step``.
 Every position is a target by default (``--target-fraction`` masks a prompt prefix as SFT does;
 the chunked loss then projects only the targets, so 1.0 is its worst case). Losses:
@@ -26,7 +26,7 @@ init would (``step``, ``exp_avg``, ``exp_avg_sq`` zeros), so one step suffices (
 4x1024 step takes tens of seconds); then the resident-set high-water mark is reset
 (``/proc/self/clear_refs``) and the resident set taken as the model + AdamW baseline; the step is
 timed and its high-water mark (VmHWM) minus the baseline is the step's own memory (gradients,
-activations, logits, the foreach optimizer's temporaries). "Peak RSS" is the whole process's
+activations, logits, the optimizer step). "Peak RSS" is the whole process's
 ``ru_maxrss`` (build included). The loss of every case is printed: the same model and data give the
 same loss in all three. A case whose estimated peak (baseline + 3 fp32 copies of the logits for
 the full-logits losses) exceeds the memory available (``MemAvailable`` less ``--margin-gb``) is not

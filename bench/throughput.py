@@ -23,7 +23,7 @@ excluded, and everything inside the loop, logging included, is counted).
   trainer cannot flatter itself; its self-reported tokens/s is printed alongside as a cross-check.
   Driving ``run`` in-process (rather than the CLI in a subprocess) keeps the thread count and
   allocator identical for all systems; the code path is the CLI's, minus argument parsing.
-* bare: forward, cross-entropy, backward, AdamW (same hyper-parameters and the same foreach/fused
+* bare: forward, cross-entropy, backward, AdamW (same hyper-parameters and the same fused kernel
   implementation lmforge builds), zero_grad: nothing else, batches built before the clock starts.
 * hf: ``transformers.Trainer`` with ``LlamaForCausalLM`` of the same configuration (SDPA
   attention), its default optimizer, no saving, no eval, logging every 10 steps.
@@ -146,9 +146,7 @@ def run_bare(s: Setup) -> float:
     if s.compile:
         for i, block in enumerate(model.layers):
             model.layers[i] = torch.compile(block)
-    cuda = s.device.type == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, betas=BETAS,
-                            fused=cuda or None, foreach=None if cuda else True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, betas=BETAS, fused=True)
     n = max(1, min(len(s.dataset) // s.batch, s.steps))
     batches = [collate([s.dataset[i] for i in range(k * s.batch, (k + 1) * s.batch)]).to(s.device) for k in range(n)]
     autocast = torch.autocast(s.device.type, dtype=torch.bfloat16) if s.dtype == "bfloat16" \

@@ -11,8 +11,8 @@ paper's formula:
   final norm and the chunked loss (which holds one chunk of logits at a time, never all of them),
   plus the largest transient of the backward (the gated MLP's gradients);
 * the step's peak is the larger of the backward (parameters, optimizer state, activations, and the
-  gradients of earlier microbatches) and the optimizer step (parameters, gradients, state, and the
-  foreach AdamW's temporary the size of the parameters).
+  gradients of earlier microbatches) and the optimizer step (parameters, gradients and state: the
+  fused AdamW kernel makes no temporaries).
 
 Under bf16 autocast the parameters and the residual stream stay fp32: what the norms save is fp32,
 while each linear saves its own bf16 copy of its input (autocast casts per call) and of its weight.
@@ -246,7 +246,6 @@ def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, m
     params = 4 * stage_params / shards + (4 * counts.buffers if layers else 0)
     grads = 4 * stage_params / shards
     opt = _optimizer_bytes(args, counts, optimizer) * share / shards
-    opt_temp = 4 * stage_params / shards if optimizer != "adamw8bit" else 0.0
 
     tokens = micro_batch * seq_len / layout.cp
     sp = tokens / tp
@@ -315,7 +314,7 @@ def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, m
         # its sends; not traced to its owner), so one per microbatch is counted
         buffers += microbatches * 4 * args.dim * sp
     step = params + opt + live_grads + activations + buffers
-    opt_step = params + opt + grads + opt_temp + (buffers if layout.dp_replicate > 1 and shards == 1 else 0)
+    opt_step = params + opt + grads + (buffers if layout.dp_replicate > 1 and shards == 1 else 0)
     if opt_step > step:
         phase, step = "optimizer", opt_step
     return MemoryEstimate(params, grads, opt, activations, buffers, step, phase)

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from lmforge.errors import UserError
-from lmforge.training.train_step import build_optimizer
+from lmforge.training.train_step import adamw_kernel, build_optimizer
 
 if TYPE_CHECKING:  # pragma: no cover
     from lmforge.config import Config, OptimizerSection
@@ -127,14 +127,13 @@ def build_muon(model: nn.Module, o: "OptimizerSection") -> OptimizerGroup:
     muon, rest = muon_parameters(model)
     if not muon:
         raise UserError("optimizer.name=muon: the model has no trainable 2-D projection matrices for Muon")
-    on_cuda = any(p.is_cuda for p in rest)
     parts: list[torch.optim.Optimizer] = [
         torch.optim.Muon([{"params": muon, "lr_scale": o.muon_lr_ratio}], lr=o.lr * o.muon_lr_ratio,
                          weight_decay=o.weight_decay, momentum=o.muon_momentum, nesterov=True,
                          ns_steps=o.muon_ns_steps, adjust_lr_fn="match_rms_adamw")]
     if rest:
         parts.append(torch.optim.AdamW(_adamw_groups(rest, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
-                                       eps=o.eps, fused=on_cuda or None, foreach=None if on_cuda else True))
+                                       eps=o.eps, **adamw_kernel(rest)))
     return OptimizerGroup(parts)
 
 
