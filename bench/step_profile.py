@@ -120,20 +120,25 @@ def main(argv: list[str] | None = None) -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         ts = time_steps(step, a.steps)
     wall = statistics.median(ts)
+    print(f"{a.size} {a.dtype}: median profiled step {wall * 1e3:.1f} ms ({step.tokens / wall:,.0f} tokens/s; "
+          f"profiler overhead included), {step.flops / wall / 1e9:.1f} GFLOP/s")
+    print_profile(prof, a.steps, a.rows)
+    print(f"load after: {loadavg()}")
+
+
+def print_profile(prof: torch.profiler.profile, steps: int, rows: int) -> None:
+    """The profiler's ops by self time per step, and the shares by kind."""
     events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     total = sum(e.self_cpu_time_total for e in events)
     events.sort(key=lambda e: -e.self_cpu_time_total)
-    print(f"{a.size} {a.dtype}: median profiled step {wall * 1e3:.1f} ms ({step.tokens / wall:,.0f} tokens/s; "
-          f"profiler overhead included), {step.flops / wall / 1e9:.1f} GFLOP/s")
     print(f"{'op':<44} {'self ms/step':>12} {'share':>7} {'calls/step':>10}")
-    for e in events[:a.rows]:
-        print(f"{e.key[:44]:<44} {e.self_cpu_time_total / 1e3 / a.steps:>12.2f} "
-              f"{100 * e.self_cpu_time_total / total:>6.1f}% {e.count / a.steps:>10.0f}")
+    for e in events[:rows]:
+        print(f"{e.key[:44]:<44} {e.self_cpu_time_total / 1e3 / steps:>12.2f} "
+              f"{100 * e.self_cpu_time_total / total:>6.1f}% {e.count / steps:>10.0f}")
     by_kind: dict[str, float] = {}
     for e in events:
         by_kind[kind(e.key)] = by_kind.get(kind(e.key), 0.0) + e.self_cpu_time_total
     print("by kind: " + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])))
-    print(f"load after: {loadavg()}")
 
 
 if __name__ == "__main__":

@@ -147,3 +147,37 @@ def test_layout_groups_documents_by_padded_length():
     assert [g.mask is not None for g in layout.groups] == [False, False, True, True]
     rows = layout.unpack.tolist()  # every token has its own row among the 3 + 4 + 10 + 16 padded ones
     assert len(set(rows)) == 32 and max(rows) < 33
+
+
+class FullSizeOutputs(TorchDispatchMode):
+    """Counts the ops whose output has exactly ``numel`` elements (full-size buffers of q, k or v)."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.numel() == self.numel and func._schema.name.startswith(
+                    ("aten::zeros", "aten::new_zeros", "aten::fill_", "aten::zero_")):
+                self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("lengths", [[30, 34], [3, 5, 7, 9, 11, 13, 16]])
+def test_the_backward_zero_fills_each_input_once_whatever_the_number_of_length_groups(lengths):
+    """One gather for all length groups: the gradients of q, k and v are each one zero-filled buffer
+    scattered into once. Gathering group by group zero-filled a full-size buffer per group and input."""
+    from lmforge.models.layers.packed_attention import attend_packed
+
+    B, H, D = 2, 4, 8
+    T = sum(lengths)
+    _, _, docs = packed_batch([lengths, lengths[::-1]])
+    layout = packed_layout(docs)
+    assert len(layout.groups) >= 2
+    q, k, v = (torch.randn(B, H, T, D, requires_grad=True) for _ in range(3))
+    out = attend_packed(q, k, v, layout, enable_gqa=False)
+    with FullSizeOutputs(B * T * H * D) as counter:
+        out.sum().backward()
+    assert counter.count == 3, (counter.count, len(layout.groups))
