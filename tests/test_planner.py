@@ -106,7 +106,7 @@ def test_sharding_divides_what_it_divides():
 
 def test_cli_prints_a_table_best_first(capfd):
     rc = lmforge_in_process("plan", "--model.size=8b", "--data.seq_len=8192", "--devices=8",
-                            "--device-memory-gb=80", "--vocab-size=128256", "--training.micro_batch_size=1")
+                            "--device-memory-gb=70", "--vocab-size=128256", "--training.micro_batch_size=1")
     out, err = capfd.readouterr()
     assert rc == 0, err
     lines = out.splitlines()

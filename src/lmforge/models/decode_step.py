@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from lmforge.models.args import ModelArgs
 from lmforge.models.layers.kv_cache import KVCache
+from lmforge.models.layers.mlp import gated_activation
 from lmforge.models.layers.norm import rms_norm
 from lmforge.models.layers.rope import apply_rope
 from lmforge.models.model import Transformer
@@ -161,7 +162,7 @@ def _forward(w: DecodeWeights, tok: Tensor, cos: Tensor, sin: Tensor, write: KVW
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=H != Hkv)
         h = h + _linear(out.reshape(B, nq), lw.wo, transposed=w.transposed)
         gu = _linear(rms_norm(h, lw.ffn_norm, w.eps), lw.w13, transposed=w.transposed)
-        h = h + _linear(F.silu(gu[:, :w.ffn_dim]) * gu[:, w.ffn_dim:], lw.w2, transposed=w.transposed)
+        h = h + _linear(gated_activation(gu[:, :w.ffn_dim], gu[:, w.ffn_dim:], "silu"), lw.w2, transposed=w.transposed)
     return _linear(rms_norm(h, w.norm, w.eps), w.output, transposed=w.transposed)
 
 

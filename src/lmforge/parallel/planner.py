@@ -123,11 +123,11 @@ def param_counts(args: ModelArgs) -> ParamCounts:
 
 
 def _norm_bytes(d: int, tokens_sp: float, tokens: float, consumers: int, a: int) -> float:
-    """An RMSNorm on the fp32 residual stream saves its input, the normalised values and 1/rms (fp32, on
-    the sequence-parallel shard); its output is saved by the linears that read it: once in fp32 (shared),
-    or once per linear in bf16 (autocast casts on each call). Under tp the linears read the all-gathered
-    output, so that copy is of every token."""
-    own = (8 * d + 4) * tokens_sp
+    """An RMSNorm on the fp32 residual stream saves its input and 1/rms (fp32, on the sequence-parallel
+    shard; lmforge.models.layers.norm recomputes the normalised values in the backward); its output is
+    saved by the linears that read it: once in fp32 (shared), or once per linear in bf16 (autocast casts
+    on each call). Under tp the linears read the all-gathered output, so that copy is of every token."""
+    own = (4 * d + 4) * tokens_sp
     return own + (4 * d if a == 4 else consumers * a * d) * tokens
 
 
@@ -141,10 +141,11 @@ def block_activation_bytes(args: ModelArgs, layer: int, tokens: float, a: int, t
     fp32 log-sum-exp per head; the explicit bf16 attention of short sequences on a CPU
     (``explicit_len`` keys per query, see lmforge.models.layers.causal_attention) saves q, k, v and each
     head's bf16 probabilities over the keys instead of the log-sum-exp; RoPE saves only the shared
-    cos/sin tables (they need no gradient); the gated MLP saves both projections, the activation's
-    output and their product. Under context parallelism (``cp`` ranks, rows of ``row`` tokens) attention
-    saves the keys and values gathered from every cp rank (the whole row's) and the mask in the compute
-    dtype: SDPA turns the boolean ``[B, 1, T/cp, T]`` mask into an additive one per call (measured). Qwen3's q/k norms,
+    cos/sin tables (they need no gradient); the gated MLP saves both projections and their gated
+    product (``w2``'s input; the activation is recomputed in the backward, lmforge.models.layers.mlp).
+    Under context parallelism (``cp`` ranks, rows of ``row`` tokens) attention saves the keys and values
+    gathered from every cp rank (the whole row's) and the mask in the compute dtype: SDPA turns the
+    boolean ``[B, 1, T/cp, T]`` mask into an additive one per call (measured). Qwen3's q/k norms,
     Gemma's sandwich norms and the MoE routing are counted the same way but were not measured.
     """
     d, h, kv, hd = args.dim, args.n_heads, args.kv_heads, args.head_dim
@@ -155,24 +156,25 @@ def block_activation_bytes(args: ModelArgs, layer: int, tokens: float, a: int, t
     total += (a * 2 * (h + kv) * hd + per_head * h) * tokens / tp
     if cp > 1:  # the other ranks' keys and values, and the additive mask [B, 1, T / cp, T]
         total += a * 2 * kv * hd * tokens * (cp - 1) / tp + a * tokens * row
-    if args.qk_norm:  # the norm's input, its fp32 normalised values and output per q/k value
-        total += (a + 8) * (h + kv) * hd * tokens / tp
-    if args.sandwich_norm:  # post-attention and post-MLP norms of the sublayer outputs
-        total += 2 * (a + 4) * d * sp
+    if args.qk_norm:  # the norm's input per q/k value and 1/rms per head (fp32)
+        total += (a * hd + 4) * (h + kv) * tokens / tp
+    if args.sandwich_norm:  # post-attention and post-MLP norms: the sublayer output and 1/rms
+        total += 2 * (a * d + 4) * sp
     if moe:
         k, fe, e = args.n_experts_per_token, args.expert_ffn_dim, args.n_experts
         total += _norm_bytes(d, sp, tokens, 1, a)  # ffn_norm -> router (the experts read it by index)
         total += 8 * e * tokens  # router probabilities and logits (fp32)
-        total += k * (2 * a * d + 4 * a * fe / tp + 8) * tokens  # routed rows, expert MLP, weighted outputs
+        total += k * (2 * a * d + 3 * a * fe / tp + 8) * tokens  # routed rows, expert MLP, weighted outputs
     else:
         total += _norm_bytes(d, sp, tokens, 2, a)  # ffn_norm -> w1, w3
-        total += a * 4 * args.ffn_dim * tokens / tp
+        total += a * 3 * args.ffn_dim * tokens / tp
     return total
 
 
 def _mlp_transient(args: ModelArgs, layer: int, tokens: float, a: int, tp: int) -> float:
     """The gated MLP's backward: the product's gradient and both factors' gradients exist together
-    (while the product's saved copy is already freed), plus the fp32 gradient of the residual stream."""
+    (while the product's saved copy is already freed; the recomputed activation becomes the up
+    projection's gradient in place), plus the fp32 gradient of the residual stream."""
     hidden = args.ffn_dim if not args.is_moe_layer(layer) else args.n_experts_per_token * args.expert_ffn_dim
     return 2 * a * hidden * tokens / tp + 4 * args.dim * tokens / tp
 
@@ -281,7 +283,7 @@ def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, m
     loss = saved
     if last:  # final norm, the loss's hidden rows and their gradient, one chunk of fp32 logits
         vocab = args.vocab_size / tp
-        head_saved = (8 * args.dim + 4) * sp + 4 * args.dim * tokens + 4 * vocab * args.dim
+        head_saved = (4 * args.dim + 4) * sp + 4 * args.dim * tokens + 4 * vocab * args.dim
         c = min(chunk, tokens)
         # a chunk's fp32 logits and their log-softmax (on a CPU written over them; the vocabulary-parallel
         # loss keeps its shifted logits beside them), and under autocast the chunk's bf16 gradient

@@ -6,7 +6,7 @@
 - :mod:`.packed_attention`: per-document causal attention for packed batches (``packed_layout``);
 - :mod:`.context_attention`: attention over keys all-gathered from a context-parallel group;
 - :mod:`.masks`: ``sliding_window_mask`` and the dense reference ``document_mask``;
-- :mod:`.mlp`: the SwiGLU ``FeedForward``;
+- :mod:`.mlp`: the gated ``FeedForward`` (SwiGLU, GeGLU) and ``gated_activation``;
 - :mod:`.kv_cache`: the ``KVCache`` generation fills and attention reads.
 
 A family's model (:mod:`lmforge.models.model` for the dense decoder) composes these; the fused

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lmforge.models.layers.mlp import activation
+from lmforge.models.layers.mlp import activation, gated_activation
 
 __all__ = ["GroupedExperts", "MoEFeedForward", "RouterLosses", "RoutingStats", "router_losses"]
 
@@ -61,14 +61,17 @@ def _contiguous_grad(t: Tensor) -> Tensor:
 
 
 class GroupedExperts(nn.Module):
-    """``E`` gated MLPs stored as 3-D weights: ``w1``/``w3`` [E, hidden, dim] (gate/up), ``w2`` [E, dim, hidden]."""
+    """``E`` gated MLPs stored as 3-D weights: ``w1``/``w3`` [E, hidden, dim] (gate/up), ``w2`` [E, dim, hidden].
+    The gated product goes through :func:`~lmforge.models.layers.mlp.gated_activation` as in the dense MLP
+    (three hidden-size tensors saved per routed row, not four)."""
 
     def __init__(self, n_experts: int, dim: int, hidden_dim: int, hidden_act: str = "silu") -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
-        self.act = activation(hidden_act)
+        activation(hidden_act)  # an unknown name fails here, at build time
+        self.hidden_act = hidden_act
         self.reset_parameters()
         self.impl = "auto"
         """``grouped`` (one grouped matmul per projection), ``loop`` (one matmul per expert) or ``auto``."""
@@ -95,11 +98,11 @@ class GroupedExperts(nn.Module):
             def mm(a: Tensor, w: Tensor) -> Tensor:
                 return _contiguous_grad(F.grouped_mm(a, w.transpose(-2, -1), offs=offs))
 
-            return mm(self.act(mm(x, w1)) * mm(x, w3), w2)
+            return mm(gated_activation(mm(x, w1), mm(x, w3), self.hidden_act), w2)
         # unbind (not w[e]): autograd then stacks the experts' gradients once, instead of adding one
         # full-size zero gradient of the 3-D weight per expert; every expert, even one that got no
         # token, stays in the graph, so DDP sees a gradient for each.
-        outs = [F.linear(self.act(F.linear(rows, w1)) * F.linear(rows, w3), w2)
+        outs = [F.linear(gated_activation(F.linear(rows, w1), F.linear(rows, w3), self.hidden_act), w2)
                 for rows, w1, w2, w3 in zip(x.split(counts.tolist()), w1.unbind(0), w2.unbind(0),
                                             w3.unbind(0)) if rows.shape[0]]
         return torch.cat(outs)
