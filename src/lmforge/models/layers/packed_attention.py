@@ -16,6 +16,7 @@ nested (jagged) tensors find no SDPA backend for causal attention (``is_causal=T
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,16 @@ class PackedLayout:
     seq_len: int
     groups: tuple[LengthGroup, ...]
     unpack: Tensor
+
+    @cached_property
+    def gather(self) -> Tensor:
+        """Every group's token index, concatenated: one ``index_select`` picks all groups' tokens."""
+        return torch.cat([g.index.reshape(-1) for g in self.groups])
+
+    @cached_property
+    def sizes(self) -> list[int]:
+        """Tokens (padding slots included) of each group in :attr:`gather`."""
+        return [g.index.numel() for g in self.groups]
 
     def windowed(self, window: int | None) -> PackedLayout:
         """The same documents under a sliding ``window`` (None: plain causal): only the groups' band
@@ -108,11 +119,8 @@ def attend_packed(q: Tensor, k: Tensor, v: Tensor, layout: PackedLayout, enable_
     # are gathered by one index_select and split into views: the backward is then one zero-filled
     # [B*T, H, D] gradient and one index_add per input, where gathering each group on its own costs
     # a zero-filled full-size gradient per group (9 groups of a 256-token SFT batch: ~8x slower).
-    gather = torch.cat([g.index.reshape(-1) for g in layout.groups]) if len(layout.groups) > 1 \
-        else layout.groups[0].index.reshape(-1)
-    sizes = [g.index.numel() for g in layout.groups]
-    q, k, v = (x.transpose(1, 2).reshape(B * T, x.shape[1], x.shape[3]).index_select(0, gather).split(sizes)
-               for x in (q, k, v))
+    q, k, v = (x.transpose(1, 2).reshape(B * T, x.shape[1], x.shape[3]).index_select(0, layout.gather)
+               .split(layout.sizes) for x in (q, k, v))
     outs = []
     for g, qg, kg, vg in zip(layout.groups, q, k, v):
         qg, kg, vg = (x.view(*g.index.shape, *x.shape[1:]).transpose(1, 2) for x in (qg, kg, vg))  # [n, H, length, D]
@@ -120,6 +128,6 @@ def attend_packed(q: Tensor, k: Tensor, v: Tensor, layout: PackedLayout, enable_
             out = causal_attention(qg, kg, vg, enable_gqa, scale)
         else:
             out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, enable_gqa=enable_gqa, scale=scale)
-        outs.append(out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[3]))
+        outs.append(out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3]))
     H, D = outs[0].shape[1:]
     return torch.cat(outs).index_select(0, layout.unpack).view(B, T, H, D)
