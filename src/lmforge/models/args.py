@@ -19,6 +19,9 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from lmforge.errors import UserError
+from lmforge.models.configs import (
+    AttentionConfig, BlockConfig, DecoderConfig, MLPConfig, MoEConfig, NormConfig, RopeConfig, RouterConfig,
+)
 
 # RoPE frequency schemes that are computed once from the config (no run-time state).
 ROPE_TYPES = ("default", "llama3", "linear")
@@ -103,12 +106,6 @@ class ModelArgs:
                 self.moe_layers = sorted(int(i) for i in self.moe_layers)
                 if any(not 0 <= i < self.n_layers for i in self.moe_layers):
                     raise UserError(f"moe_layers must be layer indices in [0, {self.n_layers})")
-        # Imported here: the registry's family modules build models, and models import this module.
-        from lmforge.models.spec import registered_model_types
-
-        known = registered_model_types()
-        if self.hf_model_type not in known:
-            raise UserError(f"unknown hf_model_type {self.hf_model_type!r}; known: {', '.join(known)}")
 
     @property
     def kv_heads(self) -> int:
@@ -143,6 +140,36 @@ class ModelArgs:
         hidden = int(2 * (4 * self.dim) / 3)
         multiple_of = 64
         return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+    def decoder_config(self) -> DecoderConfig:
+        """The decoder these arguments describe, as per-module configs (what ``Transformer`` builds).
+
+        The Llama-shaped families differ only in the switches above; a family with modules of its own
+        (latent attention, another router) subclasses ``ModelArgs`` and overrides this."""
+        norm = NormConfig(self.dim, self.norm_eps, self.norm_unit_offset)
+        ropes = {"global": RopeConfig(self.head_dim, self.rope_theta, self.max_seq_len, self.rope_scaling)}
+        if self.local_rope_theta is not None:
+            ropes["local"] = RopeConfig(self.head_dim, self.local_rope_theta, self.max_seq_len)
+        return DecoderConfig(
+            vocab_size=self.vocab_size, dim=self.dim, norm=norm, ropes=ropes, max_seq_len=self.max_seq_len,
+            tie_embeddings=self.tie_embeddings, embed_scale=self.embed_scale,
+            blocks=tuple(BlockConfig(self._attention(i), self._feed_forward(i), norm, self.sandwich_norm)
+                         for i in range(self.n_layers)),
+        )
+
+    def _attention(self, layer: int) -> AttentionConfig:
+        return AttentionConfig(
+            dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.kv_heads, head_dim=self.head_dim,
+            qkv_bias=self.qkv_bias, qk_norm=("head" if self.qk_norm_per_head else "projection") if self.qk_norm else None,
+            norm=NormConfig(self.head_dim, self.norm_eps, self.norm_unit_offset), scale=self.attn_scale,
+            window=self.layer_window(layer), rope="local" if self.layer_uses_local_rope(layer) else "global",
+        )
+
+    def _feed_forward(self, layer: int) -> MLPConfig | MoEConfig:
+        if not self.is_moe_layer(layer):
+            return MLPConfig(self.dim, self.ffn_dim, self.hidden_act)
+        router = RouterConfig(self.n_experts, self.n_experts_per_token, "softmax", self.moe_norm_topk)
+        return MoEConfig(self.dim, router, MLPConfig(self.dim, self.expert_ffn_dim, self.hidden_act))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
