@@ -190,6 +190,32 @@ class Transformer(nn.Module):
         self.context_parallel: Any = None
         self.tie_weights()
 
+    FIRST_STAGE_MODULES = ("tok_embeddings",)
+    """What only a pipeline's first stage holds (before the blocks)."""
+    LAST_STAGE_MODULES = ("norm", "output")
+    """What only a pipeline's last stage holds (after the blocks)."""
+
+    def pipeline_stage(self, layers: range, first: bool, last: bool) -> Transformer:
+        """A pipeline stage: a new module of this class sharing this model's submodules (no copy), with
+        the blocks in ``layers`` at their own indices of ``layers`` (None elsewhere), the embedding only
+        on the ``first`` stage, the final norm and output only on the ``last``, the RoPE tables everywhere."""
+        part = self.__class__.__new__(self.__class__)
+        nn.Module.__init__(part)
+        for key, value in vars(self).items():  # plain attributes: args, config, layer_plan, ...
+            if key not in vars(part):
+                setattr(part, key, value)
+        part.train(self.training)
+        for name, child in self.named_children():
+            part._modules[name] = child
+        kept = nn.ModuleList()
+        for i, block in enumerate(self.layers):
+            kept._modules[str(i)] = block if i in layers else None
+        part._modules["layers"] = kept
+        absent = (() if first else self.FIRST_STAGE_MODULES) + (() if last else self.LAST_STAGE_MODULES)
+        for name in absent:
+            part._modules[name] = None
+        return part
+
     @property
     def rope(self) -> RotaryEmbedding:
         """The rotary table of the global (full-attention) layers."""

@@ -32,6 +32,8 @@ DECODER_LORA_TARGETS = {"wq": "attention.wq", "wk": "attention.wk", "wv": "atten
                         "w1": "feed_forward.w1", "w2": "feed_forward.w2", "w3": "feed_forward.w3"}
 """The gated decoders' attention and MLP projections, by short name (every family built on them)."""
 
+AfterOptimizerStep = Callable[[nn.Module, ModelArgs, Mapping[str, Any]], None]
+"""(the unwrapped model, its args, the step's global totals) -> None."""
 ArgsFromHF = Callable[[Mapping[str, Any], str], ModelArgs]
 """(parsed config.json, file name for errors) -> ``ModelArgs``; UserError for what the family cannot run."""
 HFConfig = Callable[..., dict[str, Any]]
@@ -80,6 +82,10 @@ class ModelSpec:
     lora_targets: Mapping[str, str] = field(default_factory=lambda: dict(DECODER_LORA_TARGETS))
     """Linear layers that can carry LoRA adapters: short name (``lora.target_modules``) -> its path inside
     a block. A mixture of experts' stacked experts take the MLP's names (peft's parameter adapters)."""
+    after_optimizer_step: AfterOptimizerStep | None = None
+    """Called by the loop after every optimizer step with the step's global totals (sums over microbatches
+    and ranks, e.g. ``router_expert_tokens`` [MoE layers, experts]): DeepSeek-V3's auxiliary-loss-free
+    balancing moves its routers' correction biases here. None: nothing to do."""
     args_class: type[ModelArgs] = ModelArgs
     """The family's argument class: ``ModelArgs``, or a subclass with the family's own fields whose
     ``decoder_config()`` builds its modules; checkpoints of the family load into it."""
