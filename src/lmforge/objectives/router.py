@@ -51,6 +51,31 @@ class RouterLossWeights:
         return cls(args.router_aux_loss_coef if aux is None else aux, z)
 
 
+NEXT_TOKEN_TRAINERS = ("pretrain", "sft", "elastic")
+"""The trainers whose loss carries the router terms (the others train MoE models without them)."""
+
+
+def router_setup_note(trainer: str, aux: float | None, z: float, args: ModelArgs) -> str | None:
+    """What the setup line says of the router terms (None for a dense model).
+
+    Default: the model's own ``router_aux_loss_coef`` (config.json's), on. transformers adds the aux
+    loss only when ``output_router_logits`` is set, which published configs leave off, so a plain
+    transformers fine-tune trains without it; lmforge keeps it because it is the coefficient the
+    model was trained with, an unbalanced router costs throughput under expert parallelism and can
+    collapse onto few experts, and at 0.001-0.02 times a value near ``k`` it barely moves the
+    cross-entropy (the logged ``loss`` is the cross-entropy alone either way).
+    ``training.router_aux_loss_coef=0`` gives transformers' default.
+    """
+    weights = RouterLossWeights.for_run(aux, z, args)
+    if weights is None:
+        return None
+    if trainer not in NEXT_TOKEN_TRAINERS:
+        return f"off ({trainer} trains MoE models without router terms)"
+    source = "model config" if aux is None else "training.router_aux_loss_coef"
+    return (f"aux {weights.aux:g} ({source}; transformers adds it only with output_router_logits, "
+            f"0 turns it off), z {weights.z:g}; per microbatch, padding excluded")
+
+
 def add_router_terms(loss_sum: torch.Tensor, stats: LossStats, model: nn.Module,
                      weights: RouterLossWeights | None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """``loss_sum`` plus the router terms of ``model``'s last forward over the real tokens of ``mask``
