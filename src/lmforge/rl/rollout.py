@@ -77,7 +77,8 @@ class RolloutSettings:
     advantage_scale: AdvantageScale
     mask_truncated: bool
     need_old_logprobs: bool
-    """True when a batch is reused for several updates: pi_old must then be frozen at sampling time."""
+    """True when a batch is reused for several updates: pi_old is then frozen at the rollout's layout (the
+    policy at its first update; under async sampling that is not the sampler's weights)."""
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     """Completion tokens whose vocabulary log-softmax is computed at once (bounded memory)."""
     prompts_per_generation: int = 0
