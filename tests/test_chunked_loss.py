@@ -4,7 +4,6 @@ than one chunk of logits."""
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -161,19 +160,16 @@ def test_loss_chunk_tokens_default_is_the_library_default():
 
 
 def test_compiled_blocks_give_the_same_loss_and_gradients():
-    """As ``training.compile`` does: compiled transformer blocks, the chunked loss outside them."""
+    """As ``training.compile`` does: compiled transformer blocks, the chunked loss outside them (the
+    ``aot_eager`` backend: the graphs dynamo captures and autograd's traced backward, without codegen)."""
     model, batch = _model(), _batch(masked=True)
     want = _loss_and_grads(model, _full_cross_entropy, batch)
     compiled = copy.deepcopy(model)
     for i, block in enumerate(compiled.layers):
         compiled.layers[i] = torch.compile(block, backend="aot_eager")  # no C++ build: quick
-    start = time.monotonic()
-    try:
-        got = _loss_and_grads(compiled, lambda m, b: cross_entropy_loss(m, b, chunk_tokens=7), batch)
-    except Exception as e:  # no working compiler toolchain on this machine
-        pytest.skip(f"torch.compile unavailable: {type(e).__name__}")
-    if time.monotonic() - start > 20:
-        pytest.skip("torch.compile too slow here")
+    # aot_eager needs no compiler toolchain, so any exception here is a failure of lmforge's blocks
+    # under torch.compile (a graph break is not: it falls back to eager and still has to match)
+    got = _loss_and_grads(compiled, lambda m, b: cross_entropy_loss(m, b, chunk_tokens=7), batch)
     _assert_same(got, want)
 
 
