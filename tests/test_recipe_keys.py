@@ -235,3 +235,38 @@ def test_grpo_rollout_keys_reach_the_advantages(std):
     var = float(((rewards - mean) ** 2).sum()) / (n if std == "population" else n - 1)
     centered = torch.cat([rewards[:4] - rewards[:4].mean(), rewards[4:] - rewards[4:].mean()])
     assert adv.tolist() == pytest.approx((centered / (math.sqrt(var) + STD_EPS)).tolist(), rel=1e-6)
+
+
+def test_kto_reference_point_is_clamped_at_zero(tmp_path):
+    """The mismatched completions' mean log-ratio is an estimate of a KL divergence, so never below 0:
+    with the two models one way round it is positive and used as it is, the other way round negative
+    and clamped, in the training step (step-global) and in eval (per batch) alike."""
+    from lmforge.training.train_step import compute_global_loss
+
+    batch = pair_batch(tmp_path, unpaired=True)
+    labels = [v for row in batch.document_values for v in row[0::2]]
+    a, b = tiny_model(1), tiny_model(2)
+    signs = []
+    for policy, ref_model in ((a, b), (b, a)):
+        ref_model.requires_grad_(False)
+        policy.requires_grad_(True)
+        pol, ref, _ = sequences(batch, policy, ref_model)
+        m = len(pol) // 2
+        raw = sum(pol[2 * j + 1] - ref[2 * j + 1] for j in range(m)) / m
+        signs.append(raw > 0)
+
+        def formula(z0: float) -> float:
+            return sum(1 - sigmoid(0.5 * (pol[2 * j] - ref[2 * j] - z0)) if labels[j] else
+                       1 - sigmoid(0.5 * (z0 - pol[2 * j] + ref[2 * j])) for j in range(m)) / m
+
+        objective = KTO.objective(load_config(KTOConfig, None, ["--kto.beta=0.5"]), policy, Reference(ref_model))
+        train = logged(policy, objective, batch)
+        with torch.no_grad():
+            _, stats = objective.loss_fn(policy, batch)  # eval: no prepared step, the batch's own point
+        evaluated = {k: float(v) for k, v in objective.log_values(compute_global_loss(stats)).items()}
+        z0 = max(raw, 0.0)
+        for values in (train, evaluated):
+            assert values["kl"] == pytest.approx(z0, rel=1e-5, abs=1e-6)
+            assert values["loss"] == pytest.approx(formula(z0), rel=1e-5)
+        assert abs(formula(z0) - formula(raw)) > 1e-4 or raw > 0  # where clamped, the clamp moves the loss
+    assert sorted(signs) == [False, True], "one ordering must give a negative estimate"
