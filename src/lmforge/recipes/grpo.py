@@ -67,7 +67,8 @@ class GRPOSection(EngineKeys):
     * ``cispo``: MiniMax-M1's clipped IS-weight policy optimization: -sg(clip(ratio)) * A * log pi per token,
       the clip bounds the weight and never drops a token's gradient (rare "fork" tokens keep learning).
       MiniMax sets no lower bound (``epsilon_low = 1``), tunes ``epsilon_high`` only, and averages over
-      all tokens (``loss_aggregation = "dapo"``).
+      all tokens (``loss_aggregation = "dapo"``). TRL caps the weight at its ``epsilon_high`` itself
+      (5.0 recommended) with no lower bound: ``epsilon_low = 1``, ``epsilon_high = 4`` here.
     """
     beta: float = Field(0.0, ge=0)
     """KL penalty weight (k3 estimator) to the frozen starting model; 0 loads no reference model."""
