@@ -67,6 +67,8 @@ class RoutingStats:
         if mask is None:
             return self.probs.sum(0), self.slots, self.z.sum(), torch.tensor(float(self.tokens), device=self.probs.device)
         w = mask.reshape(-1).to(self.probs.dtype)
+        if w.numel() != self.tokens:
+            raise ValueError(f"router mask of {w.numel()} tokens for a forward of {self.tokens}")
         counts = torch.zeros_like(self.slots).scatter_add_(0, self.chosen.reshape(-1),
                                                           w.repeat_interleave(self.chosen.shape[1]))
         return (self.probs * w.unsqueeze(-1)).sum(0), counts, (self.z * w).sum(), w.sum()
