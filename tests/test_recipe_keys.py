@@ -270,3 +270,18 @@ def test_kto_reference_point_is_clamped_at_zero(tmp_path):
             assert values["loss"] == pytest.approx(formula(z0), rel=1e-5)
         assert abs(formula(z0) - formula(raw)) > 1e-4 or raw > 0  # where clamped, the clamp moves the loss
     assert sorted(signs) == [False, True], "one ordering must give a negative estimate"
+
+
+def test_orpo_token_nll_does_not_change_with_the_microbatch_split(models, tmp_path):
+    """orpo.nll=token is one mean over the step's chosen tokens, whatever the split (TRL's is per
+    device batch): the same gradient and values from one microbatch or three."""
+    policy, _ = models
+    batch = pair_batch(tmp_path)
+    objective = ORPO.objective(load_config(ORPOConfig, None, ["--orpo.nll=token"]))
+    whole, values = grads_and_values(policy, objective, [batch])
+    parts = [collate([row_sample(batch, i) for i in idx]) for idx in ([0], [1, 2], [3])]
+    split, split_values = grads_and_values(policy, objective, parts)
+    for key in whole:
+        assert torch.allclose(whole[key], split[key], rtol=1e-5, atol=1e-7), key
+    assert float(split_values["nll/chosen"]) == pytest.approx(float(values["nll/chosen"]), rel=1e-5)
+    assert float(split_values["loss"]) == pytest.approx(float(values["loss"]), rel=1e-5)
