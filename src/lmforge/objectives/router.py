@@ -62,8 +62,8 @@ def router_setup_note(trainer: str, aux: float | None, z: float, args: ModelArgs
     loss only when ``output_router_logits`` is set, which published configs leave off, so a plain
     transformers fine-tune trains without it; lmforge keeps it because it is the coefficient the
     model was trained with, an unbalanced router costs throughput under expert parallelism and can
-    collapse onto few experts, and at 0.001-0.02 times a value near ``k`` it barely moves the
-    cross-entropy (the logged ``loss`` is the cross-entropy alone either way).
+    collapse onto few experts, and at 0.001-0.02 times a value near ``k`` the term is small next to
+    the cross-entropy (the logged ``loss`` is the cross-entropy alone either way).
     ``training.router_aux_loss_coef=0`` gives transformers' default.
     """
     weights = RouterLossWeights.for_run(aux, z, args)
