@@ -344,6 +344,11 @@ def losses(run_dir: Path) -> dict[int, float]:
     return out
 
 
+def grad_norms(run_dir: Path) -> dict[int, float]:
+    """Pre-clip gradient norm per step (the last record of a step trained twice)."""
+    return {r["step"]: r["grad_norm"] for r in read_records(run_dir, "train")}
+
+
 def assert_losses_match(got: dict[int, float], want: dict[int, float], steps, rel: float = 1e-5) -> None:
     """fp32 sums in another order (other ranks, other microbatches) differ in the last bits only."""
     for s in steps:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from _helpers import (Reference, losses, lmforge_cmd, run_in_terminal, run_lmforge, small_corpus, tail,
+from _helpers import (Reference, grad_norms, losses, lmforge_cmd, run_in_terminal, run_lmforge, small_corpus, tail,
                       tiny_run_args, write_corpus, write_fault_runner)
 
 # Raw data files of test runs are prepared into token shards in a cache: one per test session, not the
@@ -93,13 +93,26 @@ def corpus(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def reference_losses(tmp_path_factory, corpus) -> dict[int, float]:
-    """Loss per step of one process, the whole global batch in one microbatch, no interruption: the
-    distributed and elastic runs must reproduce them."""
+def reference_curve_run(tmp_path_factory, corpus) -> Path:
+    """One process, the whole global batch in one microbatch, no interruption: the run whose losses and
+    gradient norms the distributed and elastic runs must reproduce."""
     run = tmp_path_factory.mktemp("reference_losses") / "run"
     proc = run_lmforge("pretrain", *tiny_run_args(corpus, training_micro_batch_size=8), f"--run.dir={run}")
     assert proc.returncode == 0, tail(proc)
-    return losses(run)
+    return run
+
+
+@pytest.fixture(scope="session")
+def reference_losses(reference_curve_run) -> dict[int, float]:
+    """Loss per step of the reference run."""
+    return losses(reference_curve_run)
+
+
+@pytest.fixture(scope="session")
+def reference_grad_norms(reference_curve_run) -> dict[int, float]:
+    """Pre-clip gradient norm per step of the reference run (losses alone miss a gradient scaled on
+    the way: AdamW's update and clipping hide the scale, so the loss curve barely moves)."""
+    return grad_norms(reference_curve_run)
 
 
 @pytest.fixture(scope="session")

@@ -9,15 +9,17 @@ equivalence and a resume:
 * 2 processes FSDP2 with accumulation, steps 1-4        ->  1 process, steps 5-8
 
 fp32 losses are compared to 1e-5 relative: sums over other microbatch and rank splits round
-differently in the last bits only.
+differently in the last bits only. FSDP2 and HSDP also compare the pre-clip gradient norm of every
+step (1e-4): a gradient scaled on the way (e.g. summed instead of averaged over ranks) leaves the
+losses nearly unchanged, since AdamW's update does not depend on the gradient's scale.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from _helpers import (STEPS, TOKENS_PER_STEP, assert_losses_match, losses, run_lmforge, tail, tiny_run_args,
-                      torchrun)
+from _helpers import (STEPS, TOKENS_PER_STEP, assert_losses_match, grad_norms, losses, run_lmforge, tail,
+                      tiny_run_args, torchrun)
 from lmforge.metrics.records import read_records
 
 HALF = STEPS // 2
@@ -51,22 +53,24 @@ def test_gradient_accumulation_matches_one_full_microbatch(accumulated, referenc
     assert_losses_match(got, reference_losses, range(1, HALF + 1))
 
 
-def test_fsdp2_two_ranks_match_one_process(fsdp, reference_losses):
+def test_fsdp2_two_ranks_match_one_process(fsdp, reference_losses, reference_grad_norms):
     got = losses(fsdp)
     assert sorted(got) == list(range(1, HALF + 1))
     assert_losses_match(got, reference_losses, range(1, HALF + 1))
+    assert_losses_match(grad_norms(fsdp), reference_grad_norms, range(1, HALF + 1), rel=1e-4)  # the pre-clip norm
     train = read_records(fsdp, "train")
     assert all(r["world_size"] == 2 for r in train)
     assert read_records(fsdp, "setup")[0]["parallel"] == "fsdp"
 
 
-def test_hsdp_on_a_two_by_two_mesh_matches_one_process(tmp_path, corpus, reference_losses):
+def test_hsdp_on_a_two_by_two_mesh_matches_one_process(tmp_path, corpus, reference_losses, reference_grad_norms):
     """4 ranks: 2 replicas of a model sharded over 2 ranks each (FSDP2 on the 2-D mesh)."""
     run = tmp_path / "hsdp"
     first_half(run, corpus, nproc=4, training_micro_batch_size=2, parallel_dp_replicate=2, parallel_dp_shard=2)
     got = losses(run)
     assert sorted(got) == list(range(1, HALF + 1))
     assert_losses_match(got, reference_losses, range(1, HALF + 1))
+    assert_losses_match(grad_norms(run), reference_grad_norms, range(1, HALF + 1), rel=1e-4)  # the pre-clip norm
     setup = read_records(run, "setup")[0]
     assert (setup["parallel"], setup["mesh"]) == ("hsdp", "dp_replicate=2 x dp_shard=2")
 

@@ -51,8 +51,14 @@ def test_family_trains_one_step_in_every_trainer(starts, family, recipe, tmp_pat
     assert rc == 0, capsys.readouterr().err[-2000:]
     (record,) = read_records(run, "train")
     assert record["step"] == 1 and torch.isfinite(torch.tensor(record["loss"]))
-    if family != "gemma3" and recipe == "sft":  # the router statistics ride along
-        assert record["expert_load_max"] >= 1.0
+    if family != "gemma3":  # SFT trains with the router terms and logs them; DPO and GRPO without, and say so
+        (setup,) = read_records(run, "setup")
+        if recipe == "sft":
+            assert {"router_aux_loss", "expert_load_max", "expert_load_min"} <= record.keys()
+            assert setup["router_losses"].startswith("aux ") and "padding excluded" in setup["router_losses"]
+        else:
+            assert "router_aux_loss" not in record
+            assert setup["router_losses"] == f"off ({recipe} trains MoE models without router terms)"
 
 
 def test_lora_on_experts_exports_merged_with_equal_logits(starts, tmp_path, capsys):

@@ -3,6 +3,8 @@
 * Tiny random models of each covered family, written f32 / f16: lmforge's GGUF reader gets the same
   tensors back (f32 bit-exact, f16 the fp16-rounded weights) and transformers' own GGUF loader, an
   independent reader, computes the original logits (llama, qwen2, qwen3, mistral).
+* Gemma 3's ``1 + w`` norm storage against the ``gguf`` package's raw tensors and transformers' GGUF
+  loader (not only lmforge's own reader, which a change on both sides would fool).
 * q8_0: logits close to the original and greedy tokens that agree.
 * Real tokenizers (SmolLM2, Gemma 3): transformers' tokenizer rebuilt from the GGUF metadata encodes
   text and renders the chat template as the tokenizer.json does; the pre-tokenizer names are the
@@ -94,6 +96,31 @@ def test_tiny_family_round_trips_through_lmforge_and_transformers(tmp_path, name
             g = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
             assert g in back, (hf_name, g)
         assert all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in back.values())
+
+
+def test_gemma3_norms_are_stored_shifted_as_independent_readers_expect(tmp_path):
+    """Gemma 3's norms multiply by ``1 + w``; llama.cpp stores ``1 + w`` (its norm multiplies by the
+    stored value). Checked against two readers that are not lmforge's: the ``gguf`` package's raw
+    tensors (every norm is 1 + w, everything else w) and transformers' GGUF loader (which subtracts
+    the 1 again): it gets every original weight back exactly. (Its logits are not compared: it leaves
+    Gemma 3's softmax scale and layer pattern at their defaults.)"""
+    arch, hf = tiny("gemma3")
+    path = write_gguf(hf, arch, tmp_path / "tiny-gemma3.gguf")
+    want = hf.state_dict()
+    raw = {t.name: torch.from_numpy(t.data.copy()) for t in gguf.GGUFReader(str(path)).tensors}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, SHAPE["num_hidden_layers"])
+    norms = 0
+    for hf_name, w in want.items():
+        if hf_name == "lm_head.weight":  # tied to the embedding
+            continue
+        stored = raw[names.get_name(hf_name, try_suffixes=(".weight", ".bias"))]
+        shifted = hf_name.endswith("norm.weight")
+        norms += shifted
+        torch.testing.assert_close(stored.reshape(w.shape), w + 1 if shifted else w, atol=0, rtol=0, msg=hf_name)
+    assert norms == 1 + SHAPE["num_hidden_layers"] * 6  # final; input, post-attention, pre/post-ffn, q, k per layer
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name).state_dict()
+    for hf_name, w in want.items():
+        torch.testing.assert_close(theirs[hf_name], w, atol=1e-6, rtol=0, msg=hf_name)
 
 
 def test_q8_0_logits_and_greedy_tokens_stay_close(tmp_path):

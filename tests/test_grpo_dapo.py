@@ -157,5 +157,16 @@ def test_tis_with_a_bfloat16_sampler_logs_the_gap(dapo_task):
     stats = gradient_computation(source.rt.model, batch.microbatches, objective.loss_fn,
                                  objective.normalizer(batch.microbatches))
     values = {k: float(v) for k, v in objective.log_values(compute_global_loss(stats)).items()}
+    # by hand: pi_old is the float32 training forward (one update per rollout), pi_rollout the bfloat16 one
+    from lmforge.objectives.grpo import token_logprobs
+
+    gap = weight = tokens = 0.0
+    with torch.no_grad():
+        for mb in batch.microbatches:
+            old = token_logprobs(source.rt.model, mb, 1.0)
+            gap += float(((old - mb.rollout_logprobs).abs() * mb.mask).sum())
+            weight += float((tis_weights(old, mb.rollout_logprobs, 2.0) * mb.mask).sum())
+            tokens += float(mb.mask.sum())
     assert 0 < values["grpo/rollout_logprob_gap"] < 0.1
-    assert values["grpo/tis_weight"] == pytest.approx(1.0, abs=0.1)
+    assert values["grpo/rollout_logprob_gap"] == pytest.approx(gap / tokens, rel=1e-5)
+    assert values["grpo/tis_weight"] == pytest.approx(weight / tokens, rel=1e-6)

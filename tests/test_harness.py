@@ -152,8 +152,11 @@ def test_cli_prints_the_table_and_writes_json(byte_run, tmp_path, capsys):
     assert set(saved["results"]) == {"lmforge_choice", "lmforge_sort"} and saved["n-samples"]["lmforge_sort"]["effective"] == 2
 
     target = tmp_path / "scores.json"
-    assert main(["eval", str(byte_run), "--tasks", "lmforge_choice", "--limit", "1", "--out", str(target)]) == 0
-    assert json.loads(target.read_text())["results"]["lmforge_choice"]["acc,none"] in (0.0, 1.0)
+    assert main(["eval", str(byte_run), "--tasks", "lmforge_choice", "--limit", "16", "--out", str(target)]) == 0
+    model, tok = load_for_inference(byte_run)  # the file holds the harness's score of the same 16 questions
+    want = flat_scores(evaluate_tasks(model, tok, ["lmforge_choice"], limit=16))["lmforge_choice/acc"]
+    assert json.loads(target.read_text())["results"]["lmforge_choice"]["acc,none"] == want
+    assert 0 < want < 1  # neither all wrong nor all right
 
     capsys.readouterr()
     assert main(["eval", str(byte_run), "--tasks", "no_such_task"]) == 2  # after indexing the harness's tasks
@@ -194,10 +197,13 @@ def test_training_logs_downstream_scores_on_schedule(tmp_path):
 def test_pretraining_logs_downstream_scores(tmp_path):
     run = tmp_path / "run"
     assert main(["pretrain", *tiny_run_args(**small_corpus(tmp_path)), "--training.steps=2", "--eval.interval=2",
-                 "--eval.steps=1", "--eval.batch_size=8", "--eval.tasks=lmforge_choice", "--eval.tasks_limit=1",
+                 "--eval.steps=1", "--eval.batch_size=8", "--eval.tasks=lmforge_choice", "--eval.tasks_limit=16",
                  f"--run.dir={run}"]) == 0
     [final] = read_records(run, "eval")
-    assert final["step"] == 2 and "loss" in final and final["eval/lmforge_choice/acc"] in (0.0, 1.0)
+    model, tok = load_for_inference(run)  # the final checkpoint: the weights step 2's eval scored
+    want = flat_scores(evaluate_tasks(model, tok, ["lmforge_choice"], limit=16))["lmforge_choice/acc"]
+    assert final["step"] == 2 and "loss" in final and final["eval/lmforge_choice/acc"] == want
+    assert 0 < want < 1  # neither all wrong nor all right: a wrong count or model would show
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -133,6 +133,40 @@ def test_activation_offload_leaves_gradients_and_names_unchanged():
         assert torch.equal(grads[0][n], grads[1][n]), n
 
 
+def test_activation_offload_sends_every_block_activation_through_the_host_hooks(monkeypatch):
+    """Where it acts: inside each block every tensor saved for backward is packed by ``save_on_cpu``'s
+    hook (on CUDA that hook copies it to pinned host memory; on CPU, where the run turns offload off,
+    it is a copy), and the ones saved outside the blocks (embedding, final norm, output) are not. The
+    device-memory saving itself needs a GPU and is not measured by the suite."""
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    offloaded: list[torch.Size] = []
+    real = torch.autograd.graph.save_on_cpu
+
+    class Counting(real):  # save_on_cpu, counting what its pack hook receives
+        def __init__(self, pin_memory: bool = False, device_type: str = "cuda") -> None:
+            super().__init__(pin_memory, device_type)
+            pack = self.pack_hook
+            self.pack_hook = lambda t: (offloaded.append(t.shape), pack(t))[1]
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", Counting)
+    outside: dict[bool, int] = {}
+    for offload in (False, True):
+        model = _model()
+        if offload:
+            apply_activation_offload(model, pin_memory=False)
+        seen = [0]
+
+        def count(t: torch.Tensor) -> torch.Tensor:
+            seen[0] += 1
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):  # blocks' own hooks take precedence
+            model(tokens).float().logsumexp(-1).sum().backward()
+        outside[offload] = seen[0]
+    assert len(offloaded) > 0 and outside[True] > 0
+    assert outside[True] + len(offloaded) == outside[False]  # every block tensor went to the host, none else
+
+
 def _final_weights(run) -> dict[str, torch.Tensor]:
     args = ModelArgs.from_dict(json.loads((run / "model_args.json").read_text())["model_args"])
     model = Transformer(args)

@@ -70,6 +70,34 @@ class Batch:
             return [T] * B
         return [n for row in self.document_lengths for n in row]
 
+    def real_token_mask(self) -> torch.Tensor | None:
+        """[B, T] bool, True at real tokens and False at padding; None when no row is padded.
+
+        The model's attention mask in transformers' sense, for terms that must leave padding out
+        (the MoE router losses). Padding is what follows a row's documents (``document_lengths``), so
+        a token is real when its position in the row is below the row's real length. The position is
+        ``position_ids`` for a row of one document, and the document's start plus ``position_ids``
+        for packed rows (padding is the document after the last, its positions counting from the
+        real length); that holds on a context-parallel shard too, whose ids are the row's, sharded.
+        Built from host lengths and the device ids, with no host sync.
+        """
+        if self.document_lengths is None:
+            return None
+        B, T = self.input_ids.shape
+        device = self.input_ids.device
+        totals = [sum(row) for row in self.document_lengths]
+        if self.document_ids is None:
+            if self.position_ids is None and all(n >= T for n in totals):
+                return None
+            positions = self.position_ids if self.position_ids is not None else torch.arange(T, device=device)
+            return positions.expand(B, T) < torch.tensor(totals, device=device).unsqueeze(1)
+        width = max(len(row) for row in self.document_lengths) + 1
+        starts = [[sum(row[:d]) for d in range(len(row))] + [total] * (width - len(row))
+                  for row, total in zip(self.document_lengths, totals)]
+        start = torch.tensor(starts, device=device).gather(1, self.document_ids.clamp(max=width - 1))
+        positions = self.position_ids if self.position_ids is not None else torch.zeros_like(start)
+        return start + positions < torch.tensor(totals, device=device).unsqueeze(1)
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 

@@ -27,6 +27,7 @@ from lmforge.training.stats import LossStats
 
 Aggregation = Literal["grpo", "dapo", "dr_grpo"]
 AdvantageScale = Literal["group", "batch", "none"]
+AdvantageStd = Literal["population", "sample"]
 
 STD_EPS = 1e-4
 """Added to the reward std before dividing, so groups with tiny spread do not blow up."""
@@ -59,14 +60,16 @@ class PolicyBatch:
                            move(self.old_logprobs), move(self.ref_logprobs), move(self.rollout_logprobs))
 
 
-def group_advantages(rewards: Tensor, group_size: int, scale: AdvantageScale) -> tuple[Tensor, Tensor]:
+def group_advantages(rewards: Tensor, group_size: int, scale: AdvantageScale,
+                     std: AdvantageStd = "population") -> tuple[Tensor, Tensor]:
     """Advantages A_i and the number of groups whose rewards are all equal.
 
     A_i = r_i - mean_{j in group(i)} r_j, then divided by
       * ``group``: std_{j in group(i)} r_j + eps   (GRPO),
       * ``batch``: std over the whole batch (all ranks) + eps,
       * ``none``:  nothing (Dr. GRPO: the std division favours groups with little spread).
-    std is the population standard deviation (divide by G, not G - 1).
+    ``std="population"`` divides the variance by its count (G for a group), ``"sample"`` by count - 1
+    (Bessel's correction: TRL's and verl's form, larger by sqrt(G / (G - 1)), 1.07 at G = 8).
     A group whose rewards are all equal has A = 0 for every member: it contributes no gradient.
     """
     if rewards.numel() % group_size:
@@ -75,13 +78,15 @@ def group_advantages(rewards: Tensor, group_size: int, scale: AdvantageScale) ->
     centered = r - r.mean(dim=1, keepdim=True)
     zero_std_groups = (r.amax(dim=1) == r.amin(dim=1)).sum()
     if scale == "group":
-        centered = centered / (r.std(dim=1, unbiased=False, keepdim=True) + STD_EPS)
+        centered = centered / (r.std(dim=1, unbiased=std == "sample", keepdim=True) + STD_EPS)
     elif scale == "batch":
         flat = rewards.float()
         sums = dist_utils.all_reduce_sum(torch.stack([flat.new_tensor(flat.numel()), flat.sum(), (flat ** 2).sum()]))
         mean = sums[1] / sums[0]
-        std = (sums[2] / sums[0] - mean ** 2).clamp(min=0).sqrt()
-        centered = centered / (std + STD_EPS)
+        var = (sums[2] / sums[0] - mean ** 2).clamp(min=0)
+        if std == "sample":
+            var = var * sums[0] / (sums[0] - 1).clamp(min=1)
+        centered = centered / (var.sqrt() + STD_EPS)
     elif scale != "none":
         raise ValueError(f"unknown advantage scale {scale!r}")
     return centered.flatten(), zero_std_groups

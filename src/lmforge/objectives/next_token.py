@@ -31,8 +31,9 @@ def cross_entropy_loss(model: nn.Module, batch: Batch, chunk_tokens: int = DEFAU
     forward and backward (see :mod:`lmforge.training.chunked_loss`); the values equal the full
     ``F.cross_entropy`` over fp32 logits. Bind ``chunk_tokens`` with ``functools.partial``.
 
-    For a mixture of experts, ``router`` adds the load-balancing terms to the loss that is
-    differentiated (not to the logged loss; see :mod:`lmforge.objectives.router`).
+    For a mixture of experts, ``router`` adds the load-balancing terms, over the batch's real
+    (non-padding) tokens, to the loss that is differentiated (not to the logged loss; see
+    :mod:`lmforge.objectives.router`).
     """
     mask = batch.labels != IGNORE_INDEX
     head = TargetLogprobSumHead(batch.labels, mask, chunk_tokens=chunk_tokens)
@@ -41,7 +42,8 @@ def cross_entropy_loss(model: nn.Module, batch: Batch, chunk_tokens: int = DEFAU
     loss_sum = -logprob_sum
     targets = mask.sum()
     stats = LossStats(loss_sum.detach(), targets, targets, {"correct": hits.sum()})
-    return add_router_terms(loss_sum, stats, model, router), stats
+    real = batch.real_token_mask() if router is not None else None
+    return add_router_terms(loss_sum, stats, model, router, real), stats
 
 
 class NextTokenObjective:

@@ -14,20 +14,31 @@ where ``-ac`` is the chosen response's per-token negative log-likelihood (this p
 accurate where the naive form loses every digit (a response the model already predicts with
 probability near 1).
 
-Normalisation: each pair's SFT term is a mean over its own chosen tokens, so every pair weighs the
-same, and the sum over pairs is divided by the step's pairs (the shared pair rule); an SFT loss that
-averages all chosen tokens of a batch together would weigh long responses more and would change
-with the microbatch split. Logged rewards are ``lambda`` x the mean token log-probs.
+Normalisation of the SFT term (``orpo.nll``):
+
+* ``pair`` (default, the paper's formula: ``L_SFT`` is each pair's mean token NLL, averaged over
+  pairs): every pair weighs the same; the sum over pairs is divided by the step's pairs (the shared
+  pair rule).
+* ``token`` (TRL's and the ORPO authors' code: a cross-entropy over all chosen tokens of the batch):
+  the step's chosen-token NLL sum divided by the step's chosen tokens, over every microbatch and
+  rank (so it does not change with the split; TRL's is per device batch), which weighs long responses
+  more. Each pair contributes ``-pc * pairs / chosen_tokens`` to the pair sum, with both counts the
+  step's (:meth:`ORPOObjective.normalizer`); an eval batch uses its own counts.
+
+Logged rewards are ``lambda`` x the mean token log-probs.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
+from lmforge import distributed as dist_utils
+from lmforge.data.packing import IGNORE_INDEX, Batch
 from lmforge.objectives.pairwise import PairLogps, PairTerms, PairwiseLoss, PairwiseObjective
 from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS
 
@@ -45,16 +56,37 @@ def orpo_log_odds(ac: Tensor, ar: Tensor) -> Tensor:
     return (ac - ar) - (log1m_exp(ac) - log1m_exp(ar))
 
 
+NLLNorm = Literal["pair", "token"]
+
+
+def chosen_tokens(batch: Batch) -> Tensor:
+    """Target tokens of the chosen responses in ``batch`` (device count, no host sync): a row's
+    documents alternate chosen, rejected, so the chosen ones have even document ids."""
+    assert batch.document_ids is not None, "preference rows always carry document ids"
+    return ((batch.labels != IGNORE_INDEX) & (batch.document_ids % 2 == 0)).sum()
+
+
 class ORPOLoss(PairwiseLoss):
-    def __init__(self, *, beta: float, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+    def __init__(self, *, beta: float, nll: NLLNorm = "pair", chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
         super().__init__(None, chunk_tokens)
-        self.beta = beta
+        self.beta, self.nll = beta, nll
+        self.step_scale: dict[int, Tensor] = {}
+        """``nll="token"``: pairs / chosen tokens of the step, per microbatch id (set by the normalizer)."""
+        self._scale: Tensor | None = None
+
+    def __call__(self, model: nn.Module, batch: Batch) -> tuple[Tensor, Any]:
+        self._scale = self.step_scale.pop(id(batch), None)  # None in eval: the batch's own counts
+        return super().__call__(model, batch)
 
     def terms(self, lp: PairLogps) -> PairTerms:
         ac, ar = lp.pc / lp.nc, lp.pr / lp.nr
         log_odds = orpo_log_odds(ac, ar)
         odds_term = F.logsigmoid(log_odds)
-        nll = -ac
+        if self.nll == "token":
+            scale = self._scale if self._scale is not None else len(lp.pc) / lp.nc.sum().clamp(min=1)
+            nll = -lp.pc * scale
+        else:
+            nll = -ac
         losses = nll - self.beta * odds_term
         return PairTerms(losses, self.beta * ac, self.beta * ar,
                          {"chosen_nll_sum": nll.detach().sum(), "log_odds_ratio_sum": odds_term.detach().sum(),
@@ -68,5 +100,15 @@ class ORPOObjective(PairwiseObjective):
     extra_logs = {"nll/chosen": "chosen_nll_sum", "log_odds_ratio": "log_odds_ratio_sum",
                   "log_odds_chosen": "log_odds_chosen_sum"}
 
-    def __init__(self, *, beta: float, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
-        super().__init__(ORPOLoss(beta=beta, chunk_tokens=chunk_tokens))
+    def __init__(self, *, beta: float, nll: NLLNorm = "pair", chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+        super().__init__(ORPOLoss(beta=beta, nll=nll, chunk_tokens=chunk_tokens))
+
+    def normalizer(self, microbatches: list[Batch]) -> Tensor:
+        """The step's pairs; for ``nll="token"`` also the step's chosen tokens, over all ranks."""
+        pairs = super().normalizer(microbatches)
+        loss = self.loss_fn
+        if loss.nll == "token":
+            tokens = dist_utils.all_reduce_sum(torch.stack([chosen_tokens(mb) for mb in microbatches]).sum().float())
+            scale = pairs / tokens.clamp(min=1)
+            loss.step_scale = {id(mb): scale for mb in microbatches}
+        return pairs

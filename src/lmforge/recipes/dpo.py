@@ -28,6 +28,9 @@ class DPOSection(BetaSection):
     """cDPO: the assumed share of flipped preference labels (sigmoid loss only)."""
     nll_weight: float = Field(0.0, ge=0)
     """Weight of the chosen response's per-token negative log-likelihood added to each pair's loss (RPO)."""
+    ipo_per_token: bool = True
+    """IPO on per-token mean log-ratios (TRL's form, the one behind the IPO paper's results); false:
+    on log-ratios summed over each response (docs/parity.md)."""
 
     @model_validator(mode="after")
     def _smoothing_needs_sigmoid(self) -> "DPOSection":
@@ -52,10 +55,17 @@ class DPO(Recipe):
     def check(self, cfg: DPOConfig) -> None:
         check_preference_data(cfg, "DPO")
 
+    @staticmethod
+    def objective(cfg: DPOConfig, reference: FrozenReference) -> DPOObjective:
+        """The run's objective from its config alone (what tests check each key against)."""
+        d = cfg.dpo
+        return DPOObjective(reference, beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing,
+                            nll_weight=d.nll_weight, ipo_per_token=d.ipo_per_token,
+                            chunk_tokens=cfg.training.loss_chunk_tokens)
+
     def build(self, rt: Runtime, cfg: DPOConfig, inputs: None) -> Job:
         train_set, val_set = preference_datasets(rt, cfg.dpo, "dpo")
         d = cfg.dpo
         reference = FrozenReference.for_run(rt)
-        objective = DPOObjective(reference, beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing,
-                                 nll_weight=d.nll_weight, chunk_tokens=cfg.training.loss_chunk_tokens)
+        objective = self.objective(cfg, reference)
         return preference_job(rt, d, objective, train_set, val_set, reference, extra_forwards=1)

@@ -67,11 +67,16 @@ class GRPOSection(EngineKeys):
     * ``cispo``: MiniMax-M1's clipped IS-weight policy optimization: -sg(clip(ratio)) * A * log pi per token,
       the clip bounds the weight and never drops a token's gradient (rare "fork" tokens keep learning).
       MiniMax sets no lower bound (``epsilon_low = 1``), tunes ``epsilon_high`` only, and averages over
-      all tokens (``loss_aggregation = "dapo"``).
+      all tokens (``loss_aggregation = "dapo"``). TRL caps the weight at its ``epsilon_high`` itself
+      (5.0 recommended) with no lower bound: ``epsilon_low = 1``, ``epsilon_high = 4`` here.
     """
     beta: float = Field(0.0, ge=0)
     """KL penalty weight (k3 estimator) to the frozen starting model; 0 loads no reference model."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
+    advantage_std: Literal["population", "sample"] = "population"
+    """The reward standard deviation that ``scale_rewards`` divides by: population (over G) or sample
+    (over G - 1, Bessel's correction: TRL's and verl's, larger by sqrt(G / (G - 1))). The GRPO paper
+    does not say which; docs/parity.md."""
     loss_aggregation: Literal["grpo", "dapo", "dr_grpo"] = "grpo"
     mask_truncated: bool = False
     """Leave completions cut off at max_new_tokens out of the loss."""
@@ -177,13 +182,19 @@ class GRPO(Recipe):
             environment_class(g.environment)
         return GRPOInputs(rewards, train, test)
 
+    @staticmethod
+    def objective(cfg: GRPOConfig) -> GRPOObjective:
+        """The run's objective from its config alone (what tests check each key against)."""
+        g = cfg.grpo
+        return GRPOObjective(eps_low=g.epsilon_low, eps_high=g.epsilon_high, beta=g.beta,
+                             aggregation=g.loss_aggregation, max_new_tokens=g.max_new_tokens,
+                             temperature=g.temperature, chunk_tokens=cfg.training.loss_chunk_tokens,
+                             tis_cap=g.tis_cap, policy_loss=g.policy_loss)
+
     def build(self, rt: Runtime, cfg: GRPOConfig, inputs: GRPOInputs) -> Job:
         g = cfg.grpo
         check_batch_shape(cfg, rt.dist.data_world)
-        objective = GRPOObjective(eps_low=g.epsilon_low, eps_high=g.epsilon_high, beta=g.beta,
-                                  aggregation=g.loss_aggregation, max_new_tokens=g.max_new_tokens,
-                                  temperature=g.temperature, chunk_tokens=cfg.training.loss_chunk_tokens,
-                                  tis_cap=g.tis_cap, policy_loss=g.policy_loss)
+        objective = self.objective(cfg)
         tasks = TaskEval([TaskExample(r.get("task", "file"), r[g.prompt_field], str(r["answer"]))
                           for r in inputs.eval if r.get("answer") is not None and isinstance(r[g.prompt_field], str)],
                          cfg.tasks.eval_max_new_tokens)

@@ -5,6 +5,8 @@ reference is the run's starting model, frozen, and everything else is every pref
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field
 
 from lmforge.config import Config, RunSection, StartEvalSection, TasksSection
@@ -42,12 +44,18 @@ class KTO(Recipe):
     def check(self, cfg: KTOConfig) -> None:
         check_preference_data(cfg, "KTO", "prompt, completion, label; or prompt, chosen, rejected")
 
+    @staticmethod
+    def objective(cfg: KTOConfig, policy: Any, reference: FrozenReference, autocast: Any = None) -> KTOObjective:
+        """The run's objective from its config (what tests check each key against)."""
+        k = cfg.kto
+        return KTOObjective(policy, reference, beta=k.beta, desirable_weight=k.desirable_weight,
+                            undesirable_weight=k.undesirable_weight, chunk_tokens=cfg.training.loss_chunk_tokens,
+                            **({} if autocast is None else {"autocast": autocast}))
+
     def build(self, rt: Runtime, cfg: KTOConfig, inputs: None) -> Job:
         k = cfg.kto
         train_set, val_set = preference_datasets(rt, k, "kto", build_unpaired_dataset)
         reference = FrozenReference.for_run(rt)
-        objective = KTOObjective(rt.model, reference, beta=k.beta, desirable_weight=k.desirable_weight,
-                                 undesirable_weight=k.undesirable_weight, chunk_tokens=cfg.training.loss_chunk_tokens,
-                                 autocast=rt.autocast)
+        objective = self.objective(cfg, rt.model, reference, rt.autocast)
         # the reference point's pass: one forward of the policy and one of the reference, without grad
         return preference_job(rt, k, objective, train_set, val_set, reference, extra_forwards=2)

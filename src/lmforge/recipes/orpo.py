@@ -4,6 +4,8 @@ preference recipe (:mod:`lmforge.training.preference`)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from lmforge.config import Config, RunSection, StartEvalSection, TasksSection
@@ -17,6 +19,9 @@ from lmforge.training.runtime import Runtime
 class ORPOSection(PreferenceSection):
     beta: float = Field(0.1, gt=0)
     """The odds-ratio term's weight (the paper's lambda; 0.1 there and in common recipes)."""
+    nll: Literal["pair", "token"] = "pair"
+    """The SFT term: each pair's mean token NLL averaged over pairs (``pair``, the paper's formula) or
+    the step's chosen-token NLL over its chosen tokens (``token``, TRL's; docs/parity.md)."""
 
 
 class ORPOConfig(Config):
@@ -35,8 +40,13 @@ class ORPO(Recipe):
     def check(self, cfg: ORPOConfig) -> None:
         check_preference_data(cfg, "ORPO")
 
+    @staticmethod
+    def objective(cfg: ORPOConfig) -> ORPOObjective:
+        """The run's objective from its config alone (what tests check each key against)."""
+        return ORPOObjective(beta=cfg.orpo.beta, nll=cfg.orpo.nll, chunk_tokens=cfg.training.loss_chunk_tokens)
+
     def build(self, rt: Runtime, cfg: ORPOConfig, inputs: None) -> Job:
         o = cfg.orpo
         train_set, val_set = preference_datasets(rt, o, "orpo")
-        objective = ORPOObjective(beta=o.beta, chunk_tokens=cfg.training.loss_chunk_tokens)
+        objective = self.objective(cfg)
         return preference_job(rt, o, objective, train_set, val_set, None, extra_forwards=0)

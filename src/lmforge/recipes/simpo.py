@@ -40,9 +40,15 @@ class SimPO(Recipe):
     def check(self, cfg: SimPOConfig) -> None:
         check_preference_data(cfg, "SimPO")
 
+    @staticmethod
+    def objective(cfg: SimPOConfig) -> SimPOObjective:
+        """The run's objective from its config alone (what tests check each key against)."""
+        s = cfg.simpo
+        return SimPOObjective(beta=s.beta, gamma=s.gamma, label_smoothing=s.label_smoothing,
+                              nll_weight=s.nll_weight, chunk_tokens=cfg.training.loss_chunk_tokens)
+
     def build(self, rt: Runtime, cfg: SimPOConfig, inputs: None) -> Job:
         s = cfg.simpo
         train_set, val_set = preference_datasets(rt, s, "simpo")
-        objective = SimPOObjective(beta=s.beta, gamma=s.gamma, label_smoothing=s.label_smoothing,
-                                   nll_weight=s.nll_weight, chunk_tokens=cfg.training.loss_chunk_tokens)
+        objective = self.objective(cfg)
         return preference_job(rt, s, objective, train_set, val_set, None, extra_forwards=0)

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from lmforge import distributed as dist_utils
 from lmforge.rl.engines.base import Completion, RolloutEngine, SamplingSettings
 from lmforge.rl.engines.lmforge_engine import LmforgeEngine
-from lmforge.objectives.grpo import AdvantageScale, PolicyBatch, group_advantages, token_logprobs
+from lmforge.objectives.grpo import AdvantageScale, AdvantageStd, PolicyBatch, group_advantages, token_logprobs
 from lmforge.rl.rewards import WeightedReward, score_completions
 from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS
 
@@ -77,13 +77,16 @@ class RolloutSettings:
     advantage_scale: AdvantageScale
     mask_truncated: bool
     need_old_logprobs: bool
-    """True when a batch is reused for several updates: pi_old must then be frozen at sampling time."""
+    """True when a batch is reused for several updates: pi_old is then frozen at the rollout's layout (the
+    policy at its first update; under async sampling that is not the sampler's weights)."""
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     """Completion tokens whose vocabulary log-softmax is computed at once (bounded memory)."""
     prompts_per_generation: int = 0
     """Prompts per ``generate`` call (0: all of a round's prompts on this rank at once)."""
     need_rollout_logprobs: bool = False
     """Record the log-probs of the sampled tokens in the rollout's precision (for ``grpo.tis_cap``)."""
+    advantage_std: AdvantageStd = "population"
+    """The reward standard deviation the advantages divide by (``grpo.advantage_std``)."""
 
 
 @dataclass
@@ -220,7 +223,7 @@ def build_rollout(
     rows = [p for p in groups.prompt_ids for _ in range(G)]
     device = next(policy.parameters()).device
     reward_t = torch.tensor(groups.total, dtype=torch.float32, device=device)
-    advantages, zero_std = group_advantages(reward_t, G, s.advantage_scale)
+    advantages, zero_std = group_advantages(reward_t, G, s.advantage_scale, s.advantage_std)
     batches = []
     for start in range(0, len(rows), s.micro_batch_size):
         end = start + s.micro_batch_size

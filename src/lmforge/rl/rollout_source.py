@@ -47,6 +47,14 @@ from lmforge.training.reference import FrozenReference
 from lmforge.training.runtime import Runtime
 
 
+def rollout_settings(g: Any, t: Any) -> RolloutSettings:
+    """The rollout's settings from the ``[grpo]`` section ``g`` and the ``[training]`` section ``t``."""
+    return RolloutSettings(g.num_generations, g.max_new_tokens, g.temperature, g.top_p, t.micro_batch_size,
+                           g.scale_rewards, g.mask_truncated, need_old_logprobs=g.num_iterations > 1,
+                           chunk_tokens=t.loss_chunk_tokens, prompts_per_generation=g.prompts_per_generation,
+                           need_rollout_logprobs=g.tis_cap > 0, advantage_std=g.advantage_std)
+
+
 class RolloutSource:
     """``g`` is the ``[grpo]`` section; ``rewards`` the loaded reward functions; ``prompts`` the
     training prompt records (:mod:`lmforge.data.prompts`)."""
@@ -56,12 +64,7 @@ class RolloutSource:
         self.rt, self.g, self.rewards, self.prompts = rt, g, rewards, prompts
         self.sampler = PromptSampler(len(prompts), t.global_batch_size // g.num_generations, rt.dist.data_rank,
                                      rt.dist.data_world, t.seed)
-        self.settings = RolloutSettings(g.num_generations, g.max_new_tokens, g.temperature, g.top_p,
-                                        t.micro_batch_size, g.scale_rewards, g.mask_truncated,
-                                        need_old_logprobs=g.num_iterations > 1,
-                                        chunk_tokens=t.loss_chunk_tokens,
-                                        prompts_per_generation=g.prompts_per_generation,
-                                        need_rollout_logprobs=g.tis_cap > 0)
+        self.settings = rollout_settings(g, t)
         self.chat = chat_format_for(rt.tokenizer)  # built once: a Jinja template compiles slowly
         self.stop_ids = stop_token_ids(rt.tokenizer)
         names = [rt.tokenizer.decode([i], skip_special=False) for i in self.stop_ids]

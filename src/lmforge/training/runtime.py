@@ -209,6 +209,15 @@ def _offload_note(cfg: Config, device: torch.device) -> str:
     return "on: each block's saved activations in pinned host memory"
 
 
+def _router_note(cfg: Config, trainer: str, args: Any) -> dict[str, str]:
+    """The setup line's ``router_losses`` entry (MoE models only): which terms this run trains with."""
+    from lmforge.objectives.router import router_setup_note
+
+    t = cfg.training
+    note = router_setup_note(trainer, t.router_aux_loss_coef, t.router_z_loss_coef, args)
+    return {} if note is None else {"router_losses": note}
+
+
 def build_metrics(cfg: Config, info: dist_utils.DistInfo, run: RunDir, fpt: float, peak: float,
                   process_start: float | None) -> MetricLogger:
     """The MetricLogger, with the model's FLOPs per token and the device's peak for MFU."""
@@ -293,6 +302,7 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
         "world_size": info.world_size, "device": str(info.device), "parallel": dims.kind,
         "mesh": dims.describe_mesh(), "dtype": dtype, "dtype_reason": dtype_why,
         "optimizer": cfg.optimizer.name, "activation_offload": _offload_note(cfg, info.device), "host_memory": host_memory, "threads": torch.get_num_threads(), "run_dir": str(run.root),
+        **_router_note(cfg, trainer, args),
     }, cfg.to_toml())
     return Runtime(cfg=cfg, dist=info, dims=dims, mesh=mesh, tokenizer=loaded.tokenizer, model_args=args,
                    spec=spec, raw_model=model, model=wrapped, optimizer=optimizer, metrics=metrics,

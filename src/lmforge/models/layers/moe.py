@@ -22,9 +22,9 @@ With expert parallelism (:mod:`lmforge.parallel.expert_parallel`) the expert wei
 sharded over the ``ep`` ranks and :attr:`MoEFeedForward.expert_parallel` carries the sorted runs to
 their owners and back; routing, its statistics and the weighted combine stay on the token's rank.
 
-Every forward leaves its routing statistics on the module (:attr:`MoEFeedForward.last_routing`):
+Every forward leaves its routing on the module, per token (:attr:`MoEFeedForward.last_routing`):
 what the load-balancing loss and the router statistics on the metrics line are computed from,
-across all MoE layers at once (:func:`router_losses`).
+across all MoE layers at once and over the real (non-padding) tokens only (:func:`router_losses`).
 """
 
 from __future__ import annotations
@@ -46,15 +46,49 @@ __all__ = ["GroupedExperts", "MoEFeedForward", "Router", "RouterLosses", "Routin
 
 @dataclass
 class RoutingStats:
-    """One MoE layer's routing in its last forward (sums over its ``tokens`` tokens)."""
+    """One MoE layer's routing in its last forward, kept per token: only the caller knows which tokens
+    are padding (the layer sees a flat ``[N, dim]``), so :func:`router_losses` reduces them with its mask."""
 
-    prob_sum: Tensor
-    """[E] fp32: router probabilities summed over tokens (differentiable: the aux loss's gradient path)."""
-    counts: Tensor
-    """[E] fp32: how many of the top-k slots each expert received."""
-    z_sum: Tensor
-    """fp32 scalar: ``logsumexp(logits)^2`` summed over tokens (the router z-loss, differentiable)."""
-    tokens: int
+    probs: Tensor
+    """[N, E] fp32 router probabilities (differentiable: the aux loss's gradient path). Until backward the
+    softmax keeps them for its own gradient anyway; after it they stay alive until the layer's next
+    forward replaces them (N x E x 4 bytes per MoE layer, e.g. 4 MiB for 8k tokens and 128 experts)."""
+    chosen: Tensor
+    """[N, k] the experts each token was sent to."""
+    z: Tensor
+    """[N] fp32 ``logsumexp(logits)^2`` per token (the router z-loss, differentiable)."""
+    slots: Tensor
+    """[E] fp32: how many of the top-k slots each expert received (all tokens, padding included: the
+    dispatch's own counts)."""
+
+    @property
+    def tokens(self) -> int:
+        return self.probs.shape[0]
+
+    def sums(self, mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(probability sum [E], slot counts [E], z sum, token count) over the tokens where ``mask``
+        ([N], 1 = real token) is set; over all tokens without a mask. The counts weight each slot by
+        its token's mask, as transformers' ``load_balancing_loss_func`` does with the attention mask."""
+        if mask is None:
+            return self.probs.sum(0), self.slots, self.z.sum(), torch.tensor(float(self.tokens), device=self.probs.device)
+        w = mask.reshape(-1).to(self.probs.dtype)
+        if w.numel() != self.tokens:
+            raise ValueError(f"router mask of {w.numel()} tokens for a forward of {self.tokens}")
+        counts = torch.zeros_like(self.slots).scatter_add_(0, self.chosen.reshape(-1),
+                                                          w.repeat_interleave(self.chosen.shape[1]))
+        return (self.probs * w.unsqueeze(-1)).sum(0), counts, (self.z * w).sum(), w.sum()
+
+    @property
+    def prob_sum(self) -> Tensor:
+        return self.probs.sum(0)
+
+    @property
+    def counts(self) -> Tensor:
+        return self.slots
+
+    @property
+    def z_sum(self) -> Tensor:
+        return self.z.sum()
 
 
 def _contiguous_grad(t: Tensor) -> Tensor:
@@ -224,8 +258,7 @@ class MoEFeedForward(nn.Module):
         combined = torch.zeros_like(flat).index_add_(0, token_of, out.to(flat.dtype))
         if self.shared_experts is not None:
             combined = combined + self.shared_experts(flat)
-        self.last_routing = RoutingStats(probs.sum(0), counts.float(), torch.logsumexp(logits, -1).pow(2).sum(),
-                                         flat.shape[0])
+        self.last_routing = RoutingStats(probs, chosen, torch.logsumexp(logits, -1).pow(2), counts.float())
         return combined.view(shape)
 
 
@@ -257,15 +290,21 @@ class RouterLosses:
     """[n_moe_layers, E] top-k slots each expert received, for the router statistics."""
 
 
-def router_losses(model: nn.Module) -> RouterLosses | None:
-    """The routing terms of ``model``'s last forward (None for a model without MoE layers)."""
+def router_losses(model: nn.Module, mask: Tensor | None = None) -> RouterLosses | None:
+    """The routing terms of ``model``'s last forward (None for a model without MoE layers).
+
+    ``mask`` ([B, T] of the forward's tokens, nonzero = real token) leaves padding out of every term
+    and count, as transformers' ``load_balancing_loss_func`` does with its ``attention_mask``; None
+    counts every token. The terms are those of this one forward: a step of several microbatches
+    (or ranks) combines per-microbatch values (see :mod:`lmforge.objectives.router`).
+    """
     stats = [m.last_routing for m in model.modules() if isinstance(m, MoEFeedForward) and m.last_routing is not None]
     if not stats:
         return None
-    n_experts = stats[0].prob_sum.shape[0]
-    tokens = sum(s.tokens for s in stats)
-    counts = torch.stack([s.counts for s in stats])
-    prob_sum = torch.stack([s.prob_sum for s in stats]).sum(0)
-    aux = n_experts * torch.sum((counts.sum(0) / tokens) * (prob_sum / tokens))
-    z = torch.stack([s.z_sum for s in stats]).sum() / tokens
+    n_experts = stats[0].probs.shape[1]
+    prob_sums, counts, z_sums, tokens = zip(*(s.sums(mask) for s in stats))
+    counts = torch.stack(counts)
+    total = torch.stack(tokens).sum().clamp(min=1)  # all padding: zero terms, not 0/0
+    aux = n_experts * torch.sum((counts.sum(0) / total) * (torch.stack(prob_sums).sum(0) / total))
+    z = torch.stack(z_sums).sum() / total
     return RouterLosses(aux, z, counts)
