@@ -18,3 +18,4 @@ from lmforge.models.families import mistral  # noqa: F401
 from lmforge.models.families import phi3  # noqa: F401
 from lmforge.models.families import gemma3  # noqa: F401
 from lmforge.models.families import moe  # noqa: F401
+from lmforge.models import deepseek_v3  # noqa: F401,E402
