@@ -20,9 +20,14 @@ __all__ = ["DEEPSEEK_V3", "DEEPSEEK_V3_LAYOUT", "DEEPSEEK_V3_SIZES", "DeepseekV3
 
 
 def _build(args: DeepseekV3Args):  # type: ignore[no-untyped-def]
+    """The shared decoder; its latent attention told the checkpoint's rotary layout (``rope_interleave``),
+    which ``LatentAttentionConfig`` does not carry."""
     from lmforge.models.model import Transformer
 
-    return Transformer(args)
+    model = Transformer(args)
+    for layer in model.layers:
+        layer.attention.interleaved = args.rope_interleave
+    return model
 
 
 def _register():  # type: ignore[no-untyped-def]

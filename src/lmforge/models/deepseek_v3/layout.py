@@ -36,9 +36,9 @@ ATTENTION = {
 MOE = {
     "feed_forward.router.weight": "mlp.gate.weight",
     "feed_forward.router.correction_bias": "mlp.gate.e_score_correction_bias",
-    "feed_forward.shared.w1.weight": "mlp.shared_experts.gate_proj.weight",
-    "feed_forward.shared.w2.weight": "mlp.shared_experts.down_proj.weight",
-    "feed_forward.shared.w3.weight": "mlp.shared_experts.up_proj.weight",
+    "feed_forward.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "feed_forward.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
+    "feed_forward.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
 }
 EXPERTS = {
     "feed_forward.experts.w1": "mlp.experts.{e}.gate_proj.weight",

@@ -25,6 +25,7 @@ each step, as transformers does; masks, padding and ``select_rows`` are the cach
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,7 +63,6 @@ class LatentAttention(nn.Module):
         self.qk_dim = cfg.qk_head_dim
         self.scale = cfg.scale if cfg.scale is not None else self.qk_dim ** -0.5
         self.interleaved = interleaved
-        eps, offset = cfg.norm.eps, cfg.norm.unit_offset
         self.wq: nn.Linear | None = None
         self.wq_a: nn.Linear | None = None
         self.q_norm: RMSNorm | None = None
@@ -71,12 +71,17 @@ class LatentAttention(nn.Module):
             self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.qk_dim, bias=False)
         else:
             self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(cfg.q_lora_rank, eps, offset)
+            self.q_norm = RMSNorm(replace(cfg.norm, dim=cfg.q_lora_rank))
             self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.n_heads * self.qk_dim, bias=False)
         self.wkv_a = nn.Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
-        self.kv_norm = RMSNorm(cfg.kv_lora_rank, eps, offset)
+        self.kv_norm = RMSNorm(replace(cfg.norm, dim=cfg.kv_lora_rank))
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, cfg.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.v_dim, cfg.dim, bias=False)
+
+    def weight_groups(self) -> tuple[list[Tensor], list[Tensor]]:
+        """(matrices reading the block's input or a latent, matrices writing the residual stream), for the init."""
+        reads = [self.wq] if self.wq is not None else [self.wq_a, self.wq_b]
+        return [m.weight for m in (*reads, self.wkv_a, self.wkv_b)], [self.wo.weight]  # type: ignore[union-attr]
 
     @property
     def cache_dims(self) -> tuple[int, int, int]:
