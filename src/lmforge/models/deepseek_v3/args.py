@@ -98,8 +98,8 @@ class DeepseekV3Args(ModelArgs):
         if self.head_dim != self.qk_rope_head_dim:
             raise UserError(f"head_dim is the rotary width of latent attention: {self.qk_rope_head_dim}, "
                             f"not {self.head_dim}")
-        if not 0 <= self.first_k_dense_replace <= self.n_layers:
-            raise UserError(f"first_k_dense_replace must be in [0, n_layers={self.n_layers}]")
+        if self.first_k_dense_replace < 0:
+            raise UserError(f"first_k_dense_replace must be >= 0, got {self.first_k_dense_replace}")
         if self.first_k_dense_replace < self.n_layers:
             if not self.n_experts:
                 raise UserError("DeepSeek-V3 layers from first_k_dense_replace on are mixtures of experts: "

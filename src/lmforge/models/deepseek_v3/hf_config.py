@@ -9,8 +9,8 @@ shared expert. Multi-token-prediction layers (``num_nextn_predict_layers`` > 0, 
 ``model.layers.{num_hidden_layers}...``) are read past: their tensors are dropped on load, with one
 warning line, and exports write ``num_nextn_predict_layers: 0``.
 
-Kimi-K2's own files say ``model_type: kimi_k2`` (transformers runs them as DeepSeek-V3 through remote
-code); they read as this family, and export as ``deepseek_v3``, which transformers builds itself.
+Kimi-K2 is this architecture, but its own files say ``model_type: kimi_k2`` (transformers runs them through
+remote code): set ``model_type`` to ``deepseek_v3`` in such a file to load it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ __all__ = ["ARCHITECTURE", "MODEL_TYPE", "args_from_hf", "check_exportable", "hf
 
 MODEL_TYPE = "deepseek_v3"
 ARCHITECTURE = "DeepseekV3ForCausalLM"
-READ_MODEL_TYPES = (MODEL_TYPE, "kimi_k2")
 
 DEFAULTS: dict[str, Any] = {
     "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
@@ -60,8 +59,8 @@ def _rope(cfg: Mapping[str, Any], where: str) -> tuple[float, dict[str, Any] | N
 
 
 def args_from_hf(cfg: Mapping[str, Any], where: str) -> DeepseekV3Args:
-    """``DeepseekV3Args`` for a parsed DeepSeek-V3 (or Kimi-K2) ``config.json``."""
-    if cfg.get("model_type") not in READ_MODEL_TYPES:
+    """``DeepseekV3Args`` for a parsed DeepSeek-V3 ``config.json``."""
+    if cfg.get("model_type") != MODEL_TYPE:
         raise UserError(f"{where}: model_type {cfg.get('model_type')!r} is not {MODEL_TYPE!r}")
     quant = cfg.get("quantization_config")
     if quant:

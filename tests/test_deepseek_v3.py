@@ -1,0 +1,264 @@
+"""DeepSeek-V3 against transformers: latent attention, logits, latent-cache generation, packed documents,
+export, config refusals and the named sizes.
+
+Every model is a tiny random fp32 ``DeepseekV3ForCausalLM`` built by transformers itself: three layers
+(the first dense), 8 experts in 4 groups of which a token keeps 2, two shared experts, YaRN with both
+mscales, a random correction bias, with and without the query bottleneck.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lmforge.errors import UserError
+from lmforge.models.configs import LatentAttentionConfig, NormConfig
+from lmforge.models.deepseek_v3 import DEEPSEEK_V3_SIZES, DeepseekV3Args, deepseek_v3_args_for
+from lmforge.models.deepseek_v3.args import yarn_softmax_scale
+from lmforge.models.generate import generate
+from lmforge.models.hf import load_hf_config, load_hf_model, save_hf_model
+from lmforge.models.hf_config import args_from_hf_config
+from lmforge.models.layers.kv_cache import KVCache
+from lmforge.models.layers.latent_attention import LatentAttention
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 256
+YARN = dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=16, mscale=1.0,
+            mscale_all_dim=0.8)
+VARIANTS = {
+    # DeepSeek-V3's own shape: query bottleneck, interleaved rotary features, YaRN
+    "q_lora_yarn": dict(q_lora_rank=24, rope_interleave=True, rope_parameters=YARN),
+    # DeepSeek-V2-Lite-like: one query projection, rotate-half features, plain RoPE
+    "no_q_lora": dict(q_lora_rank=None, rope_interleave=False, rope_parameters=dict(rope_type="default", rope_theta=1e4)),
+}
+
+
+def hf_config(variant: str, **overrides) -> "transformers.DeepseekV3Config":
+    cfg = dict(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+        n_shared_experts=2, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        first_k_dense_replace=1, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
+        routed_scaling_factor=2.5, vocab_size=VOCAB, max_position_embeddings=64, num_nextn_predict_layers=0,
+        rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+    )
+    return transformers.DeepseekV3Config(**{**cfg, **VARIANTS[variant], **overrides})
+
+
+def tiny_hf(variant: str, seed: int = 0) -> "transformers.PreTrainedModel":
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(variant)).eval()
+    with torch.no_grad():  # non-trivial norms and correction biases; decisive routers (no near-ties)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif name.endswith(".gate.weight"):
+                p.normal_(0.0, 1.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
+    return model
+
+
+def ids(T: int, B: int = 2, seed: int = 0) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def pair(request, tmp_path_factory):
+    """(transformers model, its directory, lmforge's model loaded from it)."""
+    hf = tiny_hf(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return hf, path, load_hf_model(path).eval()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_latent_attention_equals_transformers_module(variant):
+    """The attention module alone, weights copied, on the rotary table transformers computes (YaRN's
+    attention factor inside), with the softmax scale computed as transformers does."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as M
+
+    cfg = hf_config(variant)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(1)
+    ref = M.DeepseekV3Attention(cfg, 0).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.normal_(1.0, 0.2) if "norm" in name else p.normal_(0.0, 0.1)
+    x = torch.randn(2, 20, 64)
+    cos, sin = M.DeepseekV3RotaryEmbedding(cfg)(x, torch.arange(20)[None].expand(2, -1))
+    scale = yarn_softmax_scale(20, None if variant == "no_q_lora" else YARN)
+    assert scale == pytest.approx(ref.scaling, rel=1e-12)
+    lc = LatentAttentionConfig(dim=64, n_heads=4, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=12,
+                               qk_rope_head_dim=8, v_head_dim=10, norm=NormConfig(16, 1e-6), scale=scale)
+    ours = LatentAttention(lc, interleaved=cfg.rope_interleave).eval()
+    names = {"wq": "q_proj", "wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj",
+             "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
+    theirs = ref.state_dict()
+    ours.load_state_dict({k: theirs[f"{names[k.split('.')[0]]}.{k.split('.')[1]}"] for k in ours.state_dict()})
+    signed_sin = sin.unsqueeze(1).clone()
+    signed_sin[..., :4] *= -1  # lmforge's tables carry rotate_half's sign
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x, cos.unsqueeze(1), signed_sin, None, True), ref(x, (cos, sin), None)[0],
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_logits_equal_transformers(pair):
+    hf, _, model = pair
+    assert isinstance(model.args, DeepseekV3Args)
+    tokens = ids(24)
+    with torch.no_grad():
+        ours, ref = model(tokens), hf(tokens).logits
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_interleave_and_correction_bias_matter(pair):
+    """The comparison above means something only if the interleaving and the bias change the logits."""
+    hf, _, model = pair
+    tokens = ids(24)
+    with torch.no_grad():
+        base = model(tokens)
+        for layer in model.layers:
+            layer.attention.interleaved = not layer.attention.interleaved
+        flipped = model(tokens)
+        for layer in model.layers:
+            layer.attention.interleaved = not layer.attention.interleaved
+        bias = model.layers[1].feed_forward.router.correction_bias
+        saved = bias.clone()
+        bias.zero_()
+        unbiased = model(tokens)
+        bias.copy_(saved)
+    assert (base - flipped).abs().max() > 1e-3
+    assert (base - unbiased).abs().max() > 1e-3
+
+
+def test_latent_cache_holds_latents(pair):
+    _, _, model = pair
+    cache = KVCache.for_model(model, 3, 20)
+    assert len(cache.k) == 3
+    assert cache.k[0].shape == (3, 1, 20, 16) and cache.v[0].shape == (3, 1, 20, 8)  # kv_lora_rank, rope dims
+
+
+def test_greedy_generation_equals_transformers(pair):
+    hf, _, model = pair
+    prompt = ids(5, B=1, seed=2)
+    new = 14
+    ref = hf.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None,
+                      attention_mask=torch.ones_like(prompt))
+    ours = generate(model, prompt.tolist(), new, eos_id=None, pad_id=0, temperature=0.0)
+    assert ours[0] == ref[0, prompt.shape[1]:].tolist()
+
+
+def test_padded_batch_and_shared_prompts_equal_single_rows(pair):
+    """Left padding and prefilled rows copied by ``select_rows`` give each row what it gets alone, which is
+    what a full forward without a cache picks step by step."""
+    _, _, model = pair
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (3, 11)]
+    prompts.append(list(prompts[0]))  # a repeated prompt: prefilled once, its cache rows copied
+    batched = generate(model, prompts, 8, eos_id=None, pad_id=0, temperature=0.0)
+    single = [generate(model, [p], 8, eos_id=None, pad_id=0, temperature=0.0)[0] for p in prompts[:2]]
+    assert batched == [single[0], single[1], single[0]]
+    seq = list(prompts[1])
+    with torch.no_grad():
+        for _ in range(8):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    assert single[1] == seq[len(prompts[1]):]
+
+
+def test_packed_documents_equal_separate_runs(pair):
+    _, _, model = pair
+    a, b = ids(11, B=1, seed=5), ids(17, B=1, seed=6)
+    doc = torch.tensor([[0] * 11 + [1] * 17])
+    pos = torch.cat([torch.arange(11), torch.arange(17)]).unsqueeze(0)
+    with torch.no_grad():
+        packed = model(torch.cat([a, b], dim=1), position_ids=pos, document_ids=doc)
+        torch.testing.assert_close(packed[:, :11], model(a), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(packed[:, 11:], model(b), atol=1e-5, rtol=1e-5)
+
+
+def test_export_round_trip_through_transformers(pair, tmp_path):
+    hf, _, model = pair
+    save_hf_model(model.state_dict(), model.args, tmp_path, eos_token_id=[2, 3], pad_token_id=0)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == "deepseek_v3" and cfg["architectures"] == ["DeepseekV3ForCausalLM"]
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(again) is type(hf)
+    tokens = ids(24, seed=1)
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens).logits, model(tokens), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(again(tokens).logits, hf(tokens).logits, atol=1e-5, rtol=1e-5)
+    assert load_hf_config(tmp_path) == model.args
+    assert DeepseekV3Args.from_dict(model.args.to_dict()) == model.args
+
+
+def test_multi_token_prediction_layers_are_ignored_in_one_line(pair, tmp_path):
+    """Published checkpoints carry the MTP module as model.layers.{n_layers}.*: dropped on load, one warning."""
+    from safetensors.torch import load_file, save_file
+
+    hf, path, model = pair
+    state = load_file(str(path / "model.safetensors"))
+    state["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    state["model.layers.3.self_attn.kv_b_proj.weight"] = torch.zeros(4 * 22, 16)
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = {**json.loads((path / "config.json").read_text()), "num_nextn_predict_layers": 1}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.warns(UserWarning, match=r"ignoring the checkpoint's 1 multi-token-prediction layer\(s\)"):
+        loaded = load_hf_model(tmp_path)
+    tokens = ids(8)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens), model(tokens), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}, "quantization_config (fp8)"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"scoring_func": "softmax"}, "scoring_func 'softmax'"),
+    ({"topk_method": "greedy"}, "topk_method 'greedy'"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq=2"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "'longrope'"),
+    ({"n_group": 3}, "n_groups (3)"),
+])
+def test_unsupported_configs_are_refused_in_one_line(change, named):
+    cfg = {**hf_config("q_lora_yarn").to_dict(), **change}
+    with pytest.raises(UserError) as e:
+        args_from_hf_config(cfg, "config.json")
+    assert named in str(e.value) and "\n" not in str(e.value) and str(e.value).startswith("config.json: ")
+
+
+def test_defaults_follow_transformers():
+    """A terse config.json reads with transformers' DeepseekV3Config defaults."""
+    terse = {"model_type": "deepseek_v3", "hidden_size": 64, "num_hidden_layers": 2}
+    args = args_from_hf_config(terse, "config.json")
+    ref = transformers.DeepseekV3Config(hidden_size=64, num_hidden_layers=2)
+    assert (args.n_heads, args.q_lora_rank, args.kv_lora_rank, args.n_experts, args.n_groups, args.topk_groups) == (
+        ref.num_attention_heads, ref.q_lora_rank, ref.kv_lora_rank, ref.n_routed_experts, ref.n_group, ref.topk_group)
+    assert (args.first_k_dense_replace, args.routed_scaling_factor, args.rope_interleave, args.max_seq_len) == (
+        ref.first_k_dense_replace, ref.routed_scaling_factor, ref.rope_interleave, ref.max_position_embeddings)
+    assert args.moe_layers == [] and args.norm_eps == ref.rms_norm_eps
+
+
+PUBLISHED = {  # (published total without the multi-token-prediction layer, tolerance, vocabulary)
+    "deepseek-v3-671b": (671e9, 0.01, 129280),
+    "kimi-k2": (1.0e12, 0.03, 163840),  # "1T total parameters"
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_named_sizes_match_transformers(name):
+    from lmforge.models.spec import spec_for_args
+
+    published, tolerance, vocab = PUBLISHED[name]
+    args = deepseek_v3_args_for(name, vocab)
+    cfg = spec_for_args(args).hf_config(args, torch_dtype="bfloat16")
+    with torch.device("meta"):
+        ours = spec_for_args(args).build(args).num_params()
+        ref = transformers.AutoModelForCausalLM.from_config(transformers.DeepseekV3Config(**{
+            k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")}))
+    assert ours == ref.num_parameters()
+    assert abs(ours - published) / published < tolerance
+    assert set(DEEPSEEK_V3_SIZES) == set(PUBLISHED)
