@@ -262,3 +262,29 @@ def test_named_sizes_match_transformers(name):
     assert ours == ref.num_parameters()
     assert abs(ours - published) / published < tolerance
     assert set(DEEPSEEK_V3_SIZES) == set(PUBLISHED)
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_flops_match_torch_counter(q_lora_rank):
+    """Dense layers (the experts' grouped matmul is not counted by torch): 6N for the weights, the causal
+    half of the q.k and p.v matmuls, with their different widths."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lmforge.models.deepseek_v3.flops import flops_per_token, matmul_params
+    from lmforge.models.spec import spec_for_args
+
+    args = DeepseekV3Args(dim=64, n_layers=2, n_heads=4, vocab_size=VOCAB, max_seq_len=64, ffn_hidden_dim=96,
+                          q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
+                          v_head_dim=10, first_k_dense_replace=2, n_experts=8, n_experts_per_token=2)
+    model = spec_for_args(args).build(args)
+    B, T = 2, 32
+    counter = FlopCounterMode(display=False)
+    with counter, sdpa_kernel(SDPBackend.MATH):
+        model(torch.randint(0, VOCAB, (B, T))).float().sum().backward()
+    counts = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
+    weights = counts.pop("aten.mm", 0) + counts.pop("aten.addmm", 0)
+    attention = counts.pop("aten.bmm")
+    assert not counts, f"unexpected FLOP-counted ops: {counts}"
+    assert weights == 6 * matmul_params(args) * B * T
+    assert attention == 2 * (flops_per_token(args, T) - 6 * matmul_params(args)) * B * T
