@@ -288,3 +288,29 @@ def test_flops_match_torch_counter(q_lora_rank):
     assert not counts, f"unexpected FLOP-counted ops: {counts}"
     assert weights == 6 * matmul_params(args) * B * T
     assert attention == 2 * (flops_per_token(args, T) - 6 * matmul_params(args)) * B * T
+
+
+TINY = dict(dim=64, n_layers=2, n_heads=4, ffn_hidden_dim=96, moe_ffn_dim=32, n_experts=8, n_experts_per_token=2,
+            n_groups=4, topk_groups=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
+            v_head_dim=10, first_k_dense_replace=1, max_seq_len=64,
+            rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0,
+                              mscale_all_dim=1.0))
+
+
+def test_named_size_and_checkpointed_arguments_come_back_as_the_family_class():
+    """A run from ``model.size=deepseek-v3-671b`` (shrunk by overrides) builds latent attention, and the
+    arguments a checkpoint stores (``to_dict``) read back as ``DeepseekV3Args``."""
+    from lmforge.models.layers.moe import MoEFeedForward
+    from lmforge.models.load import ModelSource, load_model
+    from lmforge.models.spec import args_for_size, args_from_dict
+
+    loaded = load_model(ModelSource("init", "0"), size="deepseek-v3-671b", overrides=TINY)
+    args = loaded.args
+    assert isinstance(args, DeepseekV3Args) and args.rope_scaling["factor"] == 4.0
+    assert isinstance(loaded.model.layers[0].attention, LatentAttention)
+    assert isinstance(loaded.model.layers[1].feed_forward, MoEFeedForward)
+    assert args_from_dict(loaded.description()["model_args"]) == args
+    assert args_for_size("kimi-k2", 100, **TINY).routed_scaling_factor == 2.827
+    assert DEEPSEEK_V3_SIZES["deepseek-v3-671b"]["rope_scaling"]["factor"] == 40.0  # the preset is not shared
+    with pytest.raises(UserError, match="unknown model size 'nope'.*kimi-k2"):
+        args_for_size("nope", 100)

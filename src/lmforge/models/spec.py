@@ -12,7 +12,7 @@ themselves when this module is imported. To add one, see ``docs/models.md`` ("La
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from torch import nn
@@ -23,8 +23,8 @@ from lmforge.models.args import ModelArgs
 from lmforge.models.state_dict_adapter import StateDictAdapter
 
 __all__ = [
-    "ModelSpec", "get_spec", "register_spec", "registered_model_types", "registered_specs", "spec_for_args",
-    "spec_for_hf_config",
+    "ModelSpec", "args_for_size", "args_from_dict", "get_spec", "register_spec", "registered_model_types",
+    "registered_specs", "spec_for_args", "spec_for_hf_config",
 ]
 
 ArgsFromHF = Callable[[Mapping[str, Any], str], ModelArgs]
@@ -72,6 +72,11 @@ class ModelSpec:
     """Training FLOPs per token at a sequence length, for MFU."""
     training_flops: TrainingFlops = flops.training_flops
     """Training FLOPs of a batch's real tokens given its document lengths, for MFU."""
+    args_type: type[ModelArgs] = ModelArgs
+    """The family's argument class (a ``ModelArgs`` subclass where it has hyper-parameters of its own:
+    DeepSeek-V3's latent ranks); checkpoints' ``ModelArgs.to_dict()`` is read back with it."""
+    sizes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """The family's own named sizes (``args_type`` fields without ``vocab_size``), beside ``MODEL_SIZES``."""
 
 
 _BY_NAME: dict[str, ModelSpec] = {}
@@ -115,6 +120,29 @@ def spec_for_args(args: ModelArgs) -> ModelSpec:
     except KeyError:
         raise UserError(f"unknown hf_model_type {args.hf_model_type!r}; known: "
                         f"{', '.join(_BY_MODEL_TYPE)}") from None
+
+
+def args_from_dict(d: Mapping[str, Any]) -> ModelArgs:
+    """``ModelArgs`` (or the family's subclass, by ``hf_model_type``) from ``to_dict()``'s output."""
+    spec = _BY_MODEL_TYPE.get(d.get("hf_model_type", "llama"))  # type: ignore[arg-type]
+    return (ModelArgs if spec is None else spec.args_type).from_dict(dict(d))
+
+
+def args_for_size(size: str, vocab_size: int, **overrides: Any) -> ModelArgs:
+    """The arguments of a named size: a family's own (``ModelSpec.sizes``) or ``MODEL_SIZES``'."""
+    for spec in _BY_NAME.values():
+        if size in spec.sizes:
+            kwargs = {**spec.sizes[size], "vocab_size": vocab_size, **overrides}
+            for key in ("rope_scaling", "layer_types"):
+                if kwargs.get(key) is not None:
+                    kwargs[key] = type(kwargs[key])(kwargs[key])  # never share the preset's dict or list
+            return spec.args_type.from_dict(kwargs)
+    from lmforge.models.args import MODEL_SIZES, model_args_for
+
+    if size not in MODEL_SIZES:
+        known = [*MODEL_SIZES, *(n for spec in _BY_NAME.values() for n in spec.sizes)]
+        raise UserError(f"unknown model size {size!r}; known sizes: {', '.join(known)}")
+    return model_args_for(size, vocab_size, **overrides)
 
 
 def spec_for_hf_config(cfg: Mapping[str, Any], where: str) -> ModelSpec:

@@ -39,7 +39,8 @@ def _register():  # type: ignore[no-untyped-def]
         name=_hf.MODEL_TYPE, hf_model_type=_hf.MODEL_TYPE, hf_architecture=_hf.ARCHITECTURE,
         args_from_hf=_hf.args_from_hf, hf_config=_hf.hf_config, check_exportable=_hf.check_exportable,
         state_dict_adapter=DEEPSEEK_V3_LAYOUT, build=_build, fused_decode=False,
-        flops_per_token=_flops.flops_per_token, training_flops=_flops.training_flops,
+        flops_per_token=_flops.flops_per_token, training_flops=_flops.training_flops, args_type=DeepseekV3Args,
+        sizes=DEEPSEEK_V3_SIZES,
     ))
 
 
