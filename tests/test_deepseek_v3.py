@@ -142,14 +142,45 @@ def test_latent_cache_holds_latents(pair):
     assert cache.k[0].shape == (3, 1, 20, 16) and cache.v[0].shape == (3, 1, 20, 8)  # kv_lora_rank, rope dims
 
 
-def test_greedy_generation_equals_transformers(pair):
+def _set_absorb(model, absorb: bool) -> None:
+    for layer in model.layers:
+        layer.attention.absorb = absorb
+
+
+@pytest.mark.parametrize("absorb", [True, False])
+def test_greedy_generation_equals_transformers(pair, absorb):
+    """Decode steps on the latent cache, with wkv_b absorbed into q and o or the latents re-expanded."""
     hf, _, model = pair
     prompt = ids(5, B=1, seed=2)
     new = 14
     ref = hf.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None,
                       attention_mask=torch.ones_like(prompt))
-    ours = generate(model, prompt.tolist(), new, eos_id=None, pad_id=0, temperature=0.0)
+    _set_absorb(model, absorb)
+    try:
+        ours = generate(model, prompt.tolist(), new, eos_id=None, pad_id=0, temperature=0.0)
+    finally:
+        _set_absorb(model, True)
     assert ours[0] == ref[0, prompt.shape[1]:].tolist()
+
+
+def test_absorbed_decode_step_logits_equal_a_full_forward(pair):
+    """Each cached decode step's logits (absorbed, left-padded rows) equal a forward over the whole row."""
+    _, _, model = pair
+    rows = [ids(9, B=1, seed=7)[0].tolist(), ids(4, B=1, seed=8)[0].tolist()]
+    P = 9
+    tokens = torch.tensor([[0] * (P - len(r)) + r for r in rows])
+    valid = tokens != 0
+    valid[1, : P - len(rows[1])] = False
+    pos = (valid.long().cumsum(1) - 1).clamp(min=0)
+    cache = KVCache.for_model(model, 2, P + 6, valid)
+    with torch.no_grad():
+        model(tokens, position_ids=pos, kv_cache=cache)
+        nxt = ids(6, B=2, seed=9)
+        for step in range(6):
+            step_logits = model(nxt[:, step : step + 1], position_ids=pos[:, -1:] + step + 1, kv_cache=cache)[:, 0]
+            for i, r in enumerate(rows):
+                full = model(torch.tensor([r + nxt[i, : step + 1].tolist()]))[0, -1]
+                torch.testing.assert_close(step_logits[i], full, atol=1e-5, rtol=1e-5)
 
 
 def test_padded_batch_and_shared_prompts_equal_single_rows(pair):

@@ -19,8 +19,10 @@ done here with the block's ordinary rotate-half table, so the values are transfo
 With a KV cache (:class:`~lmforge.models.layers.kv_cache.KVCache` built by ``for_model`` from
 :attr:`LatentAttention.cache_dims`), a layer caches its normalised latent ``[B, 1, S, kv_lora_rank]`` and
 its rotated shared key ``[B, 1, S, qk_rope_head_dim]`` (``kv_lora_rank + qk_rope_head_dim`` values per
-token instead of ``n_heads * (qk_head_dim + v_head_dim)``) and re-expands the keys and values from them
-each step, as transformers does; masks, padding and ``select_rows`` are the cache's usual ones.
+token instead of ``n_heads * (qk_head_dim + v_head_dim)``); masks, padding and ``select_rows`` are the
+cache's usual ones. A prefill expands keys and values from the latents, as transformers does; a decode step
+(one new token) absorbs ``wkv_b`` into the query and the output instead, attending over the latents
+themselves (``absorb``, on by default; equal to the expanded form up to rounding).
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ class LatentAttention(nn.Module):
         self.qk_dim = cfg.qk_head_dim
         self.scale = cfg.scale if cfg.scale is not None else self.qk_dim ** -0.5
         self.interleaved = interleaved
+        self.absorb = True
+        """Decode steps attend on the cached latents directly (see :meth:`_absorbed`); False re-expands
+        every cached token's keys and values each step, as transformers does."""
         self.wq: nn.Linear | None = None
         self.wq_a: nn.Linear | None = None
         self.q_norm: RMSNorm | None = None
@@ -82,6 +87,19 @@ class LatentAttention(nn.Module):
         """(matrices reading the block's input or a latent, matrices writing the residual stream), for the init."""
         reads = [self.wq] if self.wq is not None else [self.wq_a, self.wq_b]
         return [m.weight for m in (*reads, self.wkv_a, self.wkv_b)], [self.wo.weight]  # type: ignore[union-attr]
+
+    def _absorbed(self, q_nope: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor, mask: Tensor | None,
+                  is_causal: bool) -> Tensor:
+        """Decode-step attention on the cached latents without expanding them: ``wkv_b``'s key part is
+        folded into the queries and its value part applied after the softmax, so a step costs
+        ``S * H * (kv_lora_rank + qk_rope_head_dim)`` for the scores instead of expanding all ``S`` cached
+        tokens (DeepSeek's "absorb"). Equal to the expanded form up to rounding. -> [B, T, H, v_head_dim]"""
+        w = self.wkv_b.weight.view(-1, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_k, w_v = w[:, : self.nope_dim], w[:, self.nope_dim:]  # [H, nope, r], [H, v, r]
+        q = torch.cat([torch.einsum("bhtd,hdr->bhtr", q_nope, w_k), q_rope], dim=-1)
+        k = torch.cat([latent, k_rope], dim=-1)  # one shared "head" of r + rope features
+        out = attend(q, k, latent, mask, is_causal, enable_gqa=True, scale=self.scale)  # [B, T, H, r]
+        return torch.einsum("bthr,hvr->bthv", out, w_v)
 
     @property
     def cache_dims(self) -> tuple[int, int, int]:
@@ -122,10 +140,12 @@ class LatentAttention(nn.Module):
         latent, k_rope = self.latents(x)
         if self.interleaved:
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
-        q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
-        k_rope = apply_rope(k_rope, cos, sin)
+        q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)
         if kv_cache is not None:
             latent, k_rope = kv_cache.update(layer_idx, latent, k_rope)
+            if T == 1 and self.absorb:
+                return self.wo(self._absorbed(q_nope, q_rope, latent, k_rope, mask, is_causal).reshape(B, T, -1))
+        q = torch.cat([q_nope, q_rope], dim=-1)
         k, v = self.expand(latent, k_rope)
         pad = self.qk_dim - self.v_dim if isinstance(mask, ContextParallelLayout) else 0
         if pad:  # the context-parallel gather stacks k and v: give v k's width, then drop the zeros
