@@ -15,7 +15,8 @@ import torch
 
 from lmforge.errors import UserError
 from lmforge.models.configs import LatentAttentionConfig, NormConfig
-from lmforge.models.deepseek_v3 import DEEPSEEK_V3_SIZES, DeepseekV3Args, deepseek_v3_args_for
+from lmforge.models.args import ModelArgs, model_args_for
+from lmforge.models.deepseek_v3 import DEEPSEEK_V3_SIZES, DeepseekV3Args
 from lmforge.models.deepseek_v3.args import yarn_softmax_scale
 from lmforge.models.generate import generate
 from lmforge.models.hf import load_hf_config, load_hf_model, save_hf_model
@@ -223,7 +224,7 @@ def test_export_round_trip_through_transformers(pair, tmp_path):
         torch.testing.assert_close(again(tokens).logits, model(tokens), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(again(tokens).logits, hf(tokens).logits, atol=1e-5, rtol=1e-5)
     assert load_hf_config(tmp_path) == model.args
-    assert DeepseekV3Args.from_dict(model.args.to_dict()) == model.args
+    assert ModelArgs.from_dict(model.args.to_dict()) == model.args
 
 
 def test_multi_token_prediction_layers_are_ignored_in_one_line(pair, tmp_path):
@@ -284,7 +285,7 @@ def test_named_sizes_match_transformers(name):
     from lmforge.models.spec import spec_for_args
 
     published, tolerance, vocab = PUBLISHED[name]
-    args = deepseek_v3_args_for(name, vocab)
+    args = model_args_for(name, vocab)
     cfg = spec_for_args(args).hf_config(args, torch_dtype="bfloat16")
     with torch.device("meta"):
         ours = spec_for_args(args).build(args).num_params()
@@ -333,15 +334,28 @@ def test_named_size_and_checkpointed_arguments_come_back_as_the_family_class():
     arguments a checkpoint stores (``to_dict``) read back as ``DeepseekV3Args``."""
     from lmforge.models.layers.moe import MoEFeedForward
     from lmforge.models.load import ModelSource, load_model
-    from lmforge.models.spec import args_for_size, args_from_dict
-
     loaded = load_model(ModelSource("init", "0"), size="deepseek-v3-671b", overrides=TINY)
     args = loaded.args
     assert isinstance(args, DeepseekV3Args) and args.rope_scaling["factor"] == 4.0
     assert isinstance(loaded.model.layers[0].attention, LatentAttention)
     assert isinstance(loaded.model.layers[1].feed_forward, MoEFeedForward)
-    assert args_from_dict(loaded.description()["model_args"]) == args
-    assert args_for_size("kimi-k2", 100, **TINY).routed_scaling_factor == 2.827
+    assert ModelArgs.from_dict(loaded.description()["model_args"]) == args
+    assert model_args_for("kimi-k2", 100, **TINY).routed_scaling_factor == 2.827
     assert DEEPSEEK_V3_SIZES["deepseek-v3-671b"]["rope_scaling"]["factor"] == 40.0  # the preset is not shared
-    with pytest.raises(UserError, match="unknown model size 'nope'.*kimi-k2"):
-        args_for_size("nope", 100)
+
+
+def test_correction_bias_is_balanced_after_each_optimizer_step():
+    """The family's after-step hook moves each router's bias by bias_update_speed against its experts' load."""
+    from lmforge.models.spec import spec_for_args
+
+    args = DeepseekV3Args(**{**TINY, "vocab_size": VOCAB, "bias_update_speed": 0.01})
+    spec = spec_for_args(args)
+    model = spec.build(args)
+    model.init_weights(seed=0)
+    load = torch.tensor([[5.0, 1, 1, 1, 1, 1, 1, 1]])  # layer 1 (the only MoE layer): expert 0 overloaded
+    spec.after_optimizer_step(model, args, {"router_expert_tokens": load})
+    bias = model.layers[1].feed_forward.router.correction_bias
+    assert bias[0].item() == pytest.approx(-0.01) and torch.allclose(bias[1:], torch.full((7,), 0.01))
+    spec.after_optimizer_step(model, args, {})  # a step without routing statistics changes nothing
+    assert bias[0].item() == pytest.approx(-0.01)
+    assert spec.lora_targets["wkv_b"] == "attention.wkv_b" and spec.args_class is DeepseekV3Args

@@ -23,7 +23,7 @@ from lmforge.models.args import ModelArgs
 from lmforge.models.heads import attach_head, head_of
 from lmforge.models.hub import is_hub_name, resolve_hub_model
 from lmforge.models.model import Transformer
-from lmforge.models.spec import args_for_size, args_from_dict, spec_for_args
+from lmforge.models.spec import spec_for_args
 from lmforge.models.tokenizer import Tokenizer, load_tokenizer
 
 SourceKind = Literal["init", "hf", "hub", "gguf", "checkpoint"]
@@ -136,7 +136,9 @@ def load_model(source: ModelSource, *, tokenizer: str = "byte", args: ModelArgs 
         spec = _tokenizer_spec(tokenizer)
         tok = load_tokenizer(spec)
         if args is None:
-            args = args_for_size(size, tok.vocab_size, **(overrides or {}))
+            from lmforge.models.args import model_args_for
+
+            args = model_args_for(size, tok.vocab_size, **(overrides or {}))
         model = spec_for_args(args).build(args)
         model.init_weights(seed=int(source.where))
     elif source.kind in ("hf", "hub"):
@@ -163,7 +165,7 @@ def load_model(source: ModelSource, *, tokenizer: str = "byte", args: ModelArgs 
         if "lora" in described:
             model = _load_adapted(ckpt, described, spec, merge_lora)
         else:
-            args = args_from_dict(described["model_args"])
+            args = ModelArgs.from_dict(described["model_args"])
             model = spec_for_args(args).build(args)
             if described.get("head"):
                 attach_head(model, described["head"])
@@ -197,7 +199,7 @@ def _load_adapted(ckpt: Path, described: dict[str, Any], tokenizer: str, merge: 
         raise UserError(f"{ckpt}: unreadable LoRA description in its trainer state ({e})") from None
     if base_source.kind not in ("init", "hub") and not Path(base_source.where).exists():
         raise UserError(f"{ckpt}: holds LoRA adapters for the base model {base_source}, which no longer exists")
-    base = load_model(base_source, tokenizer=tokenizer, args=args_from_dict(described["model_args"])).model
+    base = load_model(base_source, tokenizer=tokenizer, args=ModelArgs.from_dict(described["model_args"])).model
     found = base_weights_fingerprint(base) if "base_weights" in described else None
     if found != described.get("base_weights"):
         raise UserError(f"{ckpt}: holds LoRA adapters for the base model {base_source}, whose weights changed since "

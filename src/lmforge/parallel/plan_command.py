@@ -37,9 +37,9 @@ def _model_args(cfg: Any, vocab_size: int | None) -> ModelArgs:
             raise UserError(f"{path}: unreadable ({e})") from None
         args = args_from_hf_config(hf, path)
         if vocab_size is not None:
-            args = type(args).from_dict({**args.to_dict(), "vocab_size": vocab_size})
+            args = ModelArgs.from_dict({**args.to_dict(), "vocab_size": vocab_size})
         return args
-    from lmforge.models.spec import args_for_size
+    from lmforge.models.args import model_args_for
     from lmforge.models.tokenizer import load_tokenizer
 
     overrides = {k: v for k, v in {
@@ -47,7 +47,7 @@ def _model_args(cfg: Any, vocab_size: int | None) -> ModelArgs:
         "ffn_hidden_dim": m.ffn_hidden_dim, "max_seq_len": m.max_seq_len, "tie_embeddings": m.tie_embeddings,
     }.items() if v is not None}
     vocab = vocab_size if vocab_size is not None else load_tokenizer(m.tokenizer).vocab_size
-    return args_for_size(m.size, vocab, **overrides)
+    return model_args_for(m.size, vocab, **overrides)
 
 
 def _rank_key(row: dict[str, Any]) -> tuple:

@@ -15,10 +15,18 @@ from __future__ import annotations
 
 from lmforge.models.deepseek_v3 import flops as _flops
 from lmforge.models.deepseek_v3 import hf_config as _hf
-from lmforge.models.deepseek_v3.args import DEEPSEEK_V3_SIZES, DeepseekV3Args, deepseek_v3_args_for
+from lmforge.models.deepseek_v3.args import DEEPSEEK_V3_SIZES, DeepseekV3Args
 from lmforge.models.deepseek_v3.layout import DEEPSEEK_V3_LAYOUT
 
-__all__ = ["DEEPSEEK_V3", "DEEPSEEK_V3_LAYOUT", "DEEPSEEK_V3_SIZES", "DeepseekV3Args", "deepseek_v3_args_for"]
+__all__ = ["DEEPSEEK_V3", "DEEPSEEK_V3_LAYOUT", "DEEPSEEK_V3_SIZES", "DeepseekV3Args", "LORA_TARGETS"]
+
+LORA_TARGETS = {
+    "wq": "attention.wq", "wq_a": "attention.wq_a", "wq_b": "attention.wq_b", "wkv_a": "attention.wkv_a",
+    "wkv_b": "attention.wkv_b", "wo": "attention.wo",
+    "w1": "feed_forward.w1", "w2": "feed_forward.w2", "w3": "feed_forward.w3",
+}
+"""Latent attention's projections (``wq`` without a query bottleneck, ``wq_a``/``wq_b`` with one) and the
+MLP's; in MoE layers the MLP names reach the stacked experts and the shared experts' MLP."""
 
 
 def _build(args: DeepseekV3Args):  # type: ignore[no-untyped-def]
@@ -32,6 +40,16 @@ def _build(args: DeepseekV3Args):  # type: ignore[no-untyped-def]
     return model
 
 
+def _balance(model, args, totals) -> None:  # type: ignore[no-untyped-def]
+    """Auxiliary-loss-free balancing after each optimizer step: every router's correction bias moves by
+    ``bias_update_speed`` against its experts' load in the step (all microbatches and ranks)."""
+    from lmforge.models.layers.moe import balance_correction_bias
+
+    load = totals.get("router_expert_tokens")
+    if load is not None and args.bias_update_speed:
+        balance_correction_bias(model, load, args.bias_update_speed)
+
+
 def _register():  # type: ignore[no-untyped-def]
     from lmforge.models.spec import ModelSpec, register_spec
 
@@ -39,8 +57,8 @@ def _register():  # type: ignore[no-untyped-def]
         name=_hf.MODEL_TYPE, hf_model_type=_hf.MODEL_TYPE, hf_architecture=_hf.ARCHITECTURE,
         args_from_hf=_hf.args_from_hf, hf_config=_hf.hf_config, check_exportable=_hf.check_exportable,
         state_dict_adapter=DEEPSEEK_V3_LAYOUT, build=_build, fused_decode=False,
-        flops_per_token=_flops.flops_per_token, training_flops=_flops.training_flops, args_type=DeepseekV3Args,
-        sizes=DEEPSEEK_V3_SIZES,
+        flops_per_token=_flops.flops_per_token, training_flops=_flops.training_flops, lora_targets=LORA_TARGETS,
+        after_optimizer_step=_balance, args_class=DeepseekV3Args, sizes=DEEPSEEK_V3_SIZES,
     ))
 
 

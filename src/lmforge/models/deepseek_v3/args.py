@@ -23,7 +23,7 @@ from lmforge.models.configs import (
     BlockConfig, DecoderConfig, LatentAttentionConfig, MLPConfig, MoEConfig, NormConfig, RopeConfig, RouterConfig,
 )
 
-__all__ = ["DEEPSEEK_V3_SIZES", "DeepseekV3Args", "deepseek_v3_args_for", "yarn_softmax_scale"]
+__all__ = ["DEEPSEEK_V3_SIZES", "DeepseekV3Args", "yarn_softmax_scale"]
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 """The rotary schemes the shared rotary table computes."""
@@ -152,8 +152,8 @@ class DeepseekV3Args(ModelArgs):
                          shared=MLPConfig(self.dim, self.n_shared_experts * self.expert_ffn_dim, self.hidden_act))
 
 
-# Copied from the published config.json files (deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct);
-# vocab_size comes from the tokenizer. Neither counts the multi-token-prediction layer (DeepSeek-V3's
+# Copied from the published config.json files (deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct) and
+# registered with the family's spec (``model.size``); vocab_size comes from the tokenizer. Neither counts the multi-token-prediction layer (DeepSeek-V3's
 # 14B of its 685B on disk), which lmforge does not load.
 DEEPSEEK_V3_SIZES: dict[str, dict[str, Any]] = {
     "deepseek-v3-671b": dict(
@@ -175,13 +175,3 @@ DEEPSEEK_V3_SIZES: dict[str, dict[str, Any]] = {
         n_groups=1, topk_groups=1, routed_scaling_factor=2.827, first_k_dense_replace=1, rope_interleave=True,
     ),
 }
-
-
-def deepseek_v3_args_for(size: str, vocab_size: int, **overrides: Any) -> DeepseekV3Args:
-    """``DeepseekV3Args`` of a named size, the tokenizer's vocabulary and overrides."""
-    if size not in DEEPSEEK_V3_SIZES:
-        raise UserError(f"unknown DeepSeek-V3 size {size!r}; known: {', '.join(DEEPSEEK_V3_SIZES)}")
-    kwargs = {**DEEPSEEK_V3_SIZES[size], "vocab_size": vocab_size, **overrides}
-    if kwargs.get("rope_scaling") is not None:
-        kwargs["rope_scaling"] = dict(kwargs["rope_scaling"])
-    return DeepseekV3Args.from_dict(kwargs)
