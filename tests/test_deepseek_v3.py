@@ -359,3 +359,62 @@ def test_correction_bias_is_balanced_after_each_optimizer_step():
     spec.after_optimizer_step(model, args, {})  # a step without routing statistics changes nothing
     assert bias[0].item() == pytest.approx(-0.01)
     assert spec.lora_targets["wkv_b"] == "attention.wkv_b" and spec.args_class is DeepseekV3Args
+
+
+@pytest.fixture(scope="module")
+def chat_start(tmp_path_factory):
+    """A tiny random DeepSeek-V3 saved with a real chat tokenizer (Qwen2.5's fixture)."""
+    import shutil
+
+    from _chat_fixtures import REAL_TOKENIZERS
+
+    tok = REAL_TOKENIZERS / "qwen2.5-instruct"
+    real = json.loads((tok / "config.json").read_text())
+    out = tmp_path_factory.mktemp("deepseek_start")
+    cfg = hf_config("q_lora_yarn", vocab_size=real["vocab_size"], bos_token_id=real.get("bos_token_id"),
+                    eos_token_id=real.get("eos_token_id"), max_position_embeddings=512, pad_token_id=None)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    for f in tok.iterdir():
+        if f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def _pairs(path):
+    rows = [{"prompt": f"What is {i} plus 3?", "chosen": f" {i + 3}", "rejected": " no"} for i in range(8)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+CHATS = "tests/fixtures/data/fastchat_identity_multiturn.jsonl"
+RECIPES = {
+    "sft": lambda tmp: [f"--data.train={CHATS}", "--data.seq_len=128"],
+    "lora_sft": lambda tmp: [f"--data.train={CHATS}", "--data.seq_len=128", "--lora.enabled=true", "--lora.rank=4"],
+    "dpo": lambda tmp: [f"--data.train={_pairs(tmp / 'pairs.jsonl')}", "--data.seq_len=64", "--data.prefetch=0"],
+    "grpo": lambda tmp: ["--grpo.num_generations=2", "--grpo.max_new_tokens=4", "--tasks.eval_examples=0"],
+}
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_trains_one_step_in_every_trainer(chat_start, recipe, tmp_path, capsys):
+    """SFT, LoRA SFT, DPO and GRPO from a Hugging Face directory with a real chat template, one step each."""
+    from pathlib import Path
+
+    from _helpers import tiny_run_args
+    from lmforge.cli import main
+    from lmforge.metrics.records import read_records
+
+    pytest.importorskip("peft")
+    chats = Path(__file__).resolve().parent / "fixtures" / "data" / "fastchat_identity_multiturn.jsonl"
+    extra = [a.replace(CHATS, str(chats)) for a in RECIPES[recipe](tmp_path)]
+    run = tmp_path / "run"
+    args = tiny_run_args(training_steps=1, training_global_batch_size=2, training_micro_batch_size=2, model_size=None,
+                         model_n_layers=None, model_dim=None, model_n_heads=None, model_n_kv_heads=None)
+    rc = main([recipe.removeprefix("lora_"), *args, *extra, f"--model.from_hf={chat_start}", "--data.validation=none",
+               f"--run.dir={run}", "--checkpoint.enabled=false"])
+    assert rc == 0, capsys.readouterr().err[-2000:]
+    (record,) = read_records(run, "train")
+    assert record["step"] == 1 and torch.isfinite(torch.tensor(record["loss"]))
+    if recipe in ("sft", "lora_sft"):
+        assert record["expert_load_max"] >= 1.0
