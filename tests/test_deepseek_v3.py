@@ -358,6 +358,9 @@ def test_correction_bias_is_balanced_after_each_optimizer_step():
     assert bias[0].item() == pytest.approx(-0.01) and torch.allclose(bias[1:], torch.full((7,), 0.01))
     spec.after_optimizer_step(model, args, {})  # a step without routing statistics changes nothing
     assert bias[0].item() == pytest.approx(-0.01)
+    model.requires_grad_(False)  # frozen routers (a LoRA run) keep their biases
+    spec.after_optimizer_step(model, args, {"router_expert_tokens": load})
+    assert bias[0].item() == pytest.approx(-0.01)
     assert spec.lora_targets["wkv_b"] == "attention.wkv_b" and spec.args_class is DeepseekV3Args
 
 
@@ -418,3 +421,37 @@ def test_trains_one_step_in_every_trainer(chat_start, recipe, tmp_path, capsys):
     assert record["step"] == 1 and torch.isfinite(torch.tensor(record["loss"]))
     if recipe in ("sft", "lora_sft"):
         assert record["expert_load_max"] >= 1.0
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_trained_run_exports_to_transformers_with_equal_logits(chat_start, lora, tmp_path, capsys):
+    """Two SFT steps (full: the correction biases move by the balancing hook; LoRA on the latent projections
+    and the experts, merged: frozen routers keep theirs), exported with ``lmforge export --hf``:
+    transformers' logits equal lmforge's."""
+    from pathlib import Path
+
+    from _helpers import tiny_run_args
+    from lmforge.cli import main
+    from lmforge.inference import load_for_inference
+
+    pytest.importorskip("peft")
+    chats = Path(__file__).resolve().parent / "fixtures" / "data" / "fastchat_identity_multiturn.jsonl"
+    run = tmp_path / "run"
+    args = tiny_run_args(chats, training_steps=2, training_global_batch_size=2, training_micro_batch_size=2,
+                         data_seq_len=128, tasks_eval_examples=0, model_size=None, model_n_layers=None, model_dim=None,
+                         model_n_heads=None, model_n_kv_heads=None)
+    adapters = ["--lora.enabled=true", "--lora.rank=4", "--lora.target_modules=wq_b,wkv_b,wo,w1,w2,w3"] if lora else []
+    rc = main(["sft", *args, f"--model.from_hf={chat_start}", f"--run.dir={run}", "--optimizer.lr=0.05", *adapters])
+    assert rc == 0, capsys.readouterr().err[-2000:]
+    assert main(["export", str(run), "--hf", str(tmp_path / "hf")]) == 0, capsys.readouterr().err[-2000:]
+    model, _ = load_for_inference(run)
+    base = transformers.AutoModelForCausalLM.from_pretrained(chat_start).eval()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    x = torch.randint(10, 1000, (1, 16))
+    with torch.no_grad():
+        ours = model.eval()(x)
+        torch.testing.assert_close(exported(x).logits, ours, atol=1e-4, rtol=1e-4)
+        assert (base(x).logits - ours).abs().max() > 1e-3
+    # full fine-tuning balanced the routers after each step; LoRA's frozen routers keep their biases
+    moved = bool(exported.model.layers[1].mlp.gate.e_score_correction_bias.abs().max() > 0)
+    assert moved is not lora

@@ -42,11 +42,13 @@ def _build(args: DeepseekV3Args):  # type: ignore[no-untyped-def]
 
 def _balance(model, args, totals) -> None:  # type: ignore[no-untyped-def]
     """Auxiliary-loss-free balancing after each optimizer step: every router's correction bias moves by
-    ``bias_update_speed`` against its experts' load in the step (all microbatches and ranks)."""
-    from lmforge.models.layers.moe import balance_correction_bias
+    ``bias_update_speed`` against its experts' load in the step (all microbatches and ranks). Routers that do
+    not train (LoRA: the base is frozen, and its checkpoints keep only the adapters) keep their biases."""
+    from lmforge.models.layers.moe import Router, balance_correction_bias
 
     load = totals.get("router_expert_tokens")
-    if load is not None and args.bias_update_speed:
+    training = any(m.weight.requires_grad for m in model.modules() if isinstance(m, Router))
+    if load is not None and args.bias_update_speed and training:
         balance_correction_bias(model, load, args.bias_update_speed)
 
 
