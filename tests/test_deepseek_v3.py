@@ -303,7 +303,7 @@ def test_flops_match_torch_counter(q_lora_rank):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from lmforge.models.deepseek_v3.flops import flops_per_token, matmul_params
+    from lmforge.models.flops import flops_per_token, matmul_params
     from lmforge.models.spec import spec_for_args
 
     args = DeepseekV3Args(dim=64, n_layers=2, n_heads=4, vocab_size=VOCAB, max_seq_len=64, ffn_hidden_dim=96,

@@ -3,8 +3,7 @@
 - :mod:`.args`: :class:`DeepseekV3Args` (its hyper-parameters, ``decoder_config()`` with latent attention
   and the grouped sigmoid router with shared experts) and the named sizes ``deepseek-v3-671b``, ``kimi-k2``;
 - :mod:`.hf_config`: ``config.json`` both ways, with transformers' defaults and one-line refusals;
-- :mod:`.layout`: the checkpoint tensor names;
-- :mod:`.flops`: FLOP counts for MFU.
+- :mod:`.layout`: the checkpoint tensor names.
 
 Its own module, multi-head latent attention, is a shared layer
 (:mod:`lmforge.models.layers.latent_attention`), as is the router (:mod:`lmforge.models.layers.moe`).
@@ -13,7 +12,6 @@ Importing this package registers the family's :class:`~lmforge.models.spec.Model
 
 from __future__ import annotations
 
-from lmforge.models.deepseek_v3 import flops as _flops
 from lmforge.models.deepseek_v3 import hf_config as _hf
 from lmforge.models.deepseek_v3.args import DEEPSEEK_V3_SIZES, DeepseekV3Args
 from lmforge.models.deepseek_v3.layout import DEEPSEEK_V3_LAYOUT
@@ -59,7 +57,7 @@ def _register():  # type: ignore[no-untyped-def]
         name=_hf.MODEL_TYPE, hf_model_type=_hf.MODEL_TYPE, hf_architecture=_hf.ARCHITECTURE,
         args_from_hf=_hf.args_from_hf, hf_config=_hf.hf_config, check_exportable=_hf.check_exportable,
         state_dict_adapter=DEEPSEEK_V3_LAYOUT, build=_build, fused_decode=False,
-        flops_per_token=_flops.flops_per_token, training_flops=_flops.training_flops, lora_targets=LORA_TARGETS,
+        lora_targets=LORA_TARGETS,
         after_optimizer_step=_balance, args_class=DeepseekV3Args, sizes=DEEPSEEK_V3_SIZES,
     ))
 

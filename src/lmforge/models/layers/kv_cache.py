@@ -6,15 +6,10 @@ creates it), so neither imports the other.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lmforge.errors import UserError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from lmforge.models.model import Transformer
 
 
 class KVCache:
@@ -57,10 +52,10 @@ class KVCache:
         )
 
     @classmethod
-    def for_model(cls, model: "Transformer", batch_size: int, max_len: int, valid: Tensor | None = None) -> KVCache:
-        """The cache ``model``'s attention layers fill. A layer that caches something other than its
-        keys and values (latent attention: its latent and shared rotary key) says what through
-        ``cache_dims`` (heads, "key" features, "value" features); others cache ``kv_heads`` x ``head_dim``."""
+    def for_model(cls, model: nn.Module, batch_size: int, max_len: int, valid: Tensor | None = None) -> KVCache:
+        """A cache for ``model`` (a ``Transformer``: its ``args`` give the layers, heads and head size). A
+        layer that caches something other than its keys and values (latent attention: its latent and
+        shared rotary key) says what through ``cache_dims`` (heads, "key" features, "value" features)."""
         a = model.args
         w = model.tok_embeddings.weight
         layer = next((m for m in model.layers if m is not None), None)
