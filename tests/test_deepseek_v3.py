@@ -455,3 +455,32 @@ def test_trained_run_exports_to_transformers_with_equal_logits(chat_start, lora,
     # full fine-tuning balanced the routers after each step; LoRA's frozen routers keep their biases
     moved = bool(exported.model.layers[1].mlp.gate.e_score_correction_bias.abs().max() > 0)
     assert moved is not lora
+
+
+@pytest.mark.parametrize("parallel", [["--parallel.mode=fsdp"], ["--parallel.mode=fsdp", "--parallel.ep=2"]],
+                         ids=["fsdp2", "fsdp2_ep2"])
+def test_two_ranks_match_one_process(chat_start, parallel, tmp_path):
+    """Real torchrun, 2 gloo ranks (FSDP2; then with the experts split over both by expert parallelism):
+    the same losses and global router statistics as one process over three steps, so the correction
+    biases, moved after each step from the global loads, stay the same on every rank."""
+    from pathlib import Path
+
+    from _helpers import assert_losses_match, losses, run_lmforge, tail, tiny_run_args, torchrun
+    from lmforge.metrics.records import read_records
+
+    chats = Path(__file__).resolve().parent / "fixtures" / "data" / "fastchat_identity_multiturn.jsonl"
+
+    def run(name: str, nproc: int, flags: list[str]) -> Path:
+        args = ("sft", *tiny_run_args(chats, training_steps=3, training_global_batch_size=4, training_micro_batch_size=2,
+                                      data_seq_len=128, tasks_eval_examples=0, model_size=None, model_n_layers=None,
+                                      model_dim=None, model_n_heads=None, model_n_kv_heads=None),
+                f"--model.from_hf={chat_start}", f"--run.dir={tmp_path / name}", "--checkpoint.enabled=false",
+                "--optimizer.lr=0.05", *flags)
+        proc = run_lmforge(*args) if nproc == 1 else torchrun(*args, nproc=nproc)
+        assert proc.returncode == 0, tail(proc)
+        return tmp_path / name
+
+    one, two = run("one", 1, []), run("two", 2, parallel)
+    assert_losses_match(losses(two), losses(one), range(1, 4))
+    for a, b in zip(read_records(one, "train"), read_records(two, "train")):
+        assert a["expert_load_max"] == pytest.approx(b["expert_load_max"], rel=1e-5)
