@@ -164,9 +164,24 @@ def test_greedy_generation_equals_transformers(pair, absorb):
     assert ours[0] == ref[0, prompt.shape[1]:].tolist()
 
 
-def test_absorbed_decode_step_logits_equal_a_full_forward(pair):
-    """Each cached decode step's logits (absorbed, left-padded rows) equal a forward over the whole row."""
+@pytest.mark.parametrize("adapted", [False, True])
+def test_absorbed_decode_step_logits_equal_a_full_forward(pair, adapted):
+    """Each cached decode step's logits (absorbed, left-padded rows) equal a forward over the whole row;
+    also with trained LoRA adapters on wkv_b (whose decode steps then expand the latents)."""
+    import copy
+
     _, _, model = pair
+    if adapted:
+        pytest.importorskip("peft")
+        from lmforge.config import LoraSection
+        from lmforge.models.lora import apply_lora
+
+        model = apply_lora(copy.deepcopy(model), LoraSection(enabled=True, rank=4, target_modules=["wkv_b", "wo"]))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.5)
+        model.eval()
     rows = [ids(9, B=1, seed=7)[0].tolist(), ids(4, B=1, seed=8)[0].tolist()]
     P = 9
     tokens = torch.tensor([[0] * (P - len(r)) + r for r in rows])

@@ -67,7 +67,8 @@ class LatentAttention(nn.Module):
         self.interleaved = interleaved
         self.absorb = True
         """Decode steps attend on the cached latents directly (see :meth:`_absorbed`); False re-expands
-        every cached token's keys and values each step, as transformers does."""
+        every cached token's keys and values each step, as transformers does. Only while ``wkv_b`` is a
+        plain linear layer (a LoRA adapter or a 4-bit layer on it: expanded, which runs it as it is)."""
         self.wq: nn.Linear | None = None
         self.wq_a: nn.Linear | None = None
         self.q_norm: RMSNorm | None = None
@@ -143,7 +144,7 @@ class LatentAttention(nn.Module):
         q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)
         if kv_cache is not None:
             latent, k_rope = kv_cache.update(layer_idx, latent, k_rope)
-            if T == 1 and self.absorb:
+            if T == 1 and self.absorb and type(self.wkv_b) is nn.Linear:  # adapters, 4-bit: expand instead
                 return self.wo(self._absorbed(q_nope, q_rope, latent, k_rope, mask, is_causal).reshape(B, T, -1))
         q = torch.cat([q_nope, q_rope], dim=-1)
         k, v = self.expand(latent, k_rope)
