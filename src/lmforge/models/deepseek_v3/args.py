@@ -25,9 +25,6 @@ from lmforge.models.configs import (
 
 __all__ = ["DEEPSEEK_V3_SIZES", "DeepseekV3Args", "yarn_softmax_scale"]
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-"""The rotary schemes the shared rotary table computes."""
-
 LATENT_NORM_EPS = 1e-6
 """transformers builds ``q_a_layernorm`` and ``kv_a_layernorm`` with its RMSNorm's default eps, whatever
 ``rms_norm_eps`` says."""
@@ -83,13 +80,7 @@ class DeepseekV3Args(ModelArgs):
     def __post_init__(self) -> None:
         if self.head_dim is None:
             self.head_dim = self.qk_rope_head_dim
-        scaling, self.rope_scaling = self.rope_scaling, None  # the shared check predates YaRN: checked here
         super().__post_init__()
-        self.rope_scaling = scaling
-        if scaling is not None:
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind not in ROPE_TYPES:
-                raise UserError(f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be positive, got {getattr(self, name)}")
@@ -153,8 +144,8 @@ class DeepseekV3Args(ModelArgs):
 
 
 # Copied from the published config.json files (deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct) and
-# registered with the family's spec (``model.size``); vocab_size comes from the tokenizer. Neither counts the multi-token-prediction layer (DeepSeek-V3's
-# 14B of its 685B on disk), which lmforge does not load.
+# registered with the family's spec (``model.size``); vocab_size comes from the tokenizer. Neither counts the
+# multi-token-prediction layer (DeepSeek-V3's 14B of its 685B on disk), which lmforge does not load.
 DEEPSEEK_V3_SIZES: dict[str, dict[str, Any]] = {
     "deepseek-v3-671b": dict(
         dim=7168, n_layers=61, n_heads=128, ffn_hidden_dim=18432, norm_eps=1e-6, rope_theta=10000.0,

@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from lmforge.errors import UserError
-from lmforge.models.args import ModelArgs
-from lmforge.models.deepseek_v3.args import ROPE_TYPES, DeepseekV3Args
+from lmforge.models.args import ROPE_TYPES, ModelArgs
+from lmforge.models.deepseek_v3.args import DeepseekV3Args
 
 __all__ = ["ARCHITECTURE", "MODEL_TYPE", "args_from_hf", "check_exportable", "hf_config"]
 
@@ -55,7 +55,8 @@ def _rope(cfg: Mapping[str, Any], where: str) -> tuple[float, dict[str, Any] | N
         return theta, None
     if kind not in ROPE_TYPES:
         raise UserError(f"{where}: rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
-    return theta, {"rope_type": kind, **{k: v for k, v in scaling.items() if k not in ("rope_theta", "type", "rope_type")}}
+    rest = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type", "rope_type")}
+    return theta, {"rope_type": kind, **rest}
 
 
 def args_from_hf(cfg: Mapping[str, Any], where: str) -> DeepseekV3Args:
