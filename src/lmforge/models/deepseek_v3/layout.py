@@ -16,7 +16,8 @@ from typing import Mapping
 from torch import Tensor
 
 from lmforge.models.args import ModelArgs
-from lmforge.models.families.llama_style import LLAMA_LAYOUT
+from lmforge.models.common.llama_style import LLAMA_LAYOUT
+from lmforge.models.common.moe_keys import EXPERTS
 from lmforge.models.state_dict_adapter import StateDictAdapter
 
 __all__ = ["DEEPSEEK_V3_LAYOUT"]
@@ -39,11 +40,6 @@ MOE = {
     "feed_forward.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
     "feed_forward.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
     "feed_forward.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
-}
-EXPERTS = {
-    "feed_forward.experts.w1": "mlp.experts.{e}.gate_proj.weight",
-    "feed_forward.experts.w2": "mlp.experts.{e}.down_proj.weight",
-    "feed_forward.experts.w3": "mlp.experts.{e}.up_proj.weight",
 }
 
 
