@@ -472,12 +472,13 @@ def test_trained_run_exports_to_transformers_with_equal_logits(chat_start, lora,
     assert moved is not lora
 
 
-@pytest.mark.parametrize("parallel", [["--parallel.mode=fsdp"], ["--parallel.mode=fsdp", "--parallel.ep=2"]],
-                         ids=["fsdp2", "fsdp2_ep2"])
+@pytest.mark.parametrize("parallel", [["--parallel.mode=fsdp"], ["--parallel.mode=fsdp", "--parallel.ep=2"],
+                                      ["--parallel.mode=fsdp", "--parallel.cp=2"]], ids=["fsdp2", "fsdp2_ep2", "cp2"])
 def test_two_ranks_match_one_process(chat_start, parallel, tmp_path):
-    """Real torchrun, 2 gloo ranks (FSDP2; then with the experts split over both by expert parallelism):
-    the same losses and global router statistics as one process over three steps, so the correction
-    biases, moved after each step from the global loads, stay the same on every rank."""
+    """Real torchrun, 2 gloo ranks (FSDP2; with the experts split over both by expert parallelism; context
+    parallelism, where latent attention's narrower values ride the key gather padded): the same losses and
+    global router statistics as one process over three steps, so the correction biases, moved after each
+    step from the global loads, stay the same on every rank."""
     from pathlib import Path
 
     from _helpers import assert_losses_match, losses, run_lmforge, tail, tiny_run_args, torchrun
