@@ -76,11 +76,18 @@ def hf_config(family: str) -> "transformers.PretrainedConfig":
     if family == "olmoe":  # top-k not renormalised, q/k norms over the whole projection
         return transformers.OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2,
                                         rope_parameters=dict(rope_type="default", rope_theta=1e4))
+    if family == "deepseek_v3":  # latent attention, grouped sigmoid router, shared experts (tests/test_deepseek_v3.py)
+        return transformers.DeepseekV3Config(
+            **{**COMMON, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+            n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12,
+            qk_rope_head_dim=8, v_head_dim=10, num_nextn_predict_layers=0,
+            rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=16,
+                                 mscale=1.0, mscale_all_dim=1.0))
     raise AssertionError(family)
 
 
 FAMILIES = ["llama", "llama3", "llama_linear", "qwen2_yarn", "smollm2", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "qwen3_moe",
-            "mixtral", "olmoe"]
+            "mixtral", "olmoe", "deepseek_v3"]
 MOE_FAMILIES = ["qwen3_moe", "mixtral", "olmoe"]
 
 

@@ -11,7 +11,7 @@ tokenizers, generation, FLOP and memory accounting, and loading.
 - ``spec``: ``ModelSpec``, what a family provides (config.json both ways, named sizes, tensor names,
   LoRA targets, FLOP hooks, an after-optimizer-step hook), and the registry that finds it;
 - ``<family>/`` (``llama``, ``qwen``, ``mistral``, ``phi3``, ``gemma3``, ``qwen3_moe``, ``mixtral``,
-  ``olmoe``, ...): one folder each, registering its spec; ``families`` lists them; ``common/`` holds
+  ``olmoe``, ``deepseek_v3``, ...): one folder each, registering its spec; ``families`` lists them; ``common/`` holds
   what several share;
 - ``flops`` / ``memory``: FLOPs per token and the planner's memory model, from the blocks' configs;
 - ``hf`` / ``hf_config``: Hugging Face directories in and out, always through the family's spec.

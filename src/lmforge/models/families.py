@@ -8,6 +8,7 @@ own modules where it has them) when imported.
 - ``phi3``: Phi-3 / Phi-3.5-mini (``phi3``);
 - ``gemma3``: Gemma 3 text models (``gemma3_text``);
 - ``qwen3_moe``, ``mixtral``, ``olmoe``: the mixtures of experts Qwen3-MoE, Mixtral, OLMoE;
+- ``deepseek_v3``: DeepSeek-V3 and Kimi-K2 (latent attention, grouped sigmoid router, shared experts);
 - ``common``: what several folders share (the Llama tensor names and config.json mapping, the MoE keys).
 
 Importing this module (or :mod:`lmforge.models.spec`) registers them all; a new family is its folder
@@ -23,3 +24,4 @@ from lmforge.models import gemma3  # noqa: F401
 from lmforge.models import qwen3_moe  # noqa: F401
 from lmforge.models import mixtral  # noqa: F401
 from lmforge.models import olmoe  # noqa: F401
+from lmforge.models import deepseek_v3  # noqa: F401

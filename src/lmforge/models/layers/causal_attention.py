@@ -42,7 +42,8 @@ def _causal_bias(T: int, device: torch.device) -> Tensor:
 
 
 def explicit_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
-    """Causal attention of q [B, H, T, D] over k, v [B, Hkv, T, D] (bf16) -> [B, H, T, D].
+    """Causal attention of q [B, H, T, D] over k [B, Hkv, T, D], v [B, Hkv, T, Dv] (bf16) -> [B, H, T, Dv]
+    (``Dv`` may differ from ``D``: latent attention's values are narrower than its keys).
 
     Grouped-query attention without copying k and v per query head: the ``H / Hkv`` query heads that
     share a key head are stacked as extra rows of one matmul against it. The scale is applied to q
@@ -54,7 +55,7 @@ def explicit_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | No
     qs = (q * (D ** -0.5 if scale is None else scale)).reshape(B, Hkv, g * T, D)
     scores = (qs @ k.transpose(-1, -2)).view(B, Hkv, g, T, T) + _causal_bias(T, q.device)
     probs = torch.softmax(scores, dim=-1).view(B, Hkv, g * T, T)
-    return (probs @ v).view(B, H, T, D)
+    return (probs @ v).view(B, H, T, v.shape[-1])
 
 
 def _bf16(*xs: Tensor) -> bool:

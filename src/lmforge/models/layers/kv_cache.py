@@ -13,7 +13,8 @@ from lmforge.errors import UserError
 
 
 class KVCache:
-    """Per-layer key/value buffers ``[B, n_kv_heads, max_len, head_dim]``.
+    """Per-layer key/value buffers ``[B, n_kv_heads, max_len, head_dim]`` (values ``v_head_dim`` wide when
+    given: latent attention keeps its latent in ``k`` and its rotated shared key in ``v``).
 
     Cache slots are columns of the (left-padded) batch, shared by all rows: a forward of
     ``T`` tokens writes slots ``[pos, pos + T)`` and then advances ``pos``. The RoPE
@@ -31,11 +32,12 @@ class KVCache:
 
     def __init__(
         self, n_layers: int, batch_size: int, n_kv_heads: int, max_len: int, head_dim: int, *,
-        device: torch.device | str, dtype: torch.dtype, valid: Tensor | None = None,
+        device: torch.device | str, dtype: torch.dtype, valid: Tensor | None = None, v_head_dim: int | None = None,
     ) -> None:
         shape = (batch_size, n_kv_heads, max_len, head_dim)
+        v_shape = shape if v_head_dim is None else (batch_size, n_kv_heads, max_len, v_head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros(v_shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.max_len = max_len
         self.pos = 0
         if valid is not None:
@@ -51,9 +53,17 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model: nn.Module, batch_size: int, max_len: int, valid: Tensor | None = None) -> KVCache:
-        """A cache for ``model`` (a ``Transformer``: its ``args`` give the layers, heads and head size)."""
+        """A cache for ``model`` (a ``Transformer``: its ``args`` give the layers, heads and head size). A
+        layer that caches something other than its keys and values (latent attention: its latent and
+        shared rotary key) says what through ``cache_dims`` (heads, "key" features, "value" features)."""
         a = model.args
         w = model.tok_embeddings.weight
+        layer = next((m for m in model.layers if m is not None), None)
+        dims = getattr(getattr(layer, "attention", None), "cache_dims", None)
+        if dims is not None:
+            heads, k_dim, v_dim = dims
+            return cls(a.n_layers, batch_size, heads, max_len, k_dim, device=w.device, dtype=w.dtype, valid=valid,
+                       v_head_dim=v_dim)
         return cls(a.n_layers, batch_size, a.kv_heads, max_len, a.head_dim, device=w.device, dtype=w.dtype, valid=valid)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
