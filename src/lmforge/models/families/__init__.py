@@ -6,6 +6,7 @@
 - :mod:`.phi3`: Phi-3 / Phi-3.5-mini (``phi3``);
 - :mod:`.gemma3`: Gemma 3 text models (``gemma3_text``);
 - :mod:`.moe`: the mixtures of experts Qwen3-MoE (``qwen3_moe``), Mixtral (``mixtral``), OLMoE (``olmoe``);
+- :mod:`lmforge.models.gpt_oss`: gpt-oss (``gpt_oss``), a family folder of its own;
 - :mod:`.llama_style`: what they share (the Llama tensor names and config.json mapping).
 
 Importing this package (or :mod:`lmforge.models.spec`) registers them all.
@@ -18,3 +19,4 @@ from lmforge.models.families import mistral  # noqa: F401
 from lmforge.models.families import phi3  # noqa: F401
 from lmforge.models.families import gemma3  # noqa: F401
 from lmforge.models.families import moe  # noqa: F401
+from lmforge.models.gpt_oss import spec as _gpt_oss  # noqa: F401,E402
