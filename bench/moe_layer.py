@@ -39,6 +39,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import append_benchmark, loadavg, machine, markdown_table, median, spread  # noqa: E402
 
+from lmforge.models.configs import MLPConfig, MoEConfig, RouterConfig  # noqa: E402
 from lmforge.models.layers.moe import GroupedExperts, MoEFeedForward  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -91,7 +92,7 @@ class Cell:
     def __init__(self, shape: str, dtype: torch.dtype, tokens: int, impls: list[str]) -> None:
         dim, hidden, n_experts, top_k, norm_topk, family = SHAPES[shape]
         torch.manual_seed(0)
-        self.moe = MoEFeedForward(dim, hidden, n_experts, top_k, norm_topk, "silu")
+        self.moe = MoEFeedForward(MoEConfig(dim, RouterConfig(n_experts, top_k, norm_topk=norm_topk), MLPConfig(dim, hidden)))
         self.hf = (hf_block(family, self.moe, dim, hidden, n_experts, top_k, norm_topk)
                    if any(i.startswith("hf") for i in impls) else None)
         self.moe.to(dtype)

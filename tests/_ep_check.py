@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from lmforge.models.configs import MLPConfig, MoEConfig, RouterConfig
 from lmforge import distributed as dist_utils
 from lmforge.data.packing import Batch
 from lmforge.models.layers.moe import MoEFeedForward
@@ -60,7 +61,7 @@ def layer_case(ep_mesh, seed: int, top_k: int, bias: dict[int, float], biased_ra
     group, rank, size = ep_mesh.get_group(), ep_mesh.get_local_rank(), ep_mesh.size()
     dim, per_rank = 16, 6
     torch.manual_seed(seed)
-    ref = MoEFeedForward(dim, 24, 4, top_k, norm_topk=True)
+    ref = MoEFeedForward(MoEConfig(dim, RouterConfig(4, top_k, norm_topk=True), MLPConfig(dim, 24)))
     ref.experts.impl = impl
     with torch.no_grad():
         ref.router.weight.copy_(torch.eye(4, dim) * 2)

@@ -40,6 +40,9 @@ def hf_config(family: str) -> "transformers.PretrainedConfig":
         return transformers.LlamaConfig(**COMMON, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True)
     if family == "llama_linear":  # linear position interpolation (e.g. long-context Llama 2 fine-tunes)
         return transformers.LlamaConfig(**COMMON, rope_parameters=dict(rope_type="linear", factor=4.0, rope_theta=1e4))
+    if family == "qwen2_yarn":  # YaRN context extension (Qwen2.5's long-context setting), with its attention factor
+        return transformers.Qwen2Config(**COMMON, rope_parameters=dict(
+            rope_type="yarn", factor=4.0, rope_theta=1e4, original_max_position_embeddings=16))
     if family == "smollm2":  # Llama-shaped, tied embeddings, 3 query heads per kv head
         cfg = {**COMMON, "hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1}
         return transformers.LlamaConfig(**cfg, tie_word_embeddings=True,
@@ -76,7 +79,7 @@ def hf_config(family: str) -> "transformers.PretrainedConfig":
     raise AssertionError(family)
 
 
-FAMILIES = ["llama", "llama3", "llama_linear", "smollm2", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "qwen3_moe",
+FAMILIES = ["llama", "llama3", "llama_linear", "qwen2_yarn", "smollm2", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "qwen3_moe",
             "mixtral", "olmoe"]
 MOE_FAMILIES = ["qwen3_moe", "mixtral", "olmoe"]
 
@@ -216,7 +219,7 @@ BASE_LLAMA = {
         ({"mlp_bias": True}, "mlp_bias"),
         ({"model_type": "qwen3", "attention_bias": True}, "attention_bias"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_scaling"),
+        ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}}, "rope_scaling"),
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
         ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16}, "use_sliding_window"),

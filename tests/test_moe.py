@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmforge.models.configs import MLPConfig
 from lmforge.data.packing import Batch
 from lmforge.models.hf import load_hf_model, save_hf_model
 from lmforge.models.layers.moe import GroupedExperts, MoEFeedForward, router_losses
@@ -56,7 +57,7 @@ def test_aux_loss_and_its_router_gradient_equal_transformers(pair):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_kernel_equals_the_loop_over_experts(dtype):
     torch.manual_seed(0)
-    experts = GroupedExperts(5, 16, 24).to(dtype)
+    experts = GroupedExperts(5, MLPConfig(16, 24)).to(dtype)
     counts = torch.tensor([7, 0, 3, 11, 4])  # an expert with no tokens too
     x = torch.randn(int(counts.sum()), 16, dtype=dtype, requires_grad=True)
     results = {}

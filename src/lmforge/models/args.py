@@ -24,7 +24,7 @@ from lmforge.models.configs import (
 )
 
 # RoPE frequency schemes that are computed once from the config (no run-time state).
-ROPE_TYPES = ("default", "llama3", "linear")
+ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 ACTIVATIONS = ("silu", "gelu_tanh")
 """The MLP gate's activation: SwiGLU's SiLU, or GeGLU's tanh-approximated GELU (Gemma)."""
 LAYER_TYPES = ("full_attention", "sliding_attention")

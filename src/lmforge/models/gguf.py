@@ -220,13 +220,13 @@ def _gemma3_keys(reader: Any, key: Callable[..., Any], cfg: dict[str, Any], wher
 def _llama3_scaling(divisors: Tensor, cfg: dict[str, Any], where: str) -> dict[str, Any]:
     """Llama 3.1's ``rope_scaling`` from llama.cpp's per-frequency divisors: the settings every Llama
     3.x release uses, accepted only when they reproduce the stored divisors."""
-    from lmforge.models.layers.rope import rope_inv_freq
+    from lmforge.models.layers.rope import rope_frequencies
 
     scaling = {"rope_type": "llama3", "factor": float(divisors.max()), "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     probe = args_from_hf_config({**cfg, "rope_scaling": None}, where)
-    plain = rope_inv_freq(probe, "cpu")
-    scaled = rope_inv_freq(dataclasses.replace(probe, rope_scaling=scaling), "cpu")
+    plain = rope_frequencies(probe.decoder_config().ropes["global"], "cpu")[0]
+    scaled = rope_frequencies(dataclasses.replace(probe, rope_scaling=scaling).decoder_config().ropes["global"], "cpu")[0]
     if divisors.shape != plain.shape or not torch.allclose(scaled, plain / divisors, rtol=1e-5):
         raise UserError(f"{where}: {_ROPE_FREQS} holds RoPE scaling other than Llama 3's; not supported")
     return scaling

@@ -81,11 +81,11 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 def _llama3_divisors(args: ModelArgs) -> np.ndarray:
     """``rope_freqs``: what Llama 3 scaling divides each base frequency by (1 .. factor)."""
-    from lmforge.models.layers.rope import rope_inv_freq
+    from lmforge.models.layers.rope import rope_frequencies
     import dataclasses
 
-    plain = rope_inv_freq(dataclasses.replace(args, rope_scaling=None), "cpu")
-    scaled = rope_inv_freq(args, "cpu")
+    plain = rope_frequencies(dataclasses.replace(args, rope_scaling=None).decoder_config().ropes["global"], "cpu")[0]
+    scaled = rope_frequencies(args.decoder_config().ropes["global"], "cpu")[0]
     return (plain / scaled).to(torch.float32).numpy()
 
 

@@ -28,6 +28,9 @@ from torch import Tensor, nn
 
 from lmforge.errors import UserError
 from lmforge.models.args import MODEL_SIZES, ModelArgs, model_args_for
+from lmforge.models.configs import (
+    AttentionConfig, BlockConfig, DecoderConfig, LatentAttentionConfig, MLPConfig, MoEConfig,
+)
 from lmforge.models.layers.attention import Attention
 from lmforge.models.layers.masks import document_mask, sliding_window_mask
 from lmforge.models.layers.mlp import FeedForward
@@ -48,6 +51,20 @@ OutputHead = Callable[[Tensor, Tensor], Any]
 """(final-normed hidden states [B, T, dim], output weight [vocab, dim]) -> anything: see ``Transformer.forward``."""
 
 
+def build_attention(cfg: AttentionConfig | LatentAttentionConfig) -> nn.Module:
+    """The attention module a block config names, chosen by the config's type."""
+    if isinstance(cfg, LatentAttentionConfig):
+        from lmforge.models.layers.latent_attention import LatentAttention
+
+        return LatentAttention(cfg)
+    return Attention(cfg)
+
+
+def build_feed_forward(cfg: MLPConfig | MoEConfig) -> nn.Module:
+    """The feed-forward module a block config names: a gated MLP or a mixture of experts."""
+    return MoEFeedForward(cfg) if isinstance(cfg, MoEConfig) else FeedForward(cfg)
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: ``h = x + attention(norm(x))``, then ``h + feed_forward(norm(h))``.
 
@@ -55,20 +72,37 @@ class TransformerBlock(nn.Module):
     residual stream: ``h = x + post_attention_norm(attention(norm(x)))``, and likewise for the MLP.
     """
 
-    def __init__(self, layer_idx: int, args: ModelArgs) -> None:
+    def __init__(self, layer_idx: int, cfg: BlockConfig) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.attention = Attention(args)
-        self.feed_forward: nn.Module
-        if args.is_moe_layer(layer_idx):
-            self.feed_forward = MoEFeedForward(args.dim, args.expert_ffn_dim, args.n_experts, args.n_experts_per_token,
-                                               args.moe_norm_topk, args.hidden_act)
-        else:
-            self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.hidden_act)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps, args.norm_unit_offset)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_unit_offset)
-        self.post_attention_norm = RMSNorm(args.dim, args.norm_eps, args.norm_unit_offset) if args.sandwich_norm else None
-        self.post_ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_unit_offset) if args.sandwich_norm else None
+        self.attention = build_attention(cfg.attention)
+        self.feed_forward = build_feed_forward(cfg.feed_forward)
+        self.attention_norm = RMSNorm(cfg.norm)
+        self.ffn_norm = RMSNorm(cfg.norm)
+        self.post_attention_norm = RMSNorm(cfg.norm) if cfg.sandwich_norm else None
+        self.post_ffn_norm = RMSNorm(cfg.norm) if cfg.sandwich_norm else None
+
+    @torch.no_grad()
+    def init_weights(self, std: float, resid_std: float, gen: torch.Generator | None) -> None:
+        """N(0, std) for the matrices that read the block's input, N(0, resid_std) for those that write
+        into the residual stream, identity norms, zero biases (and sinks, correction biases). Each
+        sublayer names its own matrices (``weight_groups``); every input matrix is drawn before any
+        output one, so a dense block draws in the order it always has."""
+        groups = [part.weight_groups() for part in (self.attention, self.feed_forward)]
+        inputs = [w for ins, _ in groups for w in ins]
+        outputs = [w for _, outs in groups for w in outs]
+        for w in inputs:
+            nn.init.normal_(w, 0.0, std, generator=gen)
+        for w in outputs:
+            nn.init.normal_(w, 0.0, resid_std, generator=gen)
+        drawn = {id(w) for w in inputs + outputs}
+        norms = [m for m in self.modules() if isinstance(m, RMSNorm)]
+        for norm in norms:
+            norm.reset_parameters()
+        normed = {id(n.weight) for n in norms}
+        for tensor in [*self.parameters(), *self.buffers()]:
+            if id(tensor) not in drawn and id(tensor) not in normed and tensor.is_floating_point():
+                tensor.zero_()
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | PackedLayout | None = None, is_causal: bool = True,
@@ -86,18 +120,24 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_unit_offset)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(args)
-        # Gemma 3's sliding layers rotate with their own base; None when every layer shares `rope`.
-        self.local_rope = RotaryEmbedding(args, local=True) if args.local_rope_theta is not None else None
-        # Per layer, decided once: (its sliding window, whether it uses the local RoPE).
-        self.layer_plan = [(args.layer_window(i), args.layer_uses_local_rope(i)) for i in range(args.n_layers)]
+        cfg: DecoderConfig = args.decoder_config()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(i, block) for i, block in enumerate(cfg.blocks))
+        self.norm = RMSNorm(cfg.norm)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # Every rotary table the blocks name (Gemma 3's local layers rotate with their own base).
+        self.ropes = nn.ModuleDict({name: RotaryEmbedding(rope) for name, rope in cfg.ropes.items()})
+        # Per layer, decided once: (its sliding window, the name of its rotary table).
+        self.layer_plan = [(b.attention.window, b.attention.rope) for b in cfg.blocks]
         # Set by lmforge.parallel.context_parallel.apply_cp: tokens are this rank's shard of longer rows.
         self.context_parallel: Any = None
         self.tie_weights()
+
+    @property
+    def rope(self) -> RotaryEmbedding:
+        """The rotary table of the global (full-attention) layers."""
+        return self.ropes["global"]  # type: ignore[return-value]
 
     def tie_weights(self) -> None:
         """Share the output projection with the embedding table when ``tie_embeddings``.
@@ -126,26 +166,8 @@ class Transformer(nn.Module):
         if self.tok_embeddings is not None:  # None (and layers, norm, output below): a pipeline stage's absent pieces
             nn.init.normal_(self.tok_embeddings.weight, 0.0, std, generator=gen)
         for layer in self.layers:
-            if layer is None:
-                continue
-            at, ff = layer.attention, layer.feed_forward
-            if isinstance(ff, MoEFeedForward):
-                inputs, outputs = (at.wq.weight, at.wk.weight, at.wv.weight, ff.router.weight, ff.experts.w1,
-                                   ff.experts.w3), (at.wo.weight, ff.experts.w2)
-            else:
-                inputs, outputs = (at.wq.weight, at.wk.weight, at.wv.weight, ff.w1.weight, ff.w3.weight), \
-                    (at.wo.weight, ff.w2.weight)
-            for w in inputs:
-                nn.init.normal_(w, 0.0, std, generator=gen)
-            for w in outputs:
-                nn.init.normal_(w, 0.0, resid_std, generator=gen)
-            for lin in (at.wq, at.wk, at.wv):
-                if lin.bias is not None:
-                    nn.init.zeros_(lin.bias)
-            for norm in (layer.attention_norm, layer.ffn_norm, layer.post_attention_norm, layer.post_ffn_norm,
-                         at.q_norm, at.k_norm):
-                if norm is not None:
-                    norm.reset_parameters()
+            if layer is not None:
+                layer.init_weights(std, resid_std, gen)
         if self.norm is not None:
             self.norm.reset_parameters()
         if not self.args.tie_embeddings and self.output is not None:
@@ -154,9 +176,8 @@ class Transformer(nn.Module):
 
     def rebuild_rope(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the RoPE tables, e.g. after building on the meta device."""
-        for rope in (self.rope, self.local_rope):
-            if rope is not None:
-                rope.rebuild(device)
+        for rope in self.ropes.values():
+            rope.rebuild(device)
 
     def hidden_states(
         self, tokens: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None,
@@ -170,9 +191,9 @@ class Transformer(nn.Module):
         T = tokens.shape[1] if position_ids is None else position_ids.shape[-1]
         cp = self.context_parallel if kv_cache is None else None
         full_len = T if cp is None else T * cp.size  # under context parallelism, the whole rows' length
-        if full_len > self.args.max_seq_len:
+        if full_len > self.config.max_seq_len:
             raise UserError(
-                f"sequence length {full_len} exceeds the model's max_seq_len {self.args.max_seq_len}; "
+                f"sequence length {full_len} exceeds the model's max_seq_len {self.config.max_seq_len}; "
                 "use shorter sequences or a larger max_seq_len"
             )
         start = 0 if kv_cache is None else kv_cache.pos
@@ -181,11 +202,9 @@ class Transformer(nn.Module):
         # A pipeline stage without the embedding (lmforge.parallel.pipeline) gets hidden states [B, T, dim].
         embedded = self.tok_embeddings is not None
         h = self.tok_embeddings(tokens) if embedded else tokens
-        if self.args.embed_scale and embedded:  # Gemma: the scale rounded to the activation dtype, as transformers does
-            h = h * torch.tensor(self.args.dim ** 0.5, dtype=h.dtype)
-        ropes = {False: self.rope(position_ids, h.dtype)}
-        if self.local_rope is not None:
-            ropes[True] = self.local_rope(position_ids, h.dtype)
+        if self.config.embed_scale and embedded:  # Gemma: the scale rounded to the activation dtype, as transformers does
+            h = h * torch.tensor(self.config.dim ** 0.5, dtype=h.dtype)
+        ropes = {name: rope(position_ids, h.dtype) for name, rope in self.ropes.items()}
         if kv_cache is not None and document_ids is not None:
             raise ValueError("document_ids cannot be combined with a kv_cache")
         if cp is not None:  # this rank's queries over the keys of the whole rows
@@ -195,10 +214,10 @@ class Transformer(nn.Module):
         attention = {window: self._attention_pattern(T, window, tokens.device, kv_cache, layout)
                      for window in {w for w, _ in self.layer_plan}}
 
-        for layer, (window, local) in zip(self.layers, self.layer_plan):
+        for layer, (window, rope) in zip(self.layers, self.layer_plan):
             if layer is None:  # owned by another pipeline stage
                 continue
-            h = layer(h, *ropes[local], *attention[window], kv_cache)
+            h = layer(h, *ropes[rope], *attention[window], kv_cache)
         if kv_cache is not None:
             kv_cache.advance(T)
         return self.norm(h) if self.norm is not None else h

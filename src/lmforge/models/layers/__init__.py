@@ -20,10 +20,10 @@ from lmforge.models.layers.masks import document_mask, sliding_window_mask
 from lmforge.models.layers.mlp import FeedForward
 from lmforge.models.layers.norm import RMSNorm, rms_norm
 from lmforge.models.layers.packed_attention import LengthGroup, PackedLayout, attend_packed, packed_layout
-from lmforge.models.layers.rope import RotaryEmbedding, apply_rope, rope_inv_freq
+from lmforge.models.layers.rope import RotaryEmbedding, apply_rope, rope_frequencies
 
 __all__ = [
     "Attention", "FeedForward", "KVCache", "LengthGroup", "PackedLayout", "RMSNorm", "RotaryEmbedding",
-    "apply_rope", "attend", "attend_packed", "document_mask", "packed_layout", "rms_norm", "rope_inv_freq",
+    "apply_rope", "attend", "attend_packed", "document_mask", "packed_layout", "rms_norm", "rope_frequencies",
     "sliding_window_mask",
 ]

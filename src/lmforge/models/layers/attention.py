@@ -9,12 +9,14 @@ document instead.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lmforge.models.args import ModelArgs
+from lmforge.models.configs import AttentionConfig
 from lmforge.models.layers.causal_attention import causal_attention
 from lmforge.models.layers.context_attention import ContextParallelLayout, attend_context_parallel
 from lmforge.models.layers.norm import RMSNorm
@@ -29,23 +31,32 @@ __all__ = ["Attention", "attend"]
 
 
 class Attention(nn.Module):
-    """q/k/v/o projections (optional q/k/v bias: Qwen2), optional q/k RMSNorm (per head: Qwen3, Gemma;
-    over the whole projection: OLMoE), RoPE, SDPA with the family's softmax scale (Gemma's
-    ``query_pre_attn_scalar``)."""
+    """q/k/v/o projections (optional q/k/v bias: Qwen2; output bias: gpt-oss), optional q/k RMSNorm (per
+    head: Qwen3, Gemma; over the whole projection: OLMoE), RoPE, SDPA with the family's softmax scale
+    (Gemma's ``query_pre_attn_scalar``) and optional per-head sinks (gpt-oss)."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, cfg: AttentionConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
-        self.scale = args.attn_scale
-        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=args.qkv_bias)
-        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
-        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
-        self.norm_per_head = args.qk_norm_per_head
-        q_dim, k_dim = (self.head_dim, self.head_dim) if self.norm_per_head else (
-            self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim)
-        self.q_norm = RMSNorm(q_dim, args.norm_eps, args.norm_unit_offset) if args.qk_norm else None
-        self.k_norm = RMSNorm(k_dim, args.norm_eps, args.norm_unit_offset) if args.qk_norm else None
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.scale = cfg.scale
+        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=cfg.out_bias)
+        self.norm_per_head = cfg.qk_norm != "projection"
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm is not None:
+            if cfg.norm is None:
+                raise ValueError("AttentionConfig.qk_norm needs AttentionConfig.norm (its eps and convention)")
+            q_dim, k_dim = (self.head_dim, self.head_dim) if self.norm_per_head else (
+                self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim)
+            self.q_norm = RMSNorm(replace(cfg.norm, dim=q_dim))
+            self.k_norm = RMSNorm(replace(cfg.norm, dim=k_dim))
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if cfg.sinks else None
+
+    def weight_groups(self) -> tuple[list[Tensor], list[Tensor]]:
+        """(matrices reading the block's input, matrices writing the residual stream), for the init."""
+        return [self.wq.weight, self.wk.weight, self.wv.weight], [self.wo.weight]
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | PackedLayout | None, is_causal: bool,

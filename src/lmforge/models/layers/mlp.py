@@ -1,4 +1,5 @@
-"""The feed-forward block: a gated MLP, SwiGLU (Llama, Qwen, Mistral) or GeGLU (Gemma).
+"""The feed-forward block: a gated MLP, SwiGLU (Llama, Qwen, Mistral), GeGLU (Gemma) or gpt-oss's clamped
+SwiGLU, with optional biases (gpt-oss).
 
 The gated product ``act(g) * u`` is one autograd node (:func:`gated_activation`) that keeps only its
 two inputs for the backward and recomputes ``act(g)`` there. Eager autograd of the same expression
@@ -17,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["FeedForward", "activation", "gated_activation"]
+from lmforge.models.configs import MLPConfig
+
+__all__ = ["FeedForward", "activation", "clamped_swiglu", "gated_activation", "gated_unit"]
 
 
 def _gelu_tanh(x: Tensor) -> Tensor:
@@ -73,17 +76,45 @@ def gated_activation(g: Tensor, u: Tensor, name: str) -> Tensor:
     return _ACTIVATIONS[name](g) * u
 
 
+def clamped_swiglu(g: Tensor, u: Tensor, limit: float, alpha: float) -> Tensor:
+    """gpt-oss's gated unit: the gate clamped above and the up projection on both sides at ``limit``,
+    then ``(u + 1) * g * sigmoid(alpha * g)`` (plain autograd: its clamps keep more than the lean node)."""
+    g = g.clamp(max=limit)
+    u = u.clamp(min=-limit, max=limit)
+    return (u + 1) * (g * torch.sigmoid(g * alpha))
+
+
+def gated_unit(g: Tensor, u: Tensor, cfg: MLPConfig) -> Tensor:
+    """The gated product of an MLP config's activation (SwiGLU, GeGLU or the clamped SwiGLU)."""
+    if cfg.activation == "clamped_swiglu":
+        return clamped_swiglu(g, u, float(cfg.limit), float(cfg.alpha))
+    return gated_activation(g, u, cfg.activation)
+
+
+def check_activation(cfg: MLPConfig) -> None:
+    """Fail at build time on an activation name no kernel here knows."""
+    if cfg.activation == "clamped_swiglu":
+        if cfg.limit is None or cfg.alpha is None:
+            raise ValueError("MLPConfig: clamped_swiglu needs limit and alpha")
+    else:
+        activation(cfg.activation)
+
+
 class FeedForward(nn.Module):
     """Gated MLP: ``w2(act(w1 x) * w3 x)`` (w1 = gate, w3 = up, w2 = down); the gated product
     through :func:`gated_activation` (saves three hidden-size tensors per token, not four)."""
 
-    def __init__(self, dim: int, hidden_dim: int, hidden_act: str = "silu") -> None:
+    def __init__(self, cfg: MLPConfig) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-        activation(hidden_act)  # an unknown name fails here, at build time
-        self.hidden_act = hidden_act
+        self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=cfg.bias)
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=cfg.bias)
+        self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=cfg.bias)
+        check_activation(cfg)
+        self.cfg = cfg
+
+    def weight_groups(self) -> tuple[list[Tensor], list[Tensor]]:
+        """(matrices reading the block's input, matrices writing the residual stream), for the init."""
+        return [self.w1.weight, self.w3.weight], [self.w2.weight]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(gated_activation(self.w1(x), self.w3(x), self.hidden_act))
+        return self.w2(gated_unit(self.w1(x), self.w3(x), self.cfg))

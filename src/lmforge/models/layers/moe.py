@@ -1,9 +1,12 @@
 """Mixture-of-experts feed-forward: a top-k router over gated-MLP experts, run as grouped matmuls.
 
 Routing is dropless (every token reaches its ``k`` experts; no capacity limit, so no token is ever
-skipped and the result does not depend on the batch): router logits in the activation dtype,
-probabilities by a softmax in fp32, the top ``k`` kept and, where the family does (Mixtral,
-Qwen3-MoE with ``norm_topk_prob``), renormalised to sum to one (OLMoE keeps them as they are).
+skipped and the result does not depend on the batch). The rule is the :class:`Router`'s config:
+a softmax over the logits, top ``k`` kept and, where the family does (Mixtral, Qwen3-MoE with
+``norm_topk_prob``), renormalised (OLMoE keeps them as they are); DeepSeek-V3's sigmoid affinities
+with group-limited choice, a correction bias that steers the choice only, and a routed scaling
+factor; or gpt-oss's softmax over the top-k logits. Logits come in the activation dtype, the rest
+is computed in fp32.
 
 Dispatch sorts the ``N * k`` (token, expert) slots by expert, so each expert's tokens form one
 contiguous run; one grouped matmul per projection (``torch.nn.functional.grouped_mm``) multiplies
@@ -34,9 +37,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lmforge.models.layers.mlp import activation, gated_activation
+from lmforge.models.configs import MLPConfig, MoEConfig, RouterConfig
+from lmforge.models.layers.mlp import FeedForward, check_activation, gated_unit
 
-__all__ = ["GroupedExperts", "MoEFeedForward", "RouterLosses", "RoutingStats", "router_losses"]
+__all__ = ["GroupedExperts", "MoEFeedForward", "Router", "RouterLosses", "RoutingStats", "balance_correction_bias",
+           "router_losses"]
 
 
 @dataclass
@@ -61,26 +66,35 @@ def _contiguous_grad(t: Tensor) -> Tensor:
 
 
 class GroupedExperts(nn.Module):
-    """``E`` gated MLPs stored as 3-D weights: ``w1``/``w3`` [E, hidden, dim] (gate/up), ``w2`` [E, dim, hidden].
-    The gated product goes through :func:`~lmforge.models.layers.mlp.gated_activation` as in the dense MLP
-    (three hidden-size tensors saved per routed row, not four)."""
+    """``E`` gated MLPs stored as 3-D weights: ``w1``/``w3`` [E, hidden, dim] (gate/up), ``w2`` [E, dim, hidden],
+    and with ``MLPConfig.bias`` (gpt-oss) biases ``b1``/``b3`` [E, hidden] and ``b2`` [E, dim]. The gated
+    product goes through :func:`~lmforge.models.layers.mlp.gated_unit` as in the dense MLP."""
 
-    def __init__(self, n_experts: int, dim: int, hidden_dim: int, hidden_act: str = "silu") -> None:
+    def __init__(self, n_experts: int, cfg: MLPConfig) -> None:
         super().__init__()
+        dim, hidden_dim = cfg.dim, cfg.hidden_dim
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
-        activation(hidden_act)  # an unknown name fails here, at build time
-        self.hidden_act = hidden_act
+        self.b1 = self.b2 = self.b3 = None
+        if cfg.bias:
+            self.b1 = nn.Parameter(torch.zeros(n_experts, hidden_dim))
+            self.b2 = nn.Parameter(torch.zeros(n_experts, dim))
+            self.b3 = nn.Parameter(torch.zeros(n_experts, hidden_dim))
+        check_activation(cfg)  # an unknown name fails here, at build time
+        self.cfg = cfg
         self.reset_parameters()
         self.impl = "auto"
         """``grouped`` (one grouped matmul per projection), ``loop`` (one matmul per expert) or ``auto``."""
 
     def reset_parameters(self) -> None:
-        """Each expert's matrices initialised as ``nn.Linear`` initialises its weight."""
+        """Each expert's matrices initialised as ``nn.Linear`` initialises its weight; biases zero."""
         for w in (self.w1, self.w2, self.w3):
             for e in range(w.shape[0]):
                 nn.init.kaiming_uniform_(w[e], a=5 ** 0.5)
+        for b in (self.b1, self.b2, self.b3):
+            if b is not None:
+                nn.init.zeros_(b)
 
     def uses_grouped_kernel(self, x: Tensor) -> bool:
         if self.impl != "auto":
@@ -91,45 +105,112 @@ class GroupedExperts(nn.Module):
         """Rows of ``x`` [S, dim] sorted by expert, ``counts`` [E] rows per expert -> [S, dim].
         Weights sharded over expert-parallel ranks compute with this rank's experts (``counts`` then
         has one entry per local expert)."""
-        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        b1, b2, b3 = (None if b is None else _local(b) for b in (self.b1, self.b2, self.b3))
         if self.uses_grouped_kernel(x):
             offs = torch.cumsum(counts, 0).to(torch.int32)
+            # each row's expert, for the biases: no host sync with output_size given
+            expert_of = None if b1 is None else torch.repeat_interleave(
+                torch.arange(counts.shape[0], device=x.device), counts, output_size=x.shape[0])
 
-            def mm(a: Tensor, w: Tensor) -> Tensor:
-                return _contiguous_grad(F.grouped_mm(a, w.transpose(-2, -1), offs=offs))
+            def mm(a: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+                out = _contiguous_grad(F.grouped_mm(a, w.transpose(-2, -1), offs=offs))
+                return out if b is None else out + b.index_select(0, expert_of).to(out.dtype)
 
-            return mm(gated_activation(mm(x, w1), mm(x, w3), self.hidden_act), w2)
+            return mm(gated_unit(mm(x, w1, b1), mm(x, w3, b3), self.cfg), w2, b2)
         # unbind (not w[e]): autograd then stacks the experts' gradients once, instead of adding one
         # full-size zero gradient of the 3-D weight per expert; every expert, even one that got no
         # token, stays in the graph, so DDP sees a gradient for each.
-        outs = [F.linear(gated_activation(F.linear(rows, w1), F.linear(rows, w3), self.hidden_act), w2)
-                for rows, w1, w2, w3 in zip(x.split(counts.tolist()), w1.unbind(0), w2.unbind(0),
-                                            w3.unbind(0)) if rows.shape[0]]
+        n = w1.shape[0]
+        biases = [(None, None, None)] * n if b1 is None else list(zip(b1.unbind(0), b2.unbind(0), b3.unbind(0)))
+        outs = [F.linear(gated_unit(F.linear(rows, e1, c1), F.linear(rows, e3, c3), self.cfg), e2, c2)
+                for rows, e1, e2, e3, (c1, c2, c3) in zip(x.split(counts.tolist()), w1.unbind(0), w2.unbind(0),
+                                                          w3.unbind(0), biases) if rows.shape[0]]
         return torch.cat(outs)
 
 
-class MoEFeedForward(nn.Module):
-    """Router (``router.weight`` [E, dim]) plus :class:`GroupedExperts`; a drop-in for the dense MLP."""
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
-    def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int, norm_topk: bool,
-                 hidden_act: str = "silu") -> None:
+
+class Router(nn.Linear):
+    """The router's linear layer (``weight`` [E, dim], ``bias`` [E] where the family has one) and the
+    routing rule of its :class:`RouterConfig`: which ``top_k`` experts a token goes to, with what weights.
+
+    ``correction_bias`` (DeepSeek-V3's ``e_score_correction_bias``, a persistent buffer: checkpointed, never
+    trained by gradient) shifts the scores used to *choose* experts, not the weights; it is balanced after
+    each optimizer step (:func:`balance_correction_bias`)."""
+
+    def __init__(self, dim: int, cfg: RouterConfig) -> None:
+        super().__init__(dim, cfg.n_experts, bias=cfg.bias)
+        if cfg.n_experts % cfg.n_groups or not 1 <= cfg.topk_groups <= cfg.n_groups:
+            raise ValueError(f"RouterConfig: {cfg.n_experts} experts do not split into {cfg.n_groups} groups "
+                             f"with topk_groups={cfg.topk_groups}")
+        self.cfg = cfg
+        if cfg.correction_bias:
+            self.register_buffer("correction_bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
+        else:
+            self.correction_bias = None
+
+    def route(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(weights [N, k] fp32, chosen experts [N, k], probabilities [N, E] fp32 for the balancing terms,
+        logits [N, E] fp32) for tokens ``flat`` [N, dim]."""
+        cfg = self.cfg
+        logits = self(flat).float()
+        if cfg.scoring == "topk_softmax":  # gpt-oss: the k best logits, then a softmax over those k
+            top, chosen = torch.topk(logits, cfg.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), chosen, torch.softmax(logits, dim=-1), logits
+        if cfg.scoring == "softmax":
+            probs = scores = torch.softmax(logits, dim=-1)
+        else:  # sigmoid (DeepSeek-V3): independent affinities; their normalised form feeds the balancing terms
+            scores = torch.sigmoid(logits)
+            probs = scores / scores.sum(-1, keepdim=True)
+        choice = scores if self.correction_bias is None else scores + self.correction_bias
+        if cfg.n_groups > 1:  # keep the topk_groups groups whose two best scores sum highest
+            grouped = choice.view(-1, cfg.n_groups, cfg.n_experts // cfg.n_groups)
+            best = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(-1)
+            keep = torch.zeros_like(best).scatter_(1, best.topk(cfg.topk_groups, dim=-1)[1], 1.0).bool()
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(-1, cfg.n_experts)
+        if choice is scores:
+            weights, chosen = torch.topk(scores, cfg.top_k, dim=-1)
+        else:
+            chosen = torch.topk(choice, cfg.top_k, dim=-1)[1]
+            weights = scores.gather(1, chosen)
+        if cfg.norm_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if cfg.scoring == "sigmoid" else 0.0))
+        if cfg.scaling != 1.0:
+            weights = weights * cfg.scaling
+        return weights, chosen, probs, logits
+
+
+class MoEFeedForward(nn.Module):
+    """A :class:`Router` plus :class:`GroupedExperts` (and DeepSeek's always-on ``shared_experts`` MLP where
+    the config has one); a drop-in for the dense MLP."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
-        self.n_experts, self.top_k, self.norm_topk = n_experts, top_k, norm_topk
-        self.router = nn.Linear(dim, n_experts, bias=False)
-        self.experts = GroupedExperts(n_experts, dim, hidden_dim, hidden_act)
+        self.cfg = cfg
+        self.n_experts, self.top_k = cfg.router.n_experts, cfg.router.top_k
+        self.router = Router(cfg.dim, cfg.router)
+        self.experts = GroupedExperts(cfg.router.n_experts, cfg.expert)
+        self.shared_experts = FeedForward(cfg.shared) if cfg.shared is not None else None
         self.last_routing: RoutingStats | None = None
         self.expert_parallel: Callable[[GroupedExperts, Tensor, Tensor], Tensor] | None = None
         """Set by :func:`lmforge.parallel.expert_parallel.apply_ep`: runs the experts on sorted slots
         (same signature and result as ``experts(x, counts)``) with each run on the rank owning its expert."""
 
+    def weight_groups(self) -> tuple[list[Tensor], list[Tensor]]:
+        """(matrices reading the block's input, matrices writing the residual stream), for the init."""
+        ins, outs = [self.router.weight, self.experts.w1, self.experts.w3], [self.experts.w2]
+        if self.shared_experts is not None:
+            s_in, s_out = self.shared_experts.weight_groups()
+            ins, outs = ins + s_in, outs + s_out
+        return ins, outs
+
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        logits = self.router(flat)
-        probs = torch.softmax(logits.float(), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, chosen, probs, logits = self.router.route(flat)
         slots = chosen.reshape(-1)
         order = torch.argsort(slots, stable=True)
         counts = torch.bincount(slots, minlength=self.n_experts)
@@ -141,9 +222,25 @@ class MoEFeedForward(nn.Module):
             out = self.expert_parallel(self.experts, rows, counts)
         out = out * weights.reshape(-1, 1).index_select(0, order).to(out.dtype)
         combined = torch.zeros_like(flat).index_add_(0, token_of, out.to(flat.dtype))
-        self.last_routing = RoutingStats(probs.sum(0), counts.float(), torch.logsumexp(logits.float(), -1).pow(2).sum(),
+        if self.shared_experts is not None:
+            combined = combined + self.shared_experts(flat)
+        self.last_routing = RoutingStats(probs.sum(0), counts.float(), torch.logsumexp(logits, -1).pow(2).sum(),
                                          flat.shape[0])
         return combined.view(shape)
+
+
+@torch.no_grad()
+def balance_correction_bias(model: nn.Module, expert_load: Tensor, rate: float) -> None:
+    """Auxiliary-loss-free load balancing (DeepSeek-V3, arXiv 2412.19437 section 2.1.2): after an optimizer
+    step, each router's ``correction_bias`` moves by ``rate`` towards balance, up for experts that got fewer
+    than the mean number of slots, down for those that got more. ``expert_load`` [n_moe_layers, E] is the
+    step's slot count per expert summed over microbatches and ranks (identical on every rank, so every
+    rank's biases stay identical)."""
+    routers = [m.router for m in model.modules() if isinstance(m, MoEFeedForward)]
+    with_bias = [(r, load) for r, load in zip(routers, expert_load) if r.correction_bias is not None]
+    for router, load in with_bias:
+        load = load.to(router.correction_bias.device, torch.float32)
+        router.correction_bias.add_(rate * torch.sign(load.mean() - load))
 
 
 @dataclass

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lmforge.models.configs import NormConfig
+
 __all__ = ["RMSNorm", "rms_norm", "unit_offset_rms_norm"]
 
 _FP32, _LOW, _UNIT_OFFSET = "fp32", "low", "unit_offset"
@@ -34,11 +36,13 @@ the device's fused kernel where it has one)."""
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5, unit_offset: bool = False) -> None:
+    """RMSNorm over the last dimension, in the convention its :class:`NormConfig` names."""
+
+    def __init__(self, cfg: NormConfig) -> None:
         super().__init__()
-        self.eps = eps
-        self.unit_offset = unit_offset
-        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self.eps = cfg.eps
+        self.unit_offset = cfg.unit_offset
+        self.weight = nn.Parameter(torch.zeros(cfg.dim) if cfg.unit_offset else torch.ones(cfg.dim))
 
     def reset_parameters(self) -> None:
         """The identity scale: weight 1, or 0 under ``unit_offset``."""

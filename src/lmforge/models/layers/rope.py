@@ -1,5 +1,5 @@
-"""Rotary position embeddings in the Hugging Face ``rotate_half`` layout, with the frequency schemes
-``ModelArgs.rope_scaling`` names (default, Llama 3.1's ``llama3``, ``linear``).
+"""Rotary position embeddings in the Hugging Face ``rotate_half`` layout, with the frequency schemes a
+:class:`~lmforge.models.configs.RopeConfig` names (default, ``linear``, Llama 3.1's ``llama3``, ``yarn``).
 
 Using Hugging Face's layout (not Meta's interleaved one) is what lets Hugging Face checkpoints load
 by renaming tensors alone, with no permutation of the q/k projections.
@@ -8,29 +8,67 @@ by renaming tensors alone, with no permutation of the q/k projections.
 from __future__ import annotations
 
 import math
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor, nn
 
-from lmforge.models.args import ModelArgs
+from lmforge.models.configs import RopeConfig
 
-__all__ = ["RotaryEmbedding", "apply_rope", "rope_inv_freq"]
+__all__ = ["ROPE_TYPES", "RotaryEmbedding", "apply_rope", "rope_frequencies", "yarn_mscale"]
+
+ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+"""Frequency schemes computed once from the config (no run-time state)."""
 
 
-def rope_inv_freq(args: ModelArgs, device: torch.device | str | None, local: bool = False) -> Tensor:
-    """Inverse frequencies [head_dim / 2] of ``args``' RoPE, after its ``rope_scaling`` (if any).
+def rope_kind(scaling: Mapping[str, Any] | None) -> str:
+    """The scheme a Hugging Face ``rope_scaling`` dict names (``default`` for None)."""
+    return "default" if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
 
-    ``local``: the sliding layers' RoPE (``local_rope_theta``, never scaled), as Gemma 3 has.
-    """
-    hd = args.head_dim
-    theta = args.local_rope_theta if local and args.local_rope_theta is not None else args.rope_theta
-    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
-    sc = None if local else args.rope_scaling
-    kind = None if sc is None else sc.get("rope_type", sc.get("type"))
-    if kind is None or kind == "default":
-        return inv
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature ``0.1 * mscale * ln(factor) + 1`` (1 for ``factor <= 1``)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(inv: Tensor, cfg: RopeConfig, sc: Mapping[str, Any]) -> tuple[Tensor, float]:
+    """YaRN (arXiv 2309.00071): frequencies that rotate more than ``beta_fast`` times over the original
+    context keep their value, those under ``beta_slow`` are slowed by ``factor``, a linear ramp between;
+    cos and sin are scaled by the attention factor (``mscale`` / ``mscale_all_dim`` as DeepSeek sets them)."""
+    old_ctx = float(sc["original_max_position_embeddings"])
+    factor = float(sc.get("factor") or cfg.max_seq_len / old_ctx)
+    attention = sc.get("attention_factor")
+    if attention is None:
+        m, m_all = sc.get("mscale"), sc.get("mscale_all_dim")
+        attention = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
+    dim, base = cfg.dim, cfg.theta
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(sc.get("beta_fast") or 32), correction_dim(sc.get("beta_slow") or 1)
+    if sc.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(inv.device)
+    keep = 1 - ramp
+    return inv / factor * (1 - keep) + inv * keep, float(attention)
+
+
+def rope_frequencies(cfg: RopeConfig, device: torch.device | str | None) -> tuple[Tensor, float]:
+    """(inverse frequencies [dim / 2], the factor cos and sin are scaled by) of one rotary table."""
+    hd = cfg.dim
+    inv = 1.0 / (cfg.theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
+    sc = cfg.scaling
+    kind = rope_kind(sc)
+    if kind == "default":
+        return inv, 1.0
     if kind == "linear":  # positions divided by `factor`, i.e. every frequency slowed down
-        return inv / float(sc["factor"])
+        return inv / float(sc["factor"]), 1.0
+    if kind == "yarn":
+        return _yarn(inv, cfg, sc)
     # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, and the band
     # in between interpolated smoothly.
     factor = float(sc["factor"])
@@ -41,7 +79,7 @@ def rope_inv_freq(args: ModelArgs, device: torch.device | str | None, local: boo
     smooth = (old_ctx / wavelen - low) / (high - low)
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
-    return torch.where(medium, blended, scaled)
+    return torch.where(medium, blended, scaled), 1.0
 
 
 class RotaryEmbedding(nn.Module):
@@ -51,10 +89,9 @@ class RotaryEmbedding(nn.Module):
     that ``model.to(torch.bfloat16)`` does not round them: they are rebuilt in fp32 instead.
     """
 
-    def __init__(self, args: ModelArgs, local: bool = False) -> None:
+    def __init__(self, cfg: RopeConfig) -> None:
         super().__init__()
-        self.args = args
-        self.local = local
+        self.cfg = cfg
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.rebuild()
@@ -63,20 +100,22 @@ class RotaryEmbedding(nn.Module):
         """(Re)compute the tables, e.g. after ``to_empty`` from the meta device."""
         device = self.cos.device if device is None else device
         if torch.device(device).type == "meta":
-            shape = (self.args.max_seq_len, self.args.head_dim)
+            shape = (self.cfg.max_seq_len, self.cfg.dim)
             self.cos = torch.empty(shape, device="meta")
             self.sin = torch.empty(shape, device="meta")
             return
-        inv = rope_inv_freq(self.args, device, self.local)
-        pos = torch.arange(self.args.max_seq_len, device=device, dtype=torch.float32)
+        inv, attention_factor = rope_frequencies(self.cfg, device)
+        pos = torch.arange(self.cfg.max_seq_len, device=device, dtype=torch.float32)
         freqs = torch.outer(pos, inv)
         emb = torch.cat([freqs, freqs], dim=-1)
         # sin carries rotate_half's sign (first half negated), so applying RoPE needs only
         # a roll of x instead of split + negate + concat: x*cos + roll(x, hd/2)*sin.
         half = emb.shape[-1] // 2
-        sin = emb.sin()
+        cos, sin = emb.cos(), emb.sin()
+        if attention_factor != 1.0:  # YaRN: as transformers, scaled in fp32 before the cast
+            cos, sin = cos * attention_factor, sin * attention_factor
         sin[:, :half].neg_()
-        self.cos, self.sin = emb.cos(), sin
+        self.cos, self.sin = cos, sin
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         super()._apply(fn, recurse)
