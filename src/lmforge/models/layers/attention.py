@@ -76,7 +76,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(layer_idx, k, v)
-        out = attend(q, k, v, mask, is_causal, enable_gqa=self.n_kv_heads != self.n_heads, scale=self.scale)
+        out = attend(q, k, v, mask, is_causal, enable_gqa=self.n_kv_heads != self.n_heads, scale=self.scale,
+                     sinks=self.sinks)
         return self.wo(out.reshape(B, T, -1))
 
 
