@@ -129,7 +129,7 @@ def test_config_round_trip_and_defaults():
 @pytest.mark.parametrize("change,message", [
     ({"attention_bias": False}, "attention_bias=false"),
     ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quant_method 'bitsandbytes'"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope type 'llama3'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 8.0}}, "rope type .dynamic."),
     ({"layer_types": ["chunked_attention"] * 4}, "layer_types"),
 ])
 def test_refused_in_one_line(change, message):

@@ -5,7 +5,7 @@ Read: the transformers 5 layout (``rope_parameters`` holding ``rope_theta``) and
 (``rope_theta`` + ``rope_scaling``, and OpenAI's own spellings ``experts_per_token`` / ``num_experts``);
 ``quantization_config`` with ``quant_method`` ``mxfp4`` is accepted (the expert weights are dequantized on
 load). Refused, each in one line naming the file and the key: ``attention_bias`` false, other quantization
-methods, RoPE other than YaRN or the default, layer types other than sliding/full, a per-layer MLP.
+methods, RoPE schemes lmforge lacks, layer types other than sliding/full, sliding layers without a window.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from lmforge.errors import UserError
-from lmforge.models.args import ModelArgs
+from lmforge.models.args import ROPE_TYPES, ModelArgs
 from lmforge.models.gpt_oss.args import YARN_DEFAULTS, GptOssArgs, alternating_layer_types
 
 __all__ = ["ARCHITECTURE", "MODEL_TYPE", "args_from_hf", "check_exportable", "hf_config"]
@@ -37,8 +37,8 @@ def _rope(cfg: Mapping[str, Any], where: str) -> tuple[float, dict[str, Any] | N
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return theta, None
-    if kind != "yarn":
-        raise UserError(f"{where}: rope type {kind!r} is not supported for gpt_oss (yarn or default)")
+    if kind not in ROPE_TYPES:
+        raise UserError(f"{where}: rope type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
     if "type" in scaling:
         scaling["rope_type"] = scaling.pop("type")
     return theta, scaling
@@ -105,9 +105,6 @@ def check_exportable(args: ModelArgs) -> None:
             raise refuse(f"it needs {key}={need}")
     if args.moe_ffn_dim is not None and args.moe_ffn_dim != args.ffn_dim:
         raise refuse("its experts' hidden size is intermediate_size (moe_ffn_dim must be unset)")
-    scaling = args.rope_scaling
-    if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "yarn":
-        raise refuse("its RoPE is yarn or default")
 
 
 def hf_config(args: ModelArgs, *, torch_dtype: str, bos_token_id: int | None = None,
