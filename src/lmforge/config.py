@@ -253,8 +253,9 @@ class LoraSection(Section):
     alpha: float = Field(16.0, gt=0)
     """Scale of the adapter's output: alpha / rank."""
     dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
-    """lmforge module names (``wq wk wv wo`` attention, ``w1 w2 w3`` MLP)."""
+    target_modules: list[str] | None = None
+    """The model's module names to adapt (its family's LoRA targets: ``lmforge.models.spec.ModelSpec.lora_targets``;
+    for the gated decoders ``wq wk wv wo`` attention, ``w1 w2 w3`` MLP); none: all of them."""
     quantize: Literal["none", "nf4"] = "none"
     """``nf4``: QLoRA, the frozen base's attention and MLP projections held as 4-bit NormalFloat
     (bitsandbytes: ``pip install 'lmforge[quant]'``); see docs/lora.md."""

@@ -182,15 +182,16 @@ def write_peft_adapter(model: Transformer, lora: dict, base_name: str, out: Path
     from safetensors.torch import save_file
 
     from lmforge.models.hf import hf_module_name
-    from lmforge.models.lora import TARGET_PATHS, adapter_weights
+    from lmforge.models.lora import adapter_weights
+    from lmforge.models.spec import lora_targets_for
 
     tensors = {}
     for name, (a, b) in adapter_weights(model).items():
         hf = f"base_model.model.{hf_module_name(name, model.args)}"
         tensors[f"{hf}.lora_A.weight"] = a.detach().float().contiguous().cpu()
         tensors[f"{hf}.lora_B.weight"] = b.detach().float().contiguous().cpu()
-    targets = sorted(hf_module_name(f"layers.0.{TARGET_PATHS[t]}", model.args).rpartition(".")[2]
-                     for t in lora["target_modules"])
+    targets = sorted(hf_module_name(f"layers.0.{path}", model.args).rpartition(".")[2]
+                     for path in lora_targets_for(model.args, lora["target_modules"]).values())
     config = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"], target_modules=targets,
                         bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_name, revision=revision)
     config.save_pretrained(str(out))

@@ -52,7 +52,7 @@ def sample_texts(model: Transformer, tokenizer: Tokenizer, prompts: list[str], *
 
     A row stops at any of the tokenizer's stop tokens (:func:`lmforge.data.chat.stop_token_ids`).
     """
-    device = model.tok_embeddings.weight.device
+    device = next(model.parameters()).device
     stops = stop_token_ids(tokenizer)
     gen = torch.Generator(device=device).manual_seed(seed)
     ids = _prompt_ids(tokenizer, prompts, chat)

@@ -98,7 +98,7 @@ class LMForgeLM(TemplateLM):  # type: ignore[misc,valid-type]
 
     @property
     def device(self) -> torch.device:
-        return self.model.tok_embeddings.weight.device
+        return next(self.model.parameters()).device
 
     @property
     def tokenizer_name(self) -> str:

@@ -45,7 +45,7 @@ def task_accuracy(model: Transformer, tokenizer: Tokenizer, examples: Sequence[T
     per_rank = math.ceil(len(examples) / world_size)
     mine = list(range(rank * per_rank, min((rank + 1) * per_rank, len(examples))))
     padded = mine + [mine[-1] if mine else 0] * (per_rank - len(mine))  # repeats, not counted
-    stops, device = stop_token_ids(tokenizer), model.tok_embeddings.weight.device
+    stops, device = stop_token_ids(tokenizer), next(model.parameters()).device
     tasks = ["all", *sorted({e.task for e in examples})]
     counts = torch.zeros(2, len(tasks), dtype=torch.float64)
     for lo in range(0, per_rank, batch_size):

@@ -176,7 +176,12 @@ class ModelArgs:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelArgs:
-        """Inverse of ``to_dict``; keys added after a checkpoint was written take their defaults."""
+        """Inverse of ``to_dict``; keys added after a checkpoint was written take their defaults.
+
+        Called on ``ModelArgs`` itself, it builds the argument class of the family ``hf_model_type`` names
+        (a family with modules of its own registers a subclass: :func:`register_args_class`)."""
+        if cls is ModelArgs:
+            cls = _ARGS_CLASSES.get(d.get("hf_model_type", "llama"), ModelArgs)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -255,6 +260,23 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
         n_experts_per_token=8, moe_norm_topk=False, router_aux_loss_coef=0.01, hf_model_type="olmoe",
     ),
 }
+
+
+_ARGS_CLASSES: dict[str, type[ModelArgs]] = {}
+
+
+def register_args_class(model_type: str, cls: type[ModelArgs]) -> None:
+    """Make ``ModelArgs.from_dict`` build ``cls`` for checkpoints of ``model_type`` (a family's own fields)."""
+    if cls is not ModelArgs:
+        _ARGS_CLASSES[model_type] = cls
+
+
+def register_sizes(sizes: dict[str, dict[str, Any]]) -> None:
+    """Add a family's named sizes (each a ``ModelArgs`` field dict with its ``hf_model_type``)."""
+    clash = sorted(set(sizes) & set(MODEL_SIZES))
+    if clash:
+        raise ValueError(f"model size(s) {clash} already registered")
+    MODEL_SIZES.update(sizes)
 
 
 def model_args_for(size: str, vocab_size: int, **overrides: Any) -> ModelArgs:

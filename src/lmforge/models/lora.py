@@ -28,10 +28,6 @@ from lmforge.errors import UserError
 if TYPE_CHECKING:  # pragma: no cover
     from lmforge.config import LoraSection
 
-TARGET_PATHS = {"wq": "attention.wq", "wk": "attention.wk", "wv": "attention.wv", "wo": "attention.wo",
-                "w1": "feed_forward.w1", "w2": "feed_forward.w2", "w3": "feed_forward.w3"}
-"""lmforge's linear layers that can carry adapters (attention and MLP projections), by short name."""
-LORA_TARGETS = tuple(TARGET_PATHS)
 
 
 def require_peft() -> Any:
@@ -63,18 +59,18 @@ def apply_lora(model: nn.Module, lora: "LoraSection", device: torch.device | Non
     ``device`` (QLoRA, lmforge.models.qlora).
     """
     peft = require_peft()
-    unknown = sorted(set(lora.target_modules) - set(LORA_TARGETS))
-    if unknown:
-        raise UserError(f"lora.target_modules: unknown module(s) {unknown}; choose from {', '.join(LORA_TARGETS)}")
     from lmforge.models.layers.moe import GroupedExperts
+    from lmforge.models.spec import lora_targets_for
 
-    experts = [f"experts.{t}" for t in lora.target_modules if t in ("w1", "w2", "w3")]
+    targets = lora_targets_for(model.args, lora.target_modules)
+    # stacked experts carry parameter adapters under the MLP's names (their w1/w2/w3)
+    experts = [f"experts.{p.rpartition('.')[2]}" for p in targets.values() if p.startswith("feed_forward.")]
     if not any(isinstance(m, GroupedExperts) for m in model.modules()):
         experts = []
     elif lora.dropout:
         raise UserError("lora.dropout must be 0 for a mixture of experts (peft's expert adapters have no dropout)")
     config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                             target_modules=list(lora.target_modules), target_parameters=experts or None, bias="none")
+                             target_modules=list(targets), target_parameters=experts or None, bias="none")
     model.requires_grad_(False)
     if lora.quantize == "nf4":
         from lmforge.models.qlora import quantize_base

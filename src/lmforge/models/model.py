@@ -65,6 +65,31 @@ def build_feed_forward(cfg: MLPConfig | MoEConfig) -> nn.Module:
     return MoEFeedForward(cfg) if isinstance(cfg, MoEConfig) else FeedForward(cfg)
 
 
+def tp_sizes(block: BlockConfig) -> dict[str, int]:
+    """The sizes tensor parallelism splits in a block (config key -> size), each divisible by ``tp``."""
+    sizes: dict[str, int] = {}
+    att, ff = block.attention, block.feed_forward
+    sizes["n_heads"] = att.n_heads
+    if isinstance(att, AttentionConfig):
+        sizes["n_kv_heads"] = att.n_kv_heads
+    if isinstance(ff, MLPConfig):
+        sizes["ffn_hidden_dim"] = ff.hidden_dim
+    return sizes
+
+
+def tp_problem(block: BlockConfig) -> str | None:
+    """Why a block cannot be split over tensor-parallel ranks (None: it can)."""
+    att = block.attention
+    if isinstance(att, LatentAttentionConfig):
+        return "latent attention (DeepSeek-V3) has no tensor-parallel plan yet; use FSDP2 and expert parallelism"
+    if att.qk_norm == "projection":
+        return ("a q/k norm over the whole projection (qk_norm_per_head=False, OLMoE) spans the heads of every "
+                "rank; tensor parallelism needs per-head q/k norms")
+    if att.sinks:
+        return "attention sinks (gpt-oss) have no tensor-parallel plan yet"
+    return None
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: ``h = x + attention(norm(x))``, then ``h + feed_forward(norm(h))``.
 
@@ -81,6 +106,37 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.norm)
         self.post_attention_norm = RMSNorm(cfg.norm) if cfg.sandwich_norm else None
         self.post_ffn_norm = RMSNorm(cfg.norm) if cfg.sandwich_norm else None
+
+    def hidden_matrices(self) -> list[Tensor]:
+        """The block's projection matrices from hidden states to hidden states (what Muon orthogonalizes):
+        attention's and a dense or shared MLP's; not the router, the stacked experts or vectors."""
+        ins, outs = self.attention.weight_groups()
+        ff = self.feed_forward
+        dense = ff if isinstance(ff, FeedForward) else getattr(ff, "shared_experts", None)
+        if dense is not None:
+            f_in, f_out = dense.weight_groups()
+            ins, outs = ins + f_in, outs + f_out
+        return ins + outs
+
+    def tp_plan(self) -> dict[str, str]:
+        """Tensor parallelism of this block, module path -> role (Megatron's layout; the roles are
+        applied by :mod:`lmforge.parallel.tensor_parallel`): ``colwise`` / ``rowwise`` projections,
+        ``norm`` on the residual stream, ``head_norm`` per head, ``input`` (the sublayer's input gathered
+        once for its column-parallel projections) and ``replicated`` (the whole module on every rank: a
+        mixture of experts)."""
+        plan = {"attention_norm": "norm", "ffn_norm": "norm", "attention": "input",
+                "attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise",
+                "attention.wo": "rowwise"}
+        if self.post_attention_norm is not None:
+            plan.update({"post_attention_norm": "norm", "post_ffn_norm": "norm"})
+        if getattr(self.attention, "q_norm", None) is not None:
+            plan.update({"attention.q_norm": "head_norm", "attention.k_norm": "head_norm"})
+        if isinstance(self.feed_forward, MoEFeedForward):
+            plan["feed_forward"] = "replicated"
+        else:
+            plan.update({"feed_forward": "input", "feed_forward.w1": "colwise", "feed_forward.w3": "colwise",
+                         "feed_forward.w2": "rowwise"})
+        return plan
 
     @torch.no_grad()
     def init_weights(self, std: float, resid_std: float, gen: torch.Generator | None) -> None:
@@ -133,6 +189,32 @@ class Transformer(nn.Module):
         # Set by lmforge.parallel.context_parallel.apply_cp: tokens are this rank's shard of longer rows.
         self.context_parallel: Any = None
         self.tie_weights()
+
+    FIRST_STAGE_MODULES = ("tok_embeddings",)
+    """What only a pipeline's first stage holds (before the blocks)."""
+    LAST_STAGE_MODULES = ("norm", "output")
+    """What only a pipeline's last stage holds (after the blocks)."""
+
+    def pipeline_stage(self, layers: range, first: bool, last: bool) -> Transformer:
+        """A pipeline stage: a new module of this class sharing this model's submodules (no copy), with
+        the blocks in ``layers`` at their own indices of ``layers`` (None elsewhere), the embedding only
+        on the ``first`` stage, the final norm and output only on the ``last``, the RoPE tables everywhere."""
+        part = self.__class__.__new__(self.__class__)
+        nn.Module.__init__(part)
+        for key, value in vars(self).items():  # plain attributes: args, config, layer_plan, ...
+            if key not in vars(part):
+                setattr(part, key, value)
+        part.train(self.training)
+        for name, child in self.named_children():
+            part._modules[name] = child
+        kept = nn.ModuleList()
+        for i, block in enumerate(self.layers):
+            kept._modules[str(i)] = block if i in layers else None
+        part._modules["layers"] = kept
+        absent = (() if first else self.FIRST_STAGE_MODULES) + (() if last else self.LAST_STAGE_MODULES)
+        for name in absent:
+            part._modules[name] = None
+        return part
 
     @property
     def rope(self) -> RotaryEmbedding:

@@ -54,11 +54,11 @@ def check_qlora(lora: "LoraSection", sharded: bool) -> None:
 
 
 def _projections(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    from lmforge.models.lora import TARGET_PATHS
+    from lmforge.models.spec import spec_for_args
 
     out = []
     for block in model.layers:
-        for path in TARGET_PATHS.values():
+        for path in spec_for_args(model.args).lora_targets.values():
             parent_name, _, child = path.rpartition(".")
             parent = block.get_submodule(parent_name)
             linear = getattr(parent, child, None)

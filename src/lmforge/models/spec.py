@@ -12,21 +12,28 @@ themselves when this module is imported. To add one, see ``docs/models.md`` ("La
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from torch import nn
 
 from lmforge.errors import UserError
 from lmforge.models import flops
-from lmforge.models.args import ModelArgs
+from lmforge.models.args import ModelArgs, register_args_class, register_sizes
 from lmforge.models.state_dict_adapter import StateDictAdapter
 
 __all__ = [
-    "ModelSpec", "get_spec", "register_spec", "registered_model_types", "registered_specs", "spec_for_args",
+    "DECODER_LORA_TARGETS", "ModelSpec", "get_spec", "lora_targets_for", "register_spec", "registered_model_types",
+    "registered_specs", "spec_for_args",
     "spec_for_hf_config",
 ]
 
+DECODER_LORA_TARGETS = {"wq": "attention.wq", "wk": "attention.wk", "wv": "attention.wv", "wo": "attention.wo",
+                        "w1": "feed_forward.w1", "w2": "feed_forward.w2", "w3": "feed_forward.w3"}
+"""The gated decoders' attention and MLP projections, by short name (every family built on them)."""
+
+AfterOptimizerStep = Callable[[nn.Module, ModelArgs, Mapping[str, Any]], None]
+"""(the unwrapped model, its args, the step's global totals) -> None."""
 ArgsFromHF = Callable[[Mapping[str, Any], str], ModelArgs]
 """(parsed config.json, file name for errors) -> ``ModelArgs``; UserError for what the family cannot run."""
 HFConfig = Callable[..., dict[str, Any]]
@@ -72,6 +79,31 @@ class ModelSpec:
     """Training FLOPs per token at a sequence length, for MFU."""
     training_flops: TrainingFlops = flops.training_flops
     """Training FLOPs of a batch's real tokens given its document lengths, for MFU."""
+    lora_targets: Mapping[str, str] = field(default_factory=lambda: dict(DECODER_LORA_TARGETS))
+    """Linear layers that can carry LoRA adapters: short name (``lora.target_modules``) -> its path inside
+    a block. A mixture of experts' stacked experts take the MLP's names (peft's parameter adapters)."""
+    after_optimizer_step: AfterOptimizerStep | None = None
+    """Called by the loop after every optimizer step with the step's global totals (sums over microbatches
+    and ranks, e.g. ``router_expert_tokens`` [MoE layers, experts]): DeepSeek-V3's auxiliary-loss-free
+    balancing moves its routers' correction biases here. None: nothing to do."""
+    args_class: type[ModelArgs] = ModelArgs
+    """The family's argument class: ``ModelArgs``, or a subclass with the family's own fields whose
+    ``decoder_config()`` builds its modules; checkpoints of the family load into it."""
+    sizes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Named sizes (``model.size``) of the family's published models: ``args_class`` fields."""
+
+
+def lora_targets_for(args: ModelArgs, requested: Iterable[str] | None) -> dict[str, str]:
+    """The family's LoRA targets among ``requested`` (None: all), short name -> path inside a block;
+    one line naming the unknown ones."""
+    known = spec_for_args(args).lora_targets
+    names = list(known) if requested is None else list(requested)
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise UserError(f"lora.target_modules: unknown module(s) {unknown}; choose from {', '.join(known)}")
+    if not names:
+        raise UserError(f"lora.target_modules is empty; choose from {', '.join(known)} (or leave it out: all)")
+    return {n: known[n] for n in names}
 
 
 _BY_NAME: dict[str, ModelSpec] = {}
@@ -88,6 +120,8 @@ def register_spec(spec: ModelSpec) -> ModelSpec:
                          f"{_BY_MODEL_TYPE[spec.hf_model_type].name!r}")
     _BY_NAME[spec.name] = spec
     _BY_MODEL_TYPE[spec.hf_model_type] = spec
+    register_args_class(spec.hf_model_type, spec.args_class)
+    register_sizes({name: {**fields, "hf_model_type": spec.hf_model_type} for name, fields in spec.sizes.items()})
     return spec
 
 

@@ -103,23 +103,7 @@ def split_model(model: nn.Module, pp_rank: int, pp: int, stages_per_rank: int = 
     n_stages = len(ranges)
     parts = []
     for sid in stage_ids(pp_rank, pp, stages_per_rank):
-        part = model.__class__.__new__(model.__class__)
-        nn.Module.__init__(part)
-        for key, value in vars(model).items():  # plain attributes: args, layer_plan, ...
-            if key not in vars(part):
-                setattr(part, key, value)
-        part.train(model.training)
-        for name, child in model.named_children():
-            part._modules[name] = child
-        layers = nn.ModuleList()
-        for i, block in enumerate(model.layers):
-            layers._modules[str(i)] = block if i in ranges[sid] else None
-        part._modules["layers"] = layers
-        if sid != 0:
-            part._modules["tok_embeddings"] = None
-        if sid != n_stages - 1:
-            part._modules["norm"] = None
-            part._modules["output"] = None
+        part = model.pipeline_stage(ranges[sid], first=sid == 0, last=sid == n_stages - 1)
         part.pp_stage = sid  # read by Pipeline; a plain attribute, not in the state dict
         parts.append(part)
     return parts
@@ -174,7 +158,7 @@ class Pipeline(nn.Module):
         for i in range(len(parts[0].layers)):
             layers._modules[str(i)] = next((p.layers[i] for p in parts if p.layers[i] is not None), None)
         self.layers = layers
-        for name in ("tok_embeddings", "norm", "output"):
+        for name in (*parts[0].FIRST_STAGE_MODULES, *parts[0].LAST_STAGE_MODULES):
             self._modules[name] = next((getattr(p, name) for p in parts if getattr(p, name) is not None), None)
         self.args = parts[0].args
         self.parts, self.group, self.device, self.schedule_name = parts, pp_group, device, schedule

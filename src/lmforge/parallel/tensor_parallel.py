@@ -39,25 +39,26 @@ from torch.distributed.tensor.parallel import (
 
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
-from lmforge.models.layers.moe import MoEFeedForward
-from lmforge.models.model import Transformer
+from lmforge.models.model import Transformer, tp_problem, tp_sizes
 
 __all__ = ["apply_tp", "check_tp"]
 
 
 def check_tp(args: ModelArgs, tp: int) -> None:
-    """Refuse, in one line, a model that ``tp`` ranks cannot split evenly."""
+    """Refuse, in one line, a model that ``tp`` ranks cannot split evenly (the sizes its blocks name)."""
     if tp <= 1:
         return
-    sizes = [("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads), ("vocab_size", args.vocab_size)]
-    if any(not args.is_moe_layer(i) for i in range(args.n_layers)):
-        sizes.append(("ffn_hidden_dim", args.ffn_dim))
-    for field, size in sizes:
+    blocks = args.decoder_config().blocks
+    for block in blocks:
+        problem = tp_problem(block)
+        if problem:
+            raise UserError(f"parallel.tp={tp}: {problem}")
+    sizes = {k: v for block in blocks for k, v in tp_sizes(block).items()}
+    sizes = {**{k: v for k, v in sizes.items() if k != "ffn_hidden_dim"}, "vocab_size": args.vocab_size,
+             **{k: v for k, v in sizes.items() if k == "ffn_hidden_dim"}}
+    for field, size in sizes.items():
         if size % tp:
             raise UserError(f"parallel.tp={tp}: model.{field}={size} is not divisible by the tensor-parallel degree")
-    if args.qk_norm and not args.qk_norm_per_head:
-        raise UserError(f"parallel.tp={tp}: a q/k norm over the whole projection (qk_norm_per_head=False, OLMoE) "
-                        "spans the heads of every rank; tensor parallelism needs per-head q/k norms")
 
 
 def _local(x: Any, layout: Placement, mesh: Any) -> DTensor:
@@ -123,26 +124,22 @@ class _ReplicatedCompute(ParallelStyle):
         return module
 
 
-def _block_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def _style(role: str, sequence_parallel: bool) -> ParallelStyle:
+    """The DTensor style of a role the model's own plan names (``TransformerBlock.tp_plan``)."""
     stream: Placement = Shard(1) if sequence_parallel else Replicate()
-    norm = SequenceParallel(use_local_output=True) if sequence_parallel else _ReplicatedCompute()
-    plan: dict[str, ParallelStyle] = {
-        "attention_norm": norm, "ffn_norm": norm,
-        "attention": _FirstInput(stream),
-        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=stream),
-    }
-    if block.post_attention_norm is not None:
-        plan.update({"post_attention_norm": norm, "post_ffn_norm": norm})
-    if block.attention.q_norm is not None:  # per head ([B, T, heads, head_dim]): each rank norms its own heads
-        per_head = SequenceParallel(sequence_dim=2, use_local_output=True)
-        plan.update({"attention.q_norm": per_head, "attention.k_norm": per_head})
-    if isinstance(block.feed_forward, MoEFeedForward):
-        plan["feed_forward"] = _ReplicatedCompute(stream)
-    else:
-        plan.update({"feed_forward": _FirstInput(stream), "feed_forward.w1": ColwiseParallel(),
-                     "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=stream)})
-    return plan
+    if role == "colwise":
+        return ColwiseParallel()
+    if role == "rowwise":
+        return RowwiseParallel(output_layouts=stream)
+    if role == "norm":
+        return SequenceParallel(use_local_output=True) if sequence_parallel else _ReplicatedCompute()
+    if role == "head_norm":  # per head ([B, T, heads, head_dim]): each rank norms its own heads
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
+    if role == "input":
+        return _FirstInput(stream)
+    if role == "replicated":
+        return _ReplicatedCompute(stream)
+    raise ValueError(f"unknown tensor-parallel role {role!r}")
 
 
 def _sum_partial_grads(model: nn.Module) -> None:
@@ -171,8 +168,9 @@ def apply_tp(model: Transformer, tp_mesh: Any, *, sequence_parallel: bool = True
     })
     if model.args.tie_embeddings:  # both are Shard(0) of [vocab, dim]: one parameter again
         model.output.weight = model.tok_embeddings.weight
-    for block in model.layers:
-        parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel))
+    for block in model.layers:  # the model names its modules and their roles; this module owns the mechanics
+        parallelize_module(block, tp_mesh, {name: _style(role, sequence_parallel)
+                                            for name, role in block.tp_plan().items()})
     _sum_partial_grads(model)
     if sequence_parallel:
         def check_length(_: nn.Module, args: tuple) -> None:

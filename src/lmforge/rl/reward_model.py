@@ -56,7 +56,7 @@ class RewardModelReward:
     def score(self, sequences: list[list[int]]) -> torch.Tensor:
         """Scores of token sequences, float32 on the CPU."""
         device = trainer_device()
-        if self.model.tok_embeddings.weight.device != device:
+        if next(self.model.parameters()).device != device:
             self.model.to(device)
         limit = self.model.args.max_seq_len
         out = []

@@ -97,7 +97,10 @@ def train(rt: Runtime, source: StepSource, objective: Objective, evaluate: EvalF
             grad_norm = run_optimizer_step(rt.model, rt.optimizer, lr := lr_at(rt, step), rt.cfg.optimizer.grad_clip,
                                            skip_nonfinite=guard.skips_nonfinite)
             state.step = step
-            values = objective.log_values(compute_global_loss(stats)) | batch.metrics | {"lr": lr, "grad_norm": grad_norm}
+            totals = compute_global_loss(stats)
+            if rt.spec.after_optimizer_step is not None:  # the family's own update, e.g. MoE bias balancing
+                rt.spec.after_optimizer_step(rt.raw_model, rt.model_args, totals)
+            values = objective.log_values(totals) | batch.metrics | {"lr": lr, "grad_norm": grad_norm}
             record = rt.metrics.record_step(step, tokens=batch.tokens, flops=batch.flops, metrics=values, data_wait=wait.seconds,
                                             lost=step <= state.redo_until, console_keys=objective.console_keys)
             guard.after_step(step, values, record)

@@ -38,10 +38,6 @@ from lmforge.training.train_step import adamw_kernel, build_optimizer
 if TYPE_CHECKING:  # pragma: no cover
     from lmforge.config import Config, OptimizerSection
 
-MUON_BLOCK_PARTS = (".attention.", ".feed_forward.")
-"""Where a decoder block's projection matrices live (by parameter name)."""
-NOT_MUON = ("router", "experts", "norm")
-"""Matrices inside a block that Muon leaves to AdamW (router, stacked experts, norms)."""
 
 
 def require_bitsandbytes(key: str) -> Any:
@@ -95,25 +91,16 @@ def optimizer_parts(optimizer: Any) -> list[torch.optim.Optimizer]:
     return list(getattr(optimizer, "optimizers", [optimizer]))
 
 
-WRAPPER_NAMES = frozenset({"module", "_orig_mod", "_checkpoint_wrapped_module"})
-"""Name parts added by DDP, torch.compile and the per-block wrappers (checkpointing, offload)."""
-
-
-def _clean(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
-
-
 def muon_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(Muon's, AdamW's) trainable parameters: Muon takes the 2-D weights of the decoder blocks'
-    attention and MLP projections; see the module doc for why everything else goes to AdamW."""
+    """(Muon's, AdamW's) trainable parameters: Muon takes the 2-D projection matrices the model's blocks
+    name as their hidden matrices (``hidden_matrices()``: attention and MLP projections, shared experts;
+    never the router or the stacked experts); see the module doc for why everything else goes to AdamW.
+    Wrappers (DDP, FSDP2, torch.compile) keep the blocks, so their parameters are found through them."""
+    hidden = {id(p) for m in model.modules() if hasattr(m, "hidden_matrices") for p in m.hidden_matrices()}
     muon, rest = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        name = _clean(name)
-        in_block = name.startswith("layers.") and any(part in name for part in MUON_BLOCK_PARTS)
-        hidden = in_block and p.ndim == 2 and not any(word in name for word in NOT_MUON)
-        (muon if hidden else rest).append(p)
+    for p in model.parameters():
+        if p.requires_grad:
+            (muon if id(p) in hidden and p.ndim == 2 else rest).append(p)
     return muon, rest
 
 
