@@ -59,21 +59,14 @@ class GptOssArgs(ModelArgs):
     def __post_init__(self) -> None:
         if self.layer_types is None:
             self.layer_types = alternating_layer_types(self.n_layers)
+        super().__post_init__()
         scaling = self.rope_scaling
-        kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
-        if kind == "yarn":
-            unknown = sorted(set(scaling) - set(YARN_KEYS))  # type: ignore[arg-type]
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "yarn":
+            unknown = sorted(set(scaling) - set(YARN_KEYS))
             if unknown:
                 raise UserError(f"unsupported yarn rope_scaling key(s) {unknown}")
-            if "factor" not in scaling:  # type: ignore[operator]
-                raise UserError("yarn rope_scaling needs 'factor'")
-            self.rope_scaling = None  # ModelArgs validates the other schemes; YaRN is checked here
-            try:
-                super().__post_init__()
-            finally:
-                self.rope_scaling = dict(scaling)  # type: ignore[arg-type]
-        else:
-            super().__post_init__()
+            if "factor" not in scaling or "original_max_position_embeddings" not in scaling:
+                raise UserError("yarn rope_scaling needs 'factor' and 'original_max_position_embeddings'")
         if self.n_experts < 1:
             raise UserError("gpt-oss needs n_experts >= 1 (every layer is a mixture of experts)")
         if self.moe_layers is not None:
@@ -119,11 +112,13 @@ GPT_OSS_SIZES: dict[str, dict[str, Any]] = {
 
 
 def gpt_oss_args_for(size: str, vocab_size: int, **overrides: Any) -> GptOssArgs:
-    """``GptOssArgs`` of a named size, the tokenizer's vocab size and overrides (``model_args_for``'s rule)."""
+    """``GptOssArgs`` of a named size (``model_args_for``: the spec registers :data:`GPT_OSS_SIZES`)."""
+    from lmforge.models.args import model_args_for
+    from lmforge.models.spec import get_spec
+
+    get_spec("gpt_oss")  # registered
     if size not in GPT_OSS_SIZES:
         raise UserError(f"unknown gpt-oss size {size!r}; known: {', '.join(GPT_OSS_SIZES)}")
-    kwargs = {**GPT_OSS_SIZES[size], "vocab_size": vocab_size, **overrides}
-    for key in ("rope_scaling", "layer_types"):
-        if kwargs.get(key) is not None:
-            kwargs[key] = type(kwargs[key])(kwargs[key])
-    return GptOssArgs.from_dict(kwargs)  # type: ignore[return-value]
+    args = model_args_for(size, vocab_size, **overrides)
+    assert isinstance(args, GptOssArgs)
+    return args
