@@ -13,27 +13,47 @@ from typing import Iterable
 import torch
 
 from lmforge.models.args import ModelArgs
+from lmforge.models.configs import AttentionConfig, LatentAttentionConfig, MLPConfig, MoEConfig
+
+
+def _attention_params(att: AttentionConfig | LatentAttentionConfig) -> int:
+    d = att.dim
+    if isinstance(att, LatentAttentionConfig):  # q (through its low-rank bottleneck), kv latent + shared key, up, out
+        H, qk = att.n_heads, att.qk_head_dim
+        q = d * H * qk if att.q_lora_rank is None else d * att.q_lora_rank + att.q_lora_rank * H * qk
+        kv = d * (att.kv_lora_rank + att.qk_rope_head_dim) + att.kv_lora_rank * H * (att.qk_nope_head_dim + att.v_head_dim)
+        return q + kv + H * att.v_head_dim * d
+    return d * att.n_heads * att.head_dim + 2 * d * att.n_kv_heads * att.head_dim + att.n_heads * att.head_dim * d
+
+
+def _feed_forward_params(ff: MLPConfig | MoEConfig) -> int:
+    if isinstance(ff, MLPConfig):
+        return 3 * ff.dim * ff.hidden_dim
+    active = ff.dim * ff.router.n_experts + ff.router.top_k * 3 * ff.dim * ff.expert.hidden_dim
+    return active + (0 if ff.shared is None else 3 * ff.dim * ff.shared.hidden_dim)
+
+
+def _score_dims(att: AttentionConfig | LatentAttentionConfig) -> int:
+    """Features per query of ``QK^T`` plus ``AV`` (``2 * n_heads * head_dim`` for plain attention)."""
+    if isinstance(att, LatentAttentionConfig):
+        return att.n_heads * (att.qk_head_dim + att.v_head_dim)
+    return 2 * att.n_heads * att.head_dim
 
 
 def matmul_params(args: ModelArgs) -> int:
     """Parameters that take part in a matmul per token: all projections incl. the output head.
 
-    The embedding lookup is a gather, not a matmul, so it is excluded even when tied
-    (the tied matrix is then counted once, as the output projection). Norm weights (incl.
-    q/k norms) and projection biases (Qwen2) are elementwise and negligible.
-    ``head_dim`` is taken as configured, which need not be ``dim / n_heads`` (Qwen3, Gemma).
-    A mixture-of-experts layer counts its *active* parameters: the router plus the
-    ``n_experts_per_token`` experts each token runs through, not all ``n_experts``.
+    Counted from the blocks' module configs (``args.decoder_config()``), so every family's own modules
+    count as they compute. The embedding lookup is a gather, not a matmul, so it is excluded even when
+    tied (the tied matrix is then counted once, as the output projection). Norm weights (incl. q/k
+    norms), biases and sinks are elementwise and negligible. ``head_dim`` is taken as configured, which
+    need not be ``dim / n_heads`` (Qwen3, Gemma). A mixture-of-experts layer counts its *active*
+    parameters: the router plus the ``top_k`` experts each token runs through (and a shared expert),
+    not all ``n_experts``; latent attention counts its low-rank projections.
     """
-    d, hd = args.dim, args.head_dim
-    attn = d * args.n_heads * hd + 2 * d * args.kv_heads * hd + args.n_heads * hd * d
-    mlp = 0
-    for layer in range(args.n_layers):
-        if args.is_moe_layer(layer):
-            mlp += d * args.n_experts + args.n_experts_per_token * 3 * d * args.expert_ffn_dim
-        else:
-            mlp += 3 * d * args.ffn_dim
-    return args.n_layers * attn + mlp + d * args.vocab_size
+    cfg = args.decoder_config()
+    blocks = sum(_attention_params(b.attention) + _feed_forward_params(b.feed_forward) for b in cfg.blocks)
+    return blocks + cfg.dim * cfg.vocab_size
 
 
 def weight_flops_per_token(args: ModelArgs, adapter_params: int | None = None) -> float:
@@ -67,19 +87,27 @@ def flops_per_token(args: ModelArgs, seq_len: int, adapter_params: int | None = 
       instead of ``T/2`` (the same continuous count as the causal half, and equal to it at ``T = W``).
       Each layer counts with its own window.
     """
-    attn_d = args.n_heads * args.head_dim
-    return weight_flops_per_token(args, adapter_params) + 12.0 * args.n_layers * attended_keys(args, seq_len) * attn_d
+    return weight_flops_per_token(args, adapter_params) + 6.0 * _score_flop_units(args, seq_len)
+
+
+def _keys(window: int | None, T: float) -> float:
+    return T / 2 if window is None or T <= window else T / 2 - (T - window) ** 2 / (2 * T)
 
 
 def attended_keys(args: ModelArgs, seq_len: int) -> float:
     """Average number of keys a query needs at sequence length ``seq_len``, averaged over the layers
     (see ``flops_per_token``)."""
-    T = float(seq_len)
-    total = 0.0
-    for layer in range(args.n_layers):
-        W = args.layer_window(layer)
-        total += T / 2 if W is None or T <= W else T / 2 - (T - W) ** 2 / (2 * T)
-    return total / args.n_layers
+    blocks = args.decoder_config().blocks
+    return sum(_keys(b.attention.window, float(seq_len)) for b in blocks) / len(blocks)
+
+
+def _score_flop_units(args: ModelArgs, seq_len: int, layers: list[tuple[int | None, int]] | None = None) -> float:
+    """Sum over layers of attended keys times score features per query (each unit is 2 FLOPs forward
+    and 4 backward: ``6 *`` this is a token's training FLOPs in ``QK^T`` and ``AV``). ``layers``: each
+    layer's (window, score features), when the caller has them already."""
+    if layers is None:
+        layers = [(b.attention.window, _score_dims(b.attention)) for b in args.decoder_config().blocks]
+    return sum(_keys(window, float(seq_len)) * dims for window, dims in layers)
 
 
 def training_flops(args: ModelArgs, document_lengths: Iterable[int], adapter_params: int | None = None) -> float:
@@ -94,13 +122,13 @@ def training_flops(args: ModelArgs, document_lengths: Iterable[int], adapter_par
     row's length, since a query never looks past its own document). Pure host arithmetic on lengths
     known when the batch is built: no device sync.
     """
-    attn_d = args.n_heads * args.head_dim
-    tokens, pairs = 0, 0.0
+    tokens, units = 0, 0.0
+    layers = [(b.attention.window, _score_dims(b.attention)) for b in args.decoder_config().blocks]
     for length in document_lengths:
         if length > 0:
             tokens += length
-            pairs += length * attended_keys(args, length)
-    return weight_flops_per_token(args, adapter_params) * tokens + 12.0 * args.n_layers * attn_d * pairs
+            units += length * _score_flop_units(args, length, layers)
+    return weight_flops_per_token(args, adapter_params) * tokens + 6.0 * units
 
 
 # Dense (no structured sparsity) peak FLOP/s from vendor spec sheets: (bf16/fp16, tf32, fp32).
