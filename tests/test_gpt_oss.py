@@ -283,3 +283,22 @@ def test_export_round_trip_through_transformers(tmp_path):
         torch.testing.assert_close(again(tokens).logits, model(tokens), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(again(tokens).logits, hf(tokens).logits, atol=1e-5, rtol=1e-5)
     assert load_hf_config(tmp_path / "out") == model.args
+
+
+def test_context_and_expert_parallel_equal_one_process(tmp_path):
+    """2 gloo ranks: cp=2 (packed and causal batches; sinks and windows with keys gathered from both ranks),
+    then ep=2 with FSDP2: losses, hidden states and every gradient equal one process's (_gpt_oss_dist_check.py)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from _helpers import REPO, cli_env
+
+    out = tmp_path / "errors.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "--monitor-interval=0.2", str(Path(__file__).with_name("_gpt_oss_dist_check.py")), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cli_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "gpt-oss distributed check passed" in proc.stdout
+    errors = json.loads(out.read_text())
+    assert errors and max(errors.values()) < 1e-5, errors
