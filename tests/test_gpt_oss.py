@@ -302,3 +302,35 @@ def test_context_and_expert_parallel_equal_one_process(tmp_path):
     assert "gpt-oss distributed check passed" in proc.stdout
     errors = json.loads(out.read_text())
     assert errors and max(errors.values()) < 1e-5, errors
+
+
+def test_mxfp4_directory_loads_as_transformers_loads_it(tmp_path):
+    """A directory as published (expert weights as MXFP4 blocks and scales, ``quantization_config``): lmforge's
+    model equals the one transformers builds from the same directory (it dequantizes on a CPU too)."""
+    from safetensors.torch import save_file
+
+    hf = tiny_hf(intermediate_size=64)  # MXFP4 blocks are 32 wide: dim 64, hidden 64
+    hf.save_pretrained(tmp_path)
+    g = torch.Generator().manual_seed(1)
+    state = {}
+    for k, v in hf.state_dict().items():
+        if k.endswith("gate_up_proj") or k.endswith("down_proj"):  # [E, in, out], stored as [E, out, in / 32, 16]
+            E, cols, rows = v.shape
+            state[k + "_blocks"] = torch.randint(0, 256, (E, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+            state[k + "_scales"] = torch.randint(118, 126, (E, rows, cols // 32), generator=g, dtype=torch.uint8)
+        else:
+            state[k] = v.contiguous()
+    for f in tmp_path.glob("*.safetensors"):
+        f.unlink()
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
+                                                               attn_implementation="eager").eval()
+    ours = load_hf_model(tmp_path)
+    tokens = ids(20)
+    with torch.no_grad():
+        diff = (theirs(tokens).logits - ours(tokens)).abs().max().item()
+    assert diff < 1e-5, diff
