@@ -216,6 +216,11 @@ class Transformer(nn.Module):
             part._modules[name] = None
         return part
 
+    def tp_plan(self) -> dict[str, str]:
+        """Tensor parallelism outside the blocks, module path -> role: the embedding and the output split
+        over the vocabulary, the final norm on the residual stream (each block has its own ``tp_plan``)."""
+        return {"tok_embeddings": "embedding", "norm": "final_norm", "output": "output"}
+
     @property
     def rope(self) -> RotaryEmbedding:
         """The rotary table of the global (full-attention) layers."""

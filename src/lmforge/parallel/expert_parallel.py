@@ -96,10 +96,7 @@ def apply_ep(model: nn.Module, ep_mesh: Any) -> None:
     dispatch = ExpertDispatch(ep_mesh)
     for moe in moe_layers(model):
         experts = moe.experts
-        for name in ("w1", "w2", "w3", "b1", "b2", "b3"):  # the biases (gpt-oss) are per expert too
-            w = getattr(experts, name)
-            if w is None:
-                continue
+        for name, w in list(experts.named_parameters(recurse=False)):  # every [E, ...] weight and bias
             n = w.shape[0] // size
             local = w.detach()[rank * n:(rank + 1) * n].clone()
             sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=w.shape,

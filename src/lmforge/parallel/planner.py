@@ -33,6 +33,8 @@ from typing import Iterator
 
 from lmforge.models.args import ModelArgs
 from lmforge.models.layers.causal_attention import EXPLICIT_MAX_LEN
+from lmforge.models.memory import ParamCounts, block_activation_bytes, mlp_transient, param_counts
+from lmforge.models.model import tp_problem, tp_sizes
 
 __all__ = ["Layout", "MemoryEstimate", "ParamCounts", "param_counts", "block_activation_bytes", "estimate_memory",
            "candidate_layouts", "OPTIMIZERS"]
@@ -74,109 +76,6 @@ class Layout:
         parts = [f"{n}={getattr(self, n)}" for n in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep")
                  if getattr(self, n) > 1]
         return " ".join(parts) or "single"
-
-
-@dataclass(frozen=True)
-class ParamCounts:
-    """Parameter counts by where they live (tied output: ``output`` is 0)."""
-
-    embedding: int
-    output: int
-    final_norm: int
-    block_dense: list[int]
-    """Per block: the matrices tensor parallelism splits (attention and dense MLP projections)."""
-    block_experts: list[int]
-    """Per block: the experts' weights (0 for a dense block)."""
-    block_small: list[int]
-    """Per block: what is replicated under tp (norms, biases, the router)."""
-    buffers: int
-    """Elements of the RoPE tables (fp32, not trained)."""
-
-    @property
-    def total(self) -> int:
-        return (self.embedding + self.output + self.final_norm + sum(self.block_dense) + sum(self.block_experts)
-                + sum(self.block_small))
-
-
-def param_counts(args: ModelArgs) -> ParamCounts:
-    d, h, kv, hd = args.dim, args.n_heads, args.kv_heads, args.head_dim
-    dense, experts, small = [], [], []
-    for i in range(args.n_layers):
-        attn = d * h * hd * 2 + 2 * d * kv * hd
-        norms = 2 * d * (2 if args.sandwich_norm else 1)
-        if args.qkv_bias:
-            norms += (h + 2 * kv) * hd
-        if args.qk_norm:
-            norms += 2 * hd if args.qk_norm_per_head else (h + kv) * hd
-        if args.is_moe_layer(i):
-            dense.append(attn)
-            experts.append(3 * d * args.expert_ffn_dim * args.n_experts)
-            small.append(norms + d * args.n_experts)
-        else:
-            dense.append(attn + 3 * d * args.ffn_dim)
-            experts.append(0)
-            small.append(norms)
-    ropes = 2 if args.local_rope_theta is not None else 1
-    return ParamCounts(embedding=args.vocab_size * d, output=0 if args.tie_embeddings else args.vocab_size * d,
-                       final_norm=d, block_dense=dense, block_experts=experts, block_small=small,
-                       buffers=ropes * 2 * args.max_seq_len * hd)
-
-
-def _norm_bytes(d: int, tokens_sp: float, tokens: float, consumers: int, a: int) -> float:
-    """An RMSNorm on the fp32 residual stream saves its input and 1/rms (fp32, on the sequence-parallel
-    shard; lmforge.models.layers.norm recomputes the normalised values in the backward); its output is
-    saved by the linears that read it: once in fp32 (shared), or once per linear in bf16 (autocast casts
-    on each call). Under tp the linears read the all-gathered output, so that copy is of every token."""
-    own = (4 * d + 4) * tokens_sp
-    return own + (4 * d if a == 4 else consumers * a * d) * tokens
-
-
-def block_activation_bytes(args: ModelArgs, layer: int, tokens: float, a: int, tp: int = 1, cp: int = 1,
-                           row: int = 0, explicit_len: int = 0) -> float:
-    """Bytes autograd saves for one decoder block over ``tokens`` local tokens, compute dtype of ``a``
-    bytes (4 fp32, 2 bf16 autocast), heads and hidden units split over ``tp`` (sequence parallel norms).
-
-    Counted from lmforge's block (models/model.py, layers/*.py): per norm see :func:`_norm_bytes`; SDPA
-    (the flash kernel on CPU and GPU) saves q, k, v, its output (which ``wo`` reads as it is) and a
-    fp32 log-sum-exp per head; the explicit bf16 attention of short sequences on a CPU
-    (``explicit_len`` keys per query, see lmforge.models.layers.causal_attention) saves q, k, v and each
-    head's bf16 probabilities over the keys instead of the log-sum-exp; RoPE saves only the shared
-    cos/sin tables (they need no gradient); the gated MLP saves both projections and their gated
-    product (``w2``'s input; the activation is recomputed in the backward, lmforge.models.layers.mlp).
-    Under context parallelism (``cp`` ranks, rows of ``row`` tokens) attention saves the keys and values
-    gathered from every cp rank (the whole row's) and the mask in the compute dtype: SDPA turns the
-    boolean ``[B, 1, T/cp, T]`` mask into an additive one per call (measured). Qwen3's q/k norms,
-    Gemma's sandwich norms and the MoE routing are counted the same way but were not measured.
-    """
-    d, h, kv, hd = args.dim, args.n_heads, args.kv_heads, args.head_dim
-    sp = tokens / tp
-    moe = args.is_moe_layer(layer)
-    total = _norm_bytes(d, sp, tokens, 3, a)  # attention_norm -> wq, wk, wv
-    per_head = 2 * explicit_len if explicit_len else 4  # probabilities (bf16) or log-sum-exp (fp32)
-    total += (a * 2 * (h + kv) * hd + per_head * h) * tokens / tp
-    if cp > 1:  # the other ranks' keys and values, and the additive mask [B, 1, T / cp, T]
-        total += a * 2 * kv * hd * tokens * (cp - 1) / tp + a * tokens * row
-    if args.qk_norm:  # the norm's input per q/k value and 1/rms per head (fp32)
-        total += (a * hd + 4) * (h + kv) * tokens / tp
-    if args.sandwich_norm:  # post-attention and post-MLP norms: the sublayer output and 1/rms
-        total += 2 * (a * d + 4) * sp
-    if moe:
-        k, fe, e = args.n_experts_per_token, args.expert_ffn_dim, args.n_experts
-        total += _norm_bytes(d, sp, tokens, 1, a)  # ffn_norm -> router (the experts read it by index)
-        total += 8 * e * tokens  # router probabilities and logits (fp32)
-        total += k * (2 * a * d + 3 * a * fe / tp + 8) * tokens  # routed rows, expert MLP, weighted outputs
-    else:
-        total += _norm_bytes(d, sp, tokens, 2, a)  # ffn_norm -> w1, w3
-        total += a * 3 * args.ffn_dim * tokens / tp
-    return total
-
-
-def _mlp_transient(args: ModelArgs, layer: int, tokens: float, a: int, tp: int) -> float:
-    """The gated MLP's backward: the product's gradient and both factors' gradients exist together
-    (while the product's saved copy is already freed; the recomputed activation becomes the up
-    projection's gradient in place), plus the fp32 gradient of the residual stream."""
-    hidden = args.ffn_dim if not args.is_moe_layer(layer) else args.n_experts_per_token * args.expert_ffn_dim
-    return 2 * a * hidden * tokens / tp + 4 * args.dim * tokens / tp
 
 
 @dataclass(frozen=True)
@@ -233,6 +132,7 @@ def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, m
                     checkpointing: bool, microbatches: int, optimizer: str, chunk: int,
                     device: str = "cuda", explicit_len: int = 0) -> MemoryEstimate:
     counts = param_counts(args)
+    blocks = args.decoder_config().blocks
     tp, pp, ep, shards = layout.tp, layout.pp, layout.ep, layout.fsdp_shards
     a = 2 if dtype == "bfloat16" else 4
     per_stage = math.ceil(args.n_layers / pp)
@@ -253,9 +153,9 @@ def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, m
     sp = tokens / tp
     in_flight = min(pp - stage, max(microbatches, 1)) if pp > 1 else 1
     # one block's saved activations; checkpointing keeps each block's input (fp32 residual) instead
-    block = max((block_activation_bytes(args, i, tokens, a, tp, layout.cp, seq_len, explicit_len) for i in layers),
-                default=0.0)
-    saved = sum(block_activation_bytes(args, i, tokens, a, tp, layout.cp, seq_len, explicit_len) for i in layers)
+    per_block = [block_activation_bytes(blocks[i], tokens, a, tp, layout.cp, seq_len, explicit_len) for i in layers]
+    block = max(per_block, default=0.0)
+    saved = sum(per_block)
     if checkpointing:
         saved = 4 * args.dim * sp * len(layers)
     weight_copies = 0.0
@@ -268,7 +168,7 @@ def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, m
     saved *= in_flight
     # the backward of one block: recomputed whole under checkpointing (its input is already counted)
     last_block = layers[-1] if layers else 0
-    transient = _mlp_transient(args, last_block, tokens, a, tp) if layers else 0.0
+    transient = mlp_transient(blocks[last_block], tokens, a, tp) if layers else 0.0
     if checkpointing and layers:
         transient += block - 4 * args.dim * sp + weight_copies / max(len(layers), 1)
     backward = saved + transient
@@ -342,11 +242,12 @@ def layout_problem(args: ModelArgs, layout: Layout, seq_len: int) -> str | None:
         check_layout_of_model(ParallelDims.from_config(section, world), args, seq_len)
     except UserError as e:
         return str(e)
-    if args.n_heads % layout.tp or args.kv_heads % layout.tp:
-        return f"tp={layout.tp} does not divide n_heads={args.n_heads} and n_kv_heads={args.kv_heads}"
-    hidden = args.expert_ffn_dim if args.n_experts else args.ffn_dim
-    if hidden % layout.tp:
-        return f"tp={layout.tp} does not divide the MLP's hidden size {hidden}"
+    if layout.tp > 1:
+        for block in args.decoder_config().blocks:
+            problem = tp_problem(block)
+            uneven = sorted(f"{k}={v}" for k, v in tp_sizes(block).items() if v % layout.tp)
+            if problem or uneven:
+                return f"tp={layout.tp}: {problem or 'does not divide ' + ', '.join(uneven)}"
     if layout.pp > args.n_layers:
         return f"pp={layout.pp} exceeds n_layers={args.n_layers}"
     if seq_len % (2 * layout.cp):

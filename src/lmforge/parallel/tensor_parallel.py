@@ -160,14 +160,14 @@ def apply_tp(model: Transformer, tp_mesh: Any, *, sequence_parallel: bool = True
     # Norms over the 2-D (dp_shard, tp) mesh reduce once per dimension; torch warns on every step.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     stream: Placement = Shard(1) if sequence_parallel else Replicate()
-    parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+    ends = {
+        "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
         # the head gathers the sequence itself (lmforge.training.vocab_parallel_loss): keep the DTensor
-        "norm": SequenceParallel(use_local_output=False) if sequence_parallel else _ReplicatedCompute(),
+        "final_norm": SequenceParallel(use_local_output=False) if sequence_parallel else _ReplicatedCompute(),
         "output": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
-    })
-    if model.args.tie_embeddings:  # both are Shard(0) of [vocab, dim]: one parameter again
-        model.output.weight = model.tok_embeddings.weight
+    }
+    parallelize_module(model, tp_mesh, {name: ends[role] for name, role in model.tp_plan().items()})
+    model.tie_weights()  # tied: both are Shard(0) of [vocab, dim], one parameter again
     for block in model.layers:  # the model names its modules and their roles; this module owns the mechanics
         parallelize_module(block, tp_mesh, {name: _style(role, sequence_parallel)
                                             for name, role in block.tp_plan().items()})

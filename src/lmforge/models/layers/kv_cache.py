@@ -6,15 +6,10 @@ creates it), so neither imports the other.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lmforge.errors import UserError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from lmforge.models.model import Transformer
 
 
 class KVCache:
@@ -55,7 +50,8 @@ class KVCache:
         )
 
     @classmethod
-    def for_model(cls, model: "Transformer", batch_size: int, max_len: int, valid: Tensor | None = None) -> KVCache:
+    def for_model(cls, model: nn.Module, batch_size: int, max_len: int, valid: Tensor | None = None) -> KVCache:
+        """A cache for ``model`` (a ``Transformer``: its ``args`` give the layers, heads and head size)."""
         a = model.args
         w = model.tok_embeddings.weight
         return cls(a.n_layers, batch_size, a.kv_heads, max_len, a.head_dim, device=w.device, dtype=w.dtype, valid=valid)
