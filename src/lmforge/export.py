@@ -19,45 +19,7 @@ from lmforge.errors import UserError
 from lmforge.inference import load_for_inference
 from lmforge.models.load import ModelSource
 from lmforge.models.model import Transformer
-from lmforge.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """Byte -> printable character table of byte-level BPE tokenizers (what ``ByteLevel`` expects).
-
-    Printable Latin-1 bytes map to themselves; the rest are moved to code points from 256 upward.
-    """
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, shifted = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + shifted)
-            shifted += 1
-    return table
-
-
-def byte_tokenizer_json(tokenizer: ByteTokenizer) -> str:
-    """A ``tokenizer.json`` that encodes and decodes exactly like :class:`ByteTokenizer`.
-
-    Byte-level BPE with no merges: every byte is one token with id = byte value, then the special
-    tokens at their lmforge ids.
-    """
-    from tokenizers import AddedToken
-    from tokenizers import Tokenizer as HFTok
-    from tokenizers import decoders, models, pre_tokenizers
-
-    table = _bytes_to_unicode()
-    tok = HFTok(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    literals = sorted(((i, tokenizer.decode([i], skip_special=False)) for i in tokenizer.special_tokens.values()))
-    for expected, literal in literals:
-        tok.add_special_tokens([AddedToken(literal, special=True, normalized=False)])
-        if tok.token_to_id(literal) != expected:
-            raise RuntimeError(f"byte tokenizer export: {literal} got id {tok.token_to_id(literal)}, not {expected}")
-    return tok.to_str()
+from lmforge.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, byte_tokenizer_json
 
 
 def write_tokenizer_files(tokenizer: Tokenizer, out: Path) -> None:

@@ -1,16 +1,25 @@
-"""Models: the shared layers, the dense decoder, the families built from them, tokenizers, generation,
-FLOP counting and loading.
+"""Models: the shared layers, the decoder built from per-module configs, one folder per family,
+tokenizers, generation, FLOP and memory accounting, and loading.
 
-- ``layers/``: the building blocks (RMSNorm, rotary embeddings, attention and its kernels, the
-  SwiGLU MLP, the KV cache), one idea per module;
-- ``model``: ``Transformer``, the dense decoder every built-in family builds from those layers;
-- ``args``: ``ModelArgs``, the hyper-parameters checkpoints store, and the named sizes;
-- ``spec``: ``ModelSpec``, what a family provides (Hugging Face config and tensor-name mapping,
-  ``build``, parallel plan, fused-decode support, FLOP hooks), and the registry that finds it;
-- ``families/``: one module per family (Llama incl. SmolLM2, Qwen2/Qwen3, Mistral), each
-  registering its spec;
+- ``configs``: the per-module configs (norm, RoPE, attention kinds, MLP, router, MoE, block, decoder);
+- ``layers/``: the shared building blocks, each built from its config (RMSNorm, rotary tables incl.
+  YaRN, grouped-query and latent attention and their kernels, gated MLPs, mixtures of experts with their
+  routers, KV caches), one idea per module;
+- ``model``: ``Transformer``, the decoder built from a list of block configs, with what only the model
+  can name (its tensor-parallel roles, Muon's matrices, its pipeline stages, its init);
+- ``args``: ``ModelArgs``, the hyper-parameters checkpoints store, and ``decoder_config()`` from them;
+- ``spec``: ``ModelSpec``, what a family provides (config.json both ways, named sizes, tensor names,
+  LoRA targets, FLOP hooks, an after-optimizer-step hook), and the registry that finds it;
+- ``<family>/`` (``llama``, ``qwen``, ``mistral``, ``phi3``, ``gemma3``, ``qwen3_moe``, ``mixtral``,
+  ``olmoe``, ...): one folder each, registering its spec; ``families`` lists them; ``common/`` holds
+  what several share;
+- ``flops`` / ``memory``: FLOPs per token and the planner's memory model, from the blocks' configs;
 - ``hf`` / ``hf_config``: Hugging Face directories in and out, always through the family's spec.
 
 ``load_model`` (``load``) is the one way to get a model from any source (fresh, a Hugging Face
 directory, an lmforge run or checkpoint).
 """
+
+# Registration: every built-in family registers its spec (and its argument class and named sizes) when
+# the package is first imported, so a lookup anywhere under lmforge.models finds them all.
+from lmforge.models import families as _families  # noqa: E402,F401

@@ -189,21 +189,8 @@ class ModelArgs:
         return cls(**d)
 
 
-def _gemma3(n_layers: int, dim: int, ffn: int) -> dict[str, Any]:
-    """Gemma 3's text shape: 4 query heads, 1 kv head of 256, five local layers (window 512) per global one."""
-    return dict(
-        dim=dim, n_layers=n_layers, n_heads=4, n_kv_heads=1, head_dim=256, ffn_hidden_dim=ffn, norm_eps=1e-6,
-        rope_theta=1_000_000.0, local_rope_theta=10_000.0, max_seq_len=32768, tie_embeddings=True, qk_norm=True,
-        sliding_window=512, layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n_layers)],
-        hidden_act="gelu_tanh", norm_unit_offset=True, embed_scale=True, sandwich_norm=True, attn_scale=256 ** -0.5,
-        hf_model_type="gemma3_text",
-    )
-
-
-# The real shapes are copied from each model's published config.json on the Hugging Face Hub
-# (HuggingFaceTB/SmolLM2-135M, Qwen/Qwen2.5-0.5B, Qwen/Qwen3-0.6B, meta-llama/Llama-3.2-1B,
-# mistralai/Mistral-7B-v0.1, microsoft/Phi-3-mini-4k-instruct, google/gemma-3-270m, google/gemma-3-1b-pt,
-# Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1, allenai/OLMoE-1B-7B-0924); vocab_size still comes from the tokenizer.
+# Generic Llama-shaped presets; each family registers the named sizes of its published models beside
+# its config.json mapping (``ModelSpec.sizes``). vocab_size always comes from the tokenizer.
 MODEL_SIZES: dict[str, dict[str, Any]] = {
     "debug": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=1024),
     "small": dict(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, max_seq_len=2048),
@@ -215,49 +202,6 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
     "8b": dict(
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336, tie_embeddings=False,
         rope_theta=500000.0, max_seq_len=8192,
-    ),
-    "smollm2-135m": dict(
-        dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_hidden_dim=1536, norm_eps=1e-5,
-        rope_theta=100000.0, max_seq_len=8192, tie_embeddings=True,
-    ),
-    "qwen2.5-0.5b": dict(
-        dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_hidden_dim=4864, norm_eps=1e-6,
-        rope_theta=1000000.0, max_seq_len=32768, tie_embeddings=True, qkv_bias=True, hf_model_type="qwen2",
-    ),
-    "qwen3-0.6b": dict(
-        dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_hidden_dim=3072, norm_eps=1e-6,
-        rope_theta=1000000.0, max_seq_len=40960, tie_embeddings=True, qk_norm=True, hf_model_type="qwen3",
-    ),
-    "llama-3.2-1b": dict(
-        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden_dim=8192, norm_eps=1e-5,
-        rope_theta=500000.0, max_seq_len=131072, tie_embeddings=True,
-        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192),
-    ),
-    "mistral-7b": dict(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336, norm_eps=1e-5,
-        rope_theta=10000.0, max_seq_len=32768, tie_embeddings=False, sliding_window=4096, hf_model_type="mistral",
-    ),
-    "phi3-mini": dict(
-        dim=3072, n_layers=32, n_heads=32, n_kv_heads=32, ffn_hidden_dim=8192, norm_eps=1e-5, rope_theta=10000.0,
-        max_seq_len=4096, tie_embeddings=False, sliding_window=2047, hf_model_type="phi3",
-    ),
-    "gemma3-270m": _gemma3(18, 640, 2048),
-    "gemma3-1b": _gemma3(26, 1152, 6912),
-    "qwen3-30b-a3b": dict(
-        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, ffn_hidden_dim=6144, norm_eps=1e-6,
-        rope_theta=1000000.0, max_seq_len=40960, tie_embeddings=False, qk_norm=True, n_experts=128,
-        n_experts_per_token=8, moe_ffn_dim=768, moe_norm_topk=True, router_aux_loss_coef=0.001, hf_model_type="qwen3_moe",
-    ),
-    "mixtral-8x7b": dict(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336, norm_eps=1e-5, rope_theta=1000000.0,
-        max_seq_len=32768, tie_embeddings=False, n_experts=8, n_experts_per_token=2, moe_norm_topk=True,
-        router_aux_loss_coef=0.02, hf_model_type="mixtral",
-    ),
-    "olmoe-1b-7b": dict(
-        dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, ffn_hidden_dim=1024, norm_eps=1e-5, rope_theta=10000.0,
-        max_seq_len=4096, tie_embeddings=False, qk_norm=True, qk_norm_per_head=False, n_experts=64,
-        n_experts_per_token=8, moe_norm_topk=False, router_aux_loss_coef=0.01, hf_model_type="olmoe",
     ),
 }
 

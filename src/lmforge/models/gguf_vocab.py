@@ -98,7 +98,7 @@ def _tokenizer_json(tokenizer: Tokenizer) -> tuple[Any, dict[str, Any], str]:
     from tokenizers import Tokenizer as HFTok
 
     if isinstance(tokenizer, ByteTokenizer):
-        from lmforge.export import byte_tokenizer_json
+        from lmforge.models.tokenizer import byte_tokenizer_json
 
         text = byte_tokenizer_json(tokenizer)
         return HFTok.from_str(text), json.loads(text), "the byte tokenizer"

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
-from lmforge.models.families.llama_style import LLAMA_LAYOUT
+from lmforge.models.common.llama_style import LLAMA_LAYOUT
 from lmforge.models.hf_config import args_from_hf_config, check_exportable, hf_config_from_args
 from lmforge.models.model import Transformer
 from lmforge.models.spec import spec_for_args

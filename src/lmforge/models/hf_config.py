@@ -3,7 +3,7 @@
 The file's ``model_type`` selects the spec; the spec reads the rest (its defaults for missing keys,
 the settings it refuses, the switches it sets) and writes it back. Every refusal is one line
 naming the file and the key. The Llama-shaped families share their mapping
-(:mod:`lmforge.models.families.llama_style`).
+(:mod:`lmforge.models.common.llama_style`).
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ checkpoint tensors are named, how to build the model, whether the fused decode s
 to lay it out over devices and how to count its FLOPs. Code that depends on the family asks the
 spec (``spec_for_args(args)``, ``spec_for_hf_config(cfg, where)``) and never tests a family name.
 
-The built-in families live in :mod:`lmforge.models.families`, one module per family, and register
-themselves when this module is imported. To add one, see ``docs/models.md`` ("Layout").
+The built-in families live in their folders under :mod:`lmforge.models`, listed in
+:mod:`lmforge.models.families`, and register themselves when the ``lmforge.models`` package is first
+imported (so before any lookup here). To add one, see ``docs/models.md`` ("Layout").
 """
 
 from __future__ import annotations
@@ -158,7 +159,3 @@ def spec_for_hf_config(cfg: Mapping[str, Any], where: str) -> ModelSpec:
     if spec is None:
         raise UserError(f"{where}: model_type {family!r} is not supported (supported: {', '.join(_BY_MODEL_TYPE)})")
     return spec
-
-
-# The built-in families register themselves on import. Imported last: they import this module.
-from lmforge.models import families as _families  # noqa: E402,F401

@@ -13,7 +13,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 from lmforge.errors import UserError
 
-__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer", "generation_eos_ids"]
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "byte_tokenizer_json", "load_tokenizer", "generation_eos_ids"]
 
 Offsets = list[tuple[int, int]]
 """Per token, the ``[start, end)`` character range of the text it came from."""
@@ -294,3 +294,41 @@ def load_tokenizer(spec: str) -> Tokenizer:
         raise UserError(f"tokenizer {spec!r}: no such file or directory (use 'byte' or a "
                         "directory containing tokenizer.json)")
     return HFTokenizer(path)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """Byte -> printable character table of byte-level BPE tokenizers (what ``ByteLevel`` expects).
+
+    Printable Latin-1 bytes map to themselves; the rest are moved to code points from 256 upward.
+    """
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, shifted = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + shifted)
+            shifted += 1
+    return table
+
+
+def byte_tokenizer_json(tokenizer: ByteTokenizer) -> str:
+    """A ``tokenizer.json`` that encodes and decodes exactly like :class:`ByteTokenizer`.
+
+    Byte-level BPE with no merges: every byte is one token with id = byte value, then the special
+    tokens at their lmforge ids.
+    """
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders, models, pre_tokenizers
+
+    table = _bytes_to_unicode()
+    tok = HFTok(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    literals = sorted(((i, tokenizer.decode([i], skip_special=False)) for i in tokenizer.special_tokens.values()))
+    for expected, literal in literals:
+        tok.add_special_tokens([AddedToken(literal, special=True, normalized=False)])
+        if tok.token_to_id(literal) != expected:
+            raise RuntimeError(f"byte tokenizer export: {literal} got id {tok.token_to_id(literal)}, not {expected}")
+    return tok.to_str()

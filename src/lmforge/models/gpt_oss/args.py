@@ -114,9 +114,7 @@ GPT_OSS_SIZES: dict[str, dict[str, Any]] = {
 def gpt_oss_args_for(size: str, vocab_size: int, **overrides: Any) -> GptOssArgs:
     """``GptOssArgs`` of a named size (``model_args_for``: the spec registers :data:`GPT_OSS_SIZES`)."""
     from lmforge.models.args import model_args_for
-    from lmforge.models.spec import get_spec
 
-    get_spec("gpt_oss")  # registered
     if size not in GPT_OSS_SIZES:
         raise UserError(f"unknown gpt-oss size {size!r}; known: {', '.join(GPT_OSS_SIZES)}")
     args = model_args_for(size, vocab_size, **overrides)

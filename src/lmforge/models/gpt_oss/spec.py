@@ -1,4 +1,4 @@
-"""gpt-oss's :class:`~lmforge.models.spec.ModelSpec`, registered on import (``lmforge.models.families`` imports it)."""
+"""gpt-oss's :class:`~lmforge.models.spec.ModelSpec`, registered on import (the package imports it)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ hook dequantizes them first (:mod:`lmforge.models.gpt_oss.mxfp4`).
 
 from __future__ import annotations
 
-from lmforge.models.families.llama_style import LLAMA_LAYOUT
+from lmforge.models.common.llama_style import LLAMA_LAYOUT
 from lmforge.models.gpt_oss.mxfp4 import dequantize_mxfp4_state
 from lmforge.models.state_dict_adapter import Packed
 

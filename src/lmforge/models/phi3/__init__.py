@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmforge.models.args import ModelArgs
-from lmforge.models.families.llama_style import LLAMA_LAYOUT, LlamaStyleConfig
+from lmforge.models.common.llama_style import LLAMA_LAYOUT, LlamaStyleConfig
 
 
 def _export_keys(args: ModelArgs) -> dict[str, Any]:
@@ -36,4 +36,7 @@ PHI3_LAYOUT = LLAMA_LAYOUT.fuse({
     "mlp.gate_up_proj.weight": ("feed_forward.w1.weight", "feed_forward.w3.weight"),
 })
 
-PHI3 = PHI3_CONFIG.register(PHI3_LAYOUT, fused_decode=True)
+# microsoft/Phi-3-mini-4k-instruct
+PHI3 = PHI3_CONFIG.register(PHI3_LAYOUT, fused_decode=True, sizes={"phi3-mini": dict(
+    dim=3072, n_layers=32, n_heads=32, n_kv_heads=32, ffn_hidden_dim=8192, norm_eps=1e-5, rope_theta=10000.0,
+    max_seq_len=4096, tie_embeddings=False, sliding_window=2047)})

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
-from lmforge.models.families.llama_style import LLAMA_LAYOUT, LlamaStyleConfig, rope_settings
+from lmforge.models.common.llama_style import LLAMA_LAYOUT, LlamaStyleConfig, rope_settings
 
 DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 
@@ -108,5 +108,19 @@ GEMMA3_LAYOUT = LLAMA_LAYOUT.extend(layer_names={
     "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
 })
 
+
+
+def _size(n_layers: int, dim: int, ffn: int) -> dict[str, Any]:
+    """Gemma 3's text shape: 4 query heads, 1 kv head of 256, five local layers (window 512) per global one."""
+    return dict(
+        dim=dim, n_layers=n_layers, n_heads=4, n_kv_heads=1, head_dim=256, ffn_hidden_dim=ffn, norm_eps=1e-6,
+        rope_theta=1_000_000.0, local_rope_theta=10_000.0, max_seq_len=32768, tie_embeddings=True, qk_norm=True,
+        sliding_window=512, layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n_layers)],
+        hidden_act="gelu_tanh", norm_unit_offset=True, embed_scale=True, sandwich_norm=True, attn_scale=256 ** -0.5,
+    )
+
+
 # The fused decode step has no (1 + w) norms, sandwich norms or per-layer windows.
-GEMMA3 = GEMMA3_CONFIG.register(GEMMA3_LAYOUT, fused_decode=False)
+# google/gemma-3-270m, google/gemma-3-1b-pt
+GEMMA3 = GEMMA3_CONFIG.register(GEMMA3_LAYOUT, fused_decode=False, sizes={
+    "gemma3-270m": _size(18, 640, 2048), "gemma3-1b": _size(26, 1152, 6912)})

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmforge.models.args import ModelArgs
-from lmforge.models.families.llama_style import LLAMA_LAYOUT, LlamaStyleConfig
+from lmforge.models.common.llama_style import LLAMA_LAYOUT, LlamaStyleConfig
 
 
 def _export_keys(args: ModelArgs) -> dict[str, Any]:
@@ -26,4 +26,7 @@ MISTRAL_CONFIG = LlamaStyleConfig(
     export_keys=_export_keys,
 )
 
-MISTRAL = MISTRAL_CONFIG.register(LLAMA_LAYOUT, fused_decode=True)  # the fused step applies the window
+# the fused step applies the window; mistralai/Mistral-7B-v0.1
+MISTRAL = MISTRAL_CONFIG.register(LLAMA_LAYOUT, fused_decode=True, sizes={"mistral-7b": dict(
+    dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336, norm_eps=1e-5,
+    rope_theta=10000.0, max_seq_len=32768, tie_embeddings=False, sliding_window=4096)})

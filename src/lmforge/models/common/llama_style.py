@@ -1,4 +1,5 @@
-"""What the Llama-shaped families share: the tensor names and most of config.json.
+"""What the Llama-shaped families share: the tensor names and most of config.json (each family's folder
+fills in a :class:`LlamaStyleConfig` and registers it).
 
 Every built-in family is one decoder (:class:`~lmforge.models.model.Transformer`) with a few
 switches, and their Hugging Face checkpoints name tensors much the same way. So a family module
@@ -181,16 +182,18 @@ class LlamaStyleConfig:
         except UserError as e:
             raise UserError(f"{where}: {e}") from None
 
-    def register(self, layout: StateDictAdapter, fused_decode: bool) -> "ModelSpec":
+    def register(self, layout: StateDictAdapter, fused_decode: bool,
+                 sizes: Mapping[str, Mapping[str, Any]] | None = None) -> "ModelSpec":
         """Register this family's :class:`~lmforge.models.spec.ModelSpec` (named after its ``model_type``):
-        these conversions, ``layout`` for the tensor names and the shared decoder as its model."""
+        these conversions, ``layout`` for the tensor names, the shared decoder as its model and the named
+        ``sizes`` of its published models."""
         from lmforge.models.model import Transformer
         from lmforge.models.spec import ModelSpec, register_spec
 
         return register_spec(ModelSpec(
             name=self.model_type, hf_model_type=self.model_type, hf_architecture=self.architecture,
             args_from_hf=self.args_from_hf, hf_config=self.hf_config, check_exportable=self.check_exportable,
-            state_dict_adapter=layout, build=Transformer, fused_decode=fused_decode,
+            state_dict_adapter=layout, build=Transformer, fused_decode=fused_decode, sizes=dict(sizes or {}),
         ))
 
     def check_exportable(self, args: ModelArgs) -> None:
