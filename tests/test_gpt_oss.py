@@ -334,3 +334,16 @@ def test_mxfp4_directory_loads_as_transformers_loads_it(tmp_path):
     with torch.no_grad():
         diff = (theirs(tokens).logits - ours(tokens)).abs().max().item()
     assert diff < 1e-5, diff
+
+
+@pytest.mark.parametrize("size", list(GPT_OSS_SIZES))
+def test_plan_runs_for_the_named_sizes(size, capsys):
+    from lmforge.cli import main
+
+    rc = main(["plan", "--devices", "8", "--device-memory-gb", "80", f"--model.size={size}", "--model.tokenizer=byte",
+               "--vocab-size", "201088", "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0, out[-2000:]
+    rows = json.loads(out)
+    assert rows and any(r["layout"]["ep"] > 1 for r in rows)
+    assert all(r["layout"]["tp"] == 1 for r in rows)  # sinks: no tensor-parallel plan
