@@ -27,6 +27,12 @@ FAMILIES = {  # name -> (tokenizer fixture, transformers config class, family-sp
 }
 MORE_FAMILIES = {  # trained by tests/test_family_recipes.py only (test_real_models.py runs FAMILIES)
     "olmoe": ("smollm2-135m-instruct", "OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2)),
+    # no gpt-oss (harmony) tokenizer among the fixtures: Qwen2.5's stands in
+    "gpt_oss": ("qwen2.5-instruct", "GptOssConfig", dict(
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"], rope_parameters=dict(
+            rope_type="yarn", factor=4.0, rope_theta=1e4, beta_fast=32.0, beta_slow=1.0, truncate=False,
+            original_max_position_embeddings=128))),
 }
 
 

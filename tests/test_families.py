@@ -83,11 +83,17 @@ def hf_config(family: str) -> "transformers.PretrainedConfig":
             qk_rope_head_dim=8, v_head_dim=10, num_nextn_predict_layers=0,
             rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=16,
                                  mscale=1.0, mscale_all_dim=1.0))
+    if family == "gpt_oss":  # sinks, alternating sliding/full layers, YaRN, biased router and experts, clamped SwiGLU
+        return transformers.GptOssConfig(**COMMON, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                         sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+                                         swiglu_limit=1.5, rope_parameters=dict(
+                                             rope_type="yarn", factor=4.0, rope_theta=1e4, beta_fast=32.0, beta_slow=1.0,
+                                             truncate=False, original_max_position_embeddings=16))
     raise AssertionError(family)
 
 
 FAMILIES = ["llama", "llama3", "llama_linear", "qwen2_yarn", "smollm2", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "qwen3_moe",
-            "mixtral", "olmoe", "deepseek_v3"]
+            "mixtral", "olmoe", "deepseek_v3", "gpt_oss"]
 MOE_FAMILIES = ["qwen3_moe", "mixtral", "olmoe"]
 
 

@@ -1,4 +1,4 @@
-"""Gemma 3 and the mixtures of experts (Qwen3-MoE, OLMoE; Mixtral below) through the trainers a user runs on them: LoRA SFT (experts
+"""Gemma 3 and the mixtures of experts (Qwen3-MoE, OLMoE, gpt-oss; Mixtral below) through the trainers a user runs on them: LoRA SFT (experts
 adapted too), DPO and GRPO from a Hugging Face directory with the family's real chat template, each
 for one step; and a LoRA run on an MoE exported merged, loaded by transformers with equal logits."""
 
@@ -25,7 +25,7 @@ SHAPE_FLAGS = dict(model_size=None, model_n_layers=None, model_dim=None, model_n
 @pytest.fixture(scope="module")
 def starts(tmp_path_factory):
     base = tmp_path_factory.mktemp("family_starts")
-    return {f: hf_start(f, base / f) for f in ("gemma3", "qwen3_moe", "mixtral", "olmoe")}
+    return {f: hf_start(f, base / f) for f in ("gemma3", "qwen3_moe", "mixtral", "olmoe", "gpt_oss")}
 
 
 def _pairs(path: Path) -> Path:
@@ -42,7 +42,7 @@ RECIPES = {
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
-@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe", "olmoe", "gpt_oss"])
 def test_family_trains_one_step_in_every_trainer(starts, family, recipe, tmp_path, capsys):
     run = tmp_path / "run"
     args = tiny_run_args(training_steps=1, training_global_batch_size=2, training_micro_batch_size=2, **SHAPE_FLAGS)
@@ -61,18 +61,19 @@ def test_family_trains_one_step_in_every_trainer(starts, family, recipe, tmp_pat
             assert setup["router_losses"] == f"off ({recipe} trains MoE models without router terms)"
 
 
-def test_lora_on_experts_exports_merged_with_equal_logits(starts, tmp_path, capsys):
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_lora_on_experts_exports_merged_with_equal_logits(starts, family, tmp_path, capsys):
     from lmforge.inference import load_for_inference
 
     run = tmp_path / "run"
     args = tiny_run_args(CHATS, training_steps=2, training_global_batch_size=2, training_micro_batch_size=2,
                          data_seq_len=128, tasks_eval_examples=0, **SHAPE_FLAGS)
-    rc = main(["sft", *args, f"--model.from_hf={starts['mixtral']}", f"--run.dir={run}", "--lora.enabled=true",
+    rc = main(["sft", *args, f"--model.from_hf={starts[family]}", f"--run.dir={run}", "--lora.enabled=true",
                "--lora.rank=4", "--lora.target_modules=wq,w1,w2,w3", "--optimizer.lr=0.05"])
     assert rc == 0, capsys.readouterr().err[-2000:]
     assert main(["export", str(run), "--hf", str(tmp_path / "hf")]) == 0, capsys.readouterr().err[-2000:]
     model, _ = load_for_inference(run)
-    base = transformers.AutoModelForCausalLM.from_pretrained(starts["mixtral"]).eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(starts[family]).eval()
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     x = torch.randint(10, 1000, (1, 16))
     with torch.no_grad():

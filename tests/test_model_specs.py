@@ -37,6 +37,7 @@ FAMILY_KEYS = {  # what a family's config.json must add to the shared keys
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [0]},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2},
 }
 
 
@@ -47,7 +48,7 @@ def family_config(spec: ModelSpec, **changes) -> dict:
         "max_position_embeddings": 96, "rms_norm_eps": 1e-5, "rope_theta": 20000.0, "sliding_window": 8,
         "tie_word_embeddings": False, **FAMILY_KEYS.get(spec.hf_model_type, {}),
     }
-    if spec.hf_model_type == "gemma3_text" and changes.get("sliding_window", 8) is None:
+    if spec.hf_model_type in ("gemma3_text", "gpt_oss") and changes.get("sliding_window", 8) is None:
         cfg["layer_types"] = ["full_attention"] * 2  # no window: no local layers either
     return {**cfg, **changes}
 
@@ -89,13 +90,16 @@ def test_state_dict_adapter_round_trips_names(spec):
         hf = spec.state_dict_adapter.to_hf(state, args)
         assert ("lm_head.weight" in hf) is not tied
         adapter = spec.state_dict_adapter
-        stacked = [k for k in state if ".experts." in k]  # one Hugging Face tensor per expert
+        # one Hugging Face tensor per expert
+        stacked = [k for k in state if k.split(".", 2)[-1] in adapter.expert_names]
         fused = [k for k in state if any(k.endswith(p) for ps in adapter.fused_names.values() for p in ps)]
+        packed = [k for k in state if any(k.endswith(p) for pk in adapter.packed_names.values() for p in pk.parts)]
         assert len(hf) == (len(state) - tied + (args.n_experts - 1) * len(stacked)
-                           - len(fused) + args.n_layers * len(adapter.fused_names) * bool(fused))  # distinct names
+                           - len(fused) + args.n_layers * len(adapter.fused_names) * bool(fused)
+                           - len(packed) + args.n_layers * len(adapter.packed_names) * bool(packed))  # distinct names
         back = adapter.from_hf(hf, args)
         assert back.keys() == state.keys()
-        copied = set(stacked) | set(fused)  # stacked or split: equal values, not the same tensors
+        copied = set(stacked) | set(fused) | set(packed)  # stacked or split: equal values, not the same tensors
         assert all(back[k] is state[k] for k in state if not (tied and k == "output.weight") and k not in copied)
         assert all(torch.equal(back[k], state[k]) for k in copied)
         assert back["output.weight"] is (back["tok_embeddings.weight"] if tied else state["output.weight"])

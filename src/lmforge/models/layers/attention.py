@@ -22,6 +22,7 @@ from lmforge.models.layers.context_attention import ContextParallelLayout, atten
 from lmforge.models.layers.norm import RMSNorm
 from lmforge.models.layers.packed_attention import PackedLayout, attend_packed
 from lmforge.models.layers.rope import apply_rope
+from lmforge.models.layers.sinks import sink_attention
 
 if TYPE_CHECKING:  # pragma: no cover
     from lmforge.models.layers.kv_cache import KVCache
@@ -75,25 +76,30 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(layer_idx, k, v)
-        out = attend(q, k, v, mask, is_causal, enable_gqa=self.n_kv_heads != self.n_heads, scale=self.scale)
+        out = attend(q, k, v, mask, is_causal, enable_gqa=self.n_kv_heads != self.n_heads, scale=self.scale,
+                     sinks=self.sinks)
         return self.wo(out.reshape(B, T, -1))
 
 
 def attend(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | PackedLayout | None, is_causal: bool, enable_gqa: bool,
-    scale: float | None = None,
+    scale: float | None = None, sinks: Tensor | None = None,
 ) -> Tensor:
     """Attention of q [B, H, T, D] over k, v [B, Hkv, S, D] -> [B, T, H, D].
 
-    ``mask`` is a boolean SDPA mask, a :class:`PackedLayout` (block-diagonal causal attention
-    per document), or None (``is_causal`` decides). ``scale`` None is SDPA's 1/sqrt(D).
+    ``mask`` is a boolean SDPA mask (or the KV cache's additive one), a :class:`PackedLayout`
+    (block-diagonal causal attention per document), or None (``is_causal`` decides). ``scale`` None is
+    SDPA's 1/sqrt(D). ``sinks`` [H]: a learned logit per query head that joins every softmax with no
+    value (gpt-oss; see :mod:`lmforge.models.layers.sinks`); None leaves every path as it was.
     """
     if isinstance(mask, PackedLayout):
-        return attend_packed(q, k, v, mask, enable_gqa, scale)
+        return attend_packed(q, k, v, mask, enable_gqa, scale, sinks)
     if isinstance(mask, ContextParallelLayout):  # this rank's queries over the cp group's keys
-        return attend_context_parallel(q, k, v, mask, enable_gqa, scale)
+        return attend_context_parallel(q, k, v, mask, enable_gqa, scale, sinks)
     if mask is None and is_causal:
-        return causal_attention(q, k, v, enable_gqa, scale).transpose(1, 2)
+        return causal_attention(q, k, v, enable_gqa, scale, sinks).transpose(1, 2)
+    if sinks is not None:
+        return sink_attention(q, k, v, sinks, mask, is_causal, enable_gqa, scale).transpose(1, 2)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=enable_gqa,
                                          scale=scale)
     return out.transpose(1, 2)

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lmforge.models.layers.sinks import sink_attention
+
 __all__ = ["EXPLICIT_MAX_LEN", "causal_attention", "explicit_causal_attention"]
 
 EXPLICIT_MAX_LEN = 256
@@ -67,10 +69,14 @@ def _bf16(*xs: Tensor) -> bool:
     return all(x.dtype == torch.bfloat16 for x in xs)
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool, scale: float | None = None) -> Tensor:
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool, scale: float | None = None,
+                     sinks: Tensor | None = None) -> Tensor:
     """Causal self-attention of q [B, H, T, D] over k, v [B, Hkv, T, D] -> [B, H, T, D] (queries and keys
     at the same positions): the explicit bf16 path on a CPU for sequences up to :data:`EXPLICIT_MAX_LEN`,
-    SDPA with ``is_causal=True`` otherwise."""
+    SDPA with ``is_causal=True`` otherwise. With ``sinks`` [H] (gpt-oss), always
+    :func:`~lmforge.models.layers.sinks.sink_attention` (SDPA with the sink as an extra key)."""
+    if sinks is not None:
+        return sink_attention(q, k, v, sinks, None, True, enable_gqa, scale)
     T = q.shape[-2]
     if q.device.type == "cpu" and 1 < T <= EXPLICIT_MAX_LEN and k.shape[-2] == T and _bf16(q, k, v):
         # under autocast q and k arrive in fp32 (RoPE's fp32 tables promote them): SDPA would cast them too

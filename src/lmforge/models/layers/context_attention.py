@@ -26,6 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from lmforge.models.layers.sinks import sink_attention
+
 __all__ = ["ContextParallelLayout", "attend_context_parallel", "context_layout", "shard_index"]
 
 
@@ -124,8 +126,11 @@ def context_layout(group: Any, document_ids: Tensor | None, batch: int, local_le
 
 @torch.compiler.disable
 def attend_context_parallel(q: Tensor, k: Tensor, v: Tensor, layout: ContextParallelLayout, enable_gqa: bool,
-                            scale: float | None = None) -> Tensor:
-    """Attention of the local q [B, H, T/cp, D] over the group's k, v [B, Hkv, T/cp, D] -> [B, T/cp, H, D]."""
+                            scale: float | None = None, sinks: Tensor | None = None) -> Tensor:
+    """Attention of the local q [B, H, T/cp, D] over the group's k, v [B, Hkv, T/cp, D] -> [B, T/cp, H, D];
+    ``sinks`` [H]: gpt-oss's per-head sink logits (:mod:`lmforge.models.layers.sinks`)."""
     k, v = _GatherKV.apply(torch.stack([k, v]), layout.group).unbind(0)
+    if sinks is not None:
+        return sink_attention(q, k, v, sinks, layout.mask, False, enable_gqa, scale).transpose(1, 2)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, enable_gqa=enable_gqa, scale=scale)
     return out.transpose(1, 2)

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from lmforge.models.layers.causal_attention import causal_attention
 from lmforge.models.layers.masks import sliding_window_mask
+from lmforge.models.layers.sinks import sink_attention
 
 __all__ = ["LengthGroup", "PackedLayout", "attend_packed", "packed_layout"]
 
@@ -112,8 +113,9 @@ def packed_layout(document_ids: Tensor, window: int | None = None) -> PackedLayo
 
 @torch.compiler.disable
 def attend_packed(q: Tensor, k: Tensor, v: Tensor, layout: PackedLayout, enable_gqa: bool,
-                  scale: float | None = None) -> Tensor:
-    """Per-document causal attention of q [B, H, T, D] over k, v [B, Hkv, T, D] -> [B, T, H, D]."""
+                  scale: float | None = None, sinks: Tensor | None = None) -> Tensor:
+    """Per-document causal attention of q [B, H, T, D] over k, v [B, Hkv, T, D] -> [B, T, H, D];
+    ``sinks`` [H]: gpt-oss's per-head sink logits (:mod:`lmforge.models.layers.sinks`), in every document."""
     B, _, T, _ = q.shape
     # [B, H, T, D] -> [B*T, H, D], so one index picks a document's tokens for every head. All groups
     # are gathered by one index_select and split into views: the backward is then one zero-filled
@@ -124,7 +126,9 @@ def attend_packed(q: Tensor, k: Tensor, v: Tensor, layout: PackedLayout, enable_
     outs = []
     for g, qg, kg, vg in zip(layout.groups, q, k, v):
         qg, kg, vg = (x.view(*g.index.shape, *x.shape[1:]).transpose(1, 2) for x in (qg, kg, vg))  # [n, H, length, D]
-        if g.mask is None:
+        if sinks is not None:
+            out = sink_attention(qg, kg, vg, sinks, g.mask, g.mask is None, enable_gqa, scale)
+        elif g.mask is None:
             out = causal_attention(qg, kg, vg, enable_gqa, scale)
         else:
             out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, enable_gqa=enable_gqa, scale=scale)
