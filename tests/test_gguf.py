@@ -209,7 +209,7 @@ def test_bad_gguf_inputs_are_one_line_errors(tmp_path, monkeypatch):
         getattr(ints, f"add_{k}")(v)
     ints.add_layer_norm_rms_eps(1e-5)
     ints.add_tensor("token_embd.weight", np.zeros((8, 4), np.int32))
-    ints.add_tensor("blk.0.attn_norm.weight", np.ones(4, np.float32))
+    ints.add_tensor("blk.0.attn_norm.weight", np.ones(4, np.float32))  # the one layer it declares
     ints.write_header_to_file(), ints.write_kv_data_to_file(), ints.write_tensors_to_file(), ints.close()
     with pytest.raises(UserError) as e:
         load_gguf_model(tmp_path / "ints.gguf")

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
-from lmforge.models.gguf_checks import check_config_bounds, check_gguf_layout
+from lmforge.models.gguf_checks import check_against_tensors, check_config_bounds, check_gguf_layout
 from lmforge.models.hf import model_from_hf_state
 from lmforge.models.hf_config import args_from_hf_config
 from lmforge.models.model import Transformer
@@ -159,13 +159,12 @@ def gguf_hf_config(reader: Any, where: str) -> dict[str, Any]:
     missing = [k for k, v in cfg.items() if v is None]
     if missing:
         raise UserError(f"{where}: GGUF metadata lacks {arch}.* for {', '.join(missing)}")
-    shape, layers = tuple(int(n) for n in embd.shape), _layer_ids(tensors)
-    check_config_bounds(cfg, shape, layers, where)  # before any value is divided by or sized from
+    check_config_bounds(cfg, where)  # before any value is divided by or sized from
     if key("context_length") is not None:
         cfg["max_position_embeddings"] = key("context_length")
     head_dim = key("attention.key_length") or (dim // n_heads)
     cfg["head_dim"] = head_dim
-    check_config_bounds(cfg, shape, layers, where)
+    check_config_bounds(cfg, where)
     if key("attention.value_length", head_dim) != head_dim:
         raise UserError(f"{where}: {arch}.attention.value_length {key('attention.value_length')} differs from "
                         f"key_length {head_dim}; lmforge's attention has one head size")
@@ -188,9 +187,9 @@ def gguf_hf_config(reader: Any, where: str) -> dict[str, Any]:
         if key("rope.scaling.original_context_length"):
             cfg["rope_scaling"]["original_max_position_embeddings"] = key("rope.scaling.original_context_length")
     elif _ROPE_FREQS in tensors:
-        check_config_bounds(cfg, shape, layers, where)
+        check_config_bounds(cfg, where)
         cfg["rope_scaling"] = _llama3_scaling(_dequantized(tensors[_ROPE_FREQS], where), cfg, where)
-    check_config_bounds(cfg, shape, layers, where)
+    check_config_bounds(cfg, where)
     return cfg
 
 
@@ -319,6 +318,8 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Tra
     where = str(Path(path).expanduser())
     reader = open_gguf(path)
     cfg = gguf_hf_config(reader, where)
+    tensors = _tensors(reader)
+    check_against_tensors(cfg, tuple(int(n) for n in tensors["token_embd.weight"].shape), _layer_ids(tensors), where)
     args = args_from_hf_config(cfg, where)
     return model_from_hf_state(hf_state_dict_from_gguf(reader, cfg, where), args, dtype,
                                f"{where}: tensors do not match the GGUF metadata")

@@ -13,9 +13,10 @@ So lmforge reads the file in two passes:
    llama.cpp packs tensors back to back, padded to the alignment, so the room a tensor has up to the
    next one must be its declared type's size (a mislabelled type would be read as garbage).
 2. :func:`check_config_bounds` holds the metadata values, once mapped onto a Hugging Face config, to
-   what a model can be: positive integer widths, head and layer counts within bounds (the layer count
-   also equal to the layers the tensors hold, the width to the embedding's), a finite positive norm
-   epsilon and RoPE base, a context length within bounds.
+   what a model can be: positive integer widths, head and layer counts within bounds, a finite positive
+   norm epsilon and RoPE base, a context length within bounds; and, before a model is allocated from
+   them (:func:`check_against_tensors`), the layer count equal to the layers the tensors hold and the
+   width to the embedding's.
 
 Each refusal is one :class:`~lmforge.errors.UserError` line naming the file and the value.
 """
@@ -30,7 +31,7 @@ from typing import Any, Mapping
 
 from lmforge.errors import UserError
 
-__all__ = ["check_gguf_layout", "check_config_bounds", "MAX_LAYERS", "MAX_DIM", "MAX_HEADS", "MAX_CONTEXT"]
+__all__ = ["check_gguf_layout", "check_config_bounds", "check_against_tensors", "MAX_LAYERS", "MAX_DIM", "MAX_HEADS", "MAX_CONTEXT"]
 
 MAX_LAYERS = 1024
 """Most transformer blocks (the largest open models have under 200)."""
@@ -206,10 +207,9 @@ def _positive_float(cfg: Mapping[str, Any], key: str, where: str, below: float =
         raise UserError(f"{where}: GGUF metadata gives {key}={v!r}; expected a finite positive number{bound}")
 
 
-def check_config_bounds(cfg: Mapping[str, Any], embedding_shape: tuple[int, ...], layer_ids: set[int],
-                        where: str) -> None:
-    """Pass 2 (module doc): a GGUF file's metadata as a Hugging Face config, within what a model can be and
-    agreeing with its tensors, before any model is built from it."""
+def check_config_bounds(cfg: Mapping[str, Any], where: str) -> None:
+    """Pass 2 (module doc): a GGUF file's metadata as a Hugging Face config, within what a model can be,
+    before any value is divided by or sized from."""
     for key in ("hidden_size", "intermediate_size", "head_dim", "vocab_size"):
         _int(cfg, key, where, 1, MAX_DIM)
     for key in ("num_attention_heads", "num_key_value_heads"):
@@ -224,6 +224,12 @@ def check_config_bounds(cfg: Mapping[str, Any], embedding_shape: tuple[int, ...]
     if isinstance(scaling, dict):
         _positive_float(scaling, "factor", where)
         _int(scaling, "original_max_position_embeddings", where, 1, MAX_CONTEXT)
+
+
+def check_against_tensors(cfg: Mapping[str, Any], embedding_shape: tuple[int, ...], layer_ids: set[int],
+                          where: str) -> None:
+    """The metadata's layer count and width agree with the tensors (each bounded by the file's size), before
+    a model of that shape is allocated: a declared count alone could ask for gigabytes."""
     if layer_ids != set(range(cfg["num_hidden_layers"])):
         held = f"layers {min(layer_ids)} to {max(layer_ids)}" if layer_ids else "none"
         raise UserError(f"{where}: GGUF metadata declares {cfg['num_hidden_layers']} layers, its tensors hold "
