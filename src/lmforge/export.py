@@ -134,7 +134,8 @@ def export_gguf(source: str | Path, out_file: str | Path, gguf_type: str = "f16"
     name = Path(str(source)).expanduser().resolve().name
     partial = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name[:100]}.", suffix=".partial", dir=out.parent)  # never a user's file
+        # a name of its own, never one a user's file could have
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name[:100]}.", suffix=".partial", dir=out.parent)
         os.close(fd)
         partial = Path(tmp)
         write_gguf(hf_state_dict_from_lmforge(dict(model.state_dict()), model.args), model.args, partial,

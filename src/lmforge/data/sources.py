@@ -33,7 +33,8 @@ from lmforge.data.hub_datasets import hub_dataset_name, load_hub_dataset
 from lmforge.errors import UserError
 
 __all__ = ["Record", "data_files", "read_documents", "read_records", "read_file_records", "record_files", "read_jsonl_records",
-           "SUPPORTED_SUFFIXES", "RECORD_SUFFIXES", "parse_json_line", "MAX_JSON_DEPTH", "is_hf_dataset_dir", "load_hf_dataset", "hf_column"]
+           "SUPPORTED_SUFFIXES", "RECORD_SUFFIXES", "is_hf_dataset_dir", "load_hf_dataset", "hf_column", "parse_json_line",
+           "MAX_JSON_DEPTH"]
 
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet")
 RECORD_SUFFIXES = (".jsonl", ".parquet", ".txt")

@@ -31,7 +31,8 @@ from typing import Any, Mapping
 
 from lmforge.errors import UserError
 
-__all__ = ["check_gguf_layout", "check_config_bounds", "check_against_tensors", "MAX_LAYERS", "MAX_DIM", "MAX_HEADS", "MAX_CONTEXT"]
+__all__ = ["check_gguf_layout", "check_config_bounds", "check_against_tensors", "MAX_LAYERS", "MAX_DIM", "MAX_HEADS",
+           "MAX_CONTEXT"]
 
 MAX_LAYERS = 1024
 """Most transformer blocks (the largest open models have under 200)."""

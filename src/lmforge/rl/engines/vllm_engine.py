@@ -58,7 +58,8 @@ class ServerBackend:
         self.secret = secret if secret is not None else (os.environ.get(SECRET_ENV, "").strip() or None)
 
     def _headers(self) -> dict[str, str]:
-        return {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {self.secret}"} if self.secret else {})
+        auth = {"Authorization": f"Bearer {self.secret}"} if self.secret else {}
+        return {"Content-Type": "application/json"} | auth
 
     def request(self, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None) -> dict[str, Any]:
         """One request (GET without ``body``); the reply's JSON object, or one line saying what went wrong:
