@@ -346,3 +346,22 @@ def test_broken_engine_settings_are_refused_before_the_run_directory_changes(grp
         for s in (html_server, plain_server):
             s.shutdown()
             s.server_close()
+
+
+def test_the_engine_limits_come_from_vllm_or_the_model_directory(tmp_path):
+    class Config:
+        max_model_len = 512
+
+        def get_vocab_size(self) -> int:
+            return 49152
+
+    class Engine:
+        model_config = Config()
+
+    class LLM:
+        llm_engine = Engine()
+
+    assert vllm_server._limits(LLM(), str(tmp_path), None) == (49152, 512)
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300, "max_position_embeddings": 256}))
+    assert vllm_server._limits(object(), str(tmp_path), None) == (300, 256)
+    assert vllm_server._limits(object(), str(tmp_path), 128) == (300, 128)

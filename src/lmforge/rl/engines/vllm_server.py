@@ -56,9 +56,7 @@ class VllmRunner:
         self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
                        logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
                        skip_tokenizer_init=True, enforce_eager=self.is_cpu, **kwargs)
-        config = self.llm.llm_engine.model_config  # what the server checks requests against
-        self.vocab_size = int(config.get_vocab_size())
-        self.max_model_len = int(config.max_model_len)
+        self.vocab_size, self.max_model_len = _limits(self.llm, model_dir, max_model_len)
 
     def generate(self, prompts: Sequence[list[int]], *, max_new_tokens: int, temperature: float, top_p: float,
                  stop_ids: Sequence[int], seed: int, logprobs: bool = True) -> list[dict[str, Any]]:
@@ -88,6 +86,17 @@ class VllmRunner:
         core = getattr(self.llm.llm_engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
+
+
+def _limits(llm: Any, model_dir: str, max_model_len: int | None) -> tuple[int, int]:
+    """The vocabulary size and longest sequence the server checks requests against: the engine's own
+    model config where this vLLM release exposes it, else the model directory's ``config.json``."""
+    config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
+    try:
+        return int(config.get_vocab_size()), int(config.max_model_len)
+    except (AttributeError, TypeError, ValueError):
+        hf = json.loads(Path(model_dir, "config.json").read_text())
+        return int(hf["vocab_size"]), int(max_model_len or hf.get("max_position_embeddings") or 2048)
 
 
 def serve(runner: Any, host: str, port: int, *, secret: str | None = None,
