@@ -275,6 +275,7 @@ def _set(**values):
     (dict(block_count=1 << 40), "num_hidden_layers=1099511627776"),
     (dict(block_count=7), "declares 7 layers, its tensors hold 2"),
     (dict(context_length=1 << 40), "max_position_embeddings=1099511627776"),
+    (dict(context_length=1 << 21, attention__key_length=256, attention__value_length=256), "RoPE tables of 2 GiB"),
     (dict(attention__layer_norm_rms_epsilon=math.nan), "rms_norm_eps=nan; expected a finite positive"),
     (dict(attention__layer_norm_rms_epsilon=-1e-5), "rms_norm_eps=-1e-05"),
     (dict(rope__freq_base=-10000.0), "rope_theta=-10000.0; expected a finite positive"),

@@ -39,8 +39,10 @@ MAX_LAYERS = 1024
 MAX_DIM = 1 << 20
 """Largest width, FFN width, head size or vocabulary row count (the largest open models are under 1 << 18)."""
 MAX_HEADS = 4096
-MAX_CONTEXT = 1 << 24
-"""Longest context length (16M tokens; the longest released are about 1M)."""
+MAX_CONTEXT = 1 << 21
+"""Longest context length (2M tokens; the longest released are about 1M)."""
+MAX_ROPE_TABLE = 1 << 28
+"""Most entries of a RoPE table (context length x head size: 1 GB in fp32), which the model builds whole."""
 MAX_NAME_BYTES = 1 << 16
 """Longest metadata key or tensor name."""
 MAX_TENSOR_DIMS = 4
@@ -221,6 +223,10 @@ def check_config_bounds(cfg: Mapping[str, Any], where: str) -> None:
     _positive_float(cfg, "rms_norm_eps", where, below=1.0)
     for key in ("rope_theta", "rope_local_base_freq", "query_pre_attn_scalar"):
         _positive_float(cfg, key, where)
+    context, head_dim = cfg.get("max_position_embeddings"), cfg.get("head_dim")
+    if context and head_dim and context * head_dim > MAX_ROPE_TABLE:
+        raise UserError(f"{where}: GGUF metadata gives context length {context} with heads of {head_dim}: RoPE "
+                        f"tables of {context * head_dim * 4 / 2**30:.0f} GiB each; at most {MAX_ROPE_TABLE} entries")
     scaling = cfg.get("rope_scaling") or {}
     if isinstance(scaling, dict):
         _positive_float(scaling, "factor", where)
