@@ -58,10 +58,11 @@ def load_environment(name: str, chat: ChatFormat, *, max_turns: int, prompt_fiel
     try:
         return cls(chat, max_turns=max_turns)
     except TypeError as e:  # its constructor does not take (chat, max_turns=...)
-        raise UserError(f"grpo.environment={name!r}: cannot construct it as {attr_call(name)} ({e})") from None
+        raise UserError(f"grpo.environment={name!r}: cannot construct it as {_constructor(name)} ({e})") from None
 
 
-def attr_call(name: str) -> str:
+def _constructor(name: str) -> str:
+    """How a ``module:Class`` environment is constructed, for the error line."""
     return f"{name.partition(':')[2]}(chat, max_turns=N)"
 
 
