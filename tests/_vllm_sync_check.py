@@ -35,13 +35,15 @@ def main() -> None:
     model, tok = lm.model.eval(), lm.tokenizer
     work = Path(tempfile.mkdtemp(prefix="vllm_sync_"))
     write_hf_dir(model, tok, work / "model")
+    snapshots = WeightSnapshots(work / "sync", owned=True)
     if mode == "server":
-        backend = vllm_engine.start_server(vllm_python or sys.executable, work / "model", dtype="float32", seed=0,
+        backend = vllm_engine.start_server(vllm_python or sys.executable, work / "model", weights_dir=snapshots.dir,
+                                           dtype="float32", seed=0,
                                            max_model_len=512, log=work / "server.log")
     else:
         backend = vllm_engine.colocated_runner(work / "model", dtype="float32", seed=0, max_model_len=512,
                                                gpu_memory_utilization=0.3)
-    engine = vllm_engine.VllmEngine(backend, WeightSnapshots(work / "sync", owned=True), loads=True, shared=False)
+    engine = vllm_engine.VllmEngine(backend, snapshots, loads=True, shared=False)
     chat = chat_format_for(tok)
     prompts = [chat.prompt_ids([{"role": "user", "content": q}]) for q in
                ("What is the capital of France?", "What is 17 + 25?", "Name a colour.", "Say hello.")]

@@ -193,17 +193,20 @@ def test_hf_export_refuses_a_foreign_directory_and_replaces_an_earlier_export_wh
 
 
 def test_gguf_export_after_a_killed_one(tiny_run, tmp_path, capfd):
-    """A killed export (no Python cleanup) leaves only ``FILE.partial``, never a half-written FILE;
-    the next export writes FILE whole and removes the leftover. An existing FILE is refused (Ctrl-C,
+    """A killed export (no Python cleanup) leaves only its hidden ``.FILE.XXXXXXXX.partial``, never a
+    half-written FILE; the next export writes FILE whole under a name of its own, and a user's file that
+    happens to be called ``FILE.partial`` is never touched. An existing FILE is refused (Ctrl-C,
     a full disk, the other refusals: tests/test_gguf_export.py::test_bad_gguf_exports_are_one_line_and_write_nothing)."""
     pytest.importorskip("gguf")
     from lmforge.models.gguf import load_gguf_model
 
     out = tmp_path / "m.gguf"
-    (tmp_path / "m.gguf.partial").write_bytes(b"GGUF" + b"\0" * 100)  # what a SIGKILL mid-write leaves
+    (tmp_path / ".m.gguf.k1ll3d00.partial").write_bytes(b"GGUF" + b"\0" * 100)  # what a SIGKILL mid-write leaves
+    (tmp_path / "m.gguf.partial").write_bytes(b"the user's own")
     capfd.readouterr()
     assert lmforge_in_process("export", "--gguf", out, "--gguf-type", "f32", tiny_run) == 0, capfd.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".m.gguf.k1ll3d00.partial", "m.gguf", "m.gguf.partial"]
+    assert (tmp_path / "m.gguf.partial").read_bytes() == b"the user's own"
     assert load_gguf_model(out).args.n_layers == 2
     before = out.read_bytes()
     line = _one_error_line(lmforge_in_process("export", "--gguf", out, tiny_run), capfd.readouterr().err)

@@ -40,6 +40,23 @@ def test_wrong_type_and_range_name_the_key(tmp_path):
         load_config(Config, None, ["--schedule.kind=exp"])
 
 
+@pytest.mark.parametrize("override, key", [("--parallel.tp=true", "parallel.tp"), ("--parallel.dp_shard=false", "parallel.dp_shard"),
+                                           ("--training.steps=true", "training.steps"), ("--optimizer.lr=true", "optimizer.lr")])
+def test_a_boolean_is_not_a_number(override, key):
+    """pydantic's lax mode reads true as 1: every numeric key of every section refuses a boolean instead."""
+    with pytest.raises(UserError, match=rf"config key `{key}`: Value error, expected a number, got the boolean"):
+        load_config(Config, None, [override])
+    assert load_config(Config, None, ["--parallel.sequence_parallel=false"]).parallel.sequence_parallel is False
+
+
+def test_lora_without_target_modules_is_refused():
+    with pytest.raises(UserError, match=r"lora.target_modules is empty: name at least one of wq"):
+        load_config(Config, None, ["--lora.enabled=true", "--lora.target_modules=[]"])
+    with pytest.raises(UserError, match=r"lora.target_modules is empty"):
+        load_config(Config, None, ["--lora.enabled=true", "--lora.target_modules=,"])
+    assert load_config(Config, None, ["--lora.target_modules=[]"]).lora.target_modules == []  # off: unused
+
+
 def test_bad_toml_names_file_and_line(tmp_path):
     f = tmp_path / "bad.toml"
     f.write_text("[training]\nsteps = = 3\n")

@@ -78,6 +78,26 @@ def test_read_parquet(tmp_path):
         read_documents(tmp_path / "d.parquet")
 
 
+@pytest.mark.parametrize("line, expect", [
+    ('{"text": ' + "[" * 100_000 + "}", "nested deeper than 64 levels"),  # json raises RecursionError
+    ('{"text": "a", "x": ' + "[" * 65 + "]" * 65 + "}", "nested deeper than 64 levels"),  # parses, too deep
+    ('{"text": "a", "n": ' + "9" * 5000 + "}", "Exceeds the limit (4300 digits)"),  # json raises ValueError
+])
+def test_hostile_json_lines_are_one_line_errors_in_every_reader(tmp_path, line, expect):
+    """Every recipe's JSONL reading (records: SFT, preference, GRPO prompts; documents and prepare's chunks:
+    pretraining) goes through ``parse_json_line``: one ``file:line`` error, whatever Python's json raises."""
+    from lmforge.data.chunks import chunk_documents, plan_chunks
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok", "n": 12345, "m": [[1, 2], {"a": [3]}]}\n' + line + "\n")
+    readers = {"records": read_records, "jsonl records": read_jsonl_records, "documents": read_documents,
+               "chunks": lambda p: [chunk_documents(c) for c in plan_chunks(p)]}
+    for what, read in readers.items():
+        with pytest.raises(UserError) as e:
+            read(bad)
+        assert f"{bad}:2: " in str(e.value) and expect in str(e.value) and "\n" not in str(e.value), what
+
+
 def test_source_errors(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"text": "ok"}\n{"text": oops}\n')

@@ -246,6 +246,27 @@ def test_two_ddp_ranks_equal_one_process(teacher, straight, tmp_path):
         assert b[step] == pytest.approx(a[step], rel=1e-4), step
 
 
+def test_reward_model_as_teacher_is_refused_before_the_run_exists(teacher, tmp_path, capfd):
+    """A reward model scores sequences: there is no next-token distribution to distill from it. Its
+    checkpoint says so (``"head": "score"``, as an ``lmforge rm`` run saves), and so does the config.json
+    of a ``*ForSequenceClassification`` directory."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"q{i}", "chosen": "yes", "rejected": "no"}) + "\n" for i in range(4)))
+    rm_run = tmp_path / "rm_run"
+    overrides = {k: v for k, v in DISTILL_RUN.items() if not k.startswith("tasks_")}
+    assert lmforge_in_process("rm", *tiny_run_args(pairs, **{**overrides, "training_steps": 1}),
+                              f"--run.dir={rm_run}") == 0
+    hf = tmp_path / "rm_hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"]}))
+    for k, rm in enumerate((rm_run, hf)):
+        run = tmp_path / f"run{k}"
+        rc = lmforge_in_process(*distill_args(rm, run, training_steps=1))
+        err = capfd.readouterr().err
+        assert rc == 2 and err.startswith(f"error: distill.teacher={rm}: a reward model") and err.count("\n") == 1, err
+        assert not run.exists()
+
+
 def test_teacher_with_another_vocabulary_or_none_is_refused_in_one_line(teacher, tmp_path, capfd):
     smol = REPO / "tests" / "fixtures" / "tokenizers" / "smollm2-135m-instruct"
     rc = lmforge_in_process(*distill_args(teacher, tmp_path / "a", training_steps=1), f"--model.tokenizer={smol}")

@@ -209,6 +209,7 @@ def test_bad_gguf_inputs_are_one_line_errors(tmp_path, monkeypatch):
         getattr(ints, f"add_{k}")(v)
     ints.add_layer_norm_rms_eps(1e-5)
     ints.add_tensor("token_embd.weight", np.zeros((8, 4), np.int32))
+    ints.add_tensor("blk.0.attn_norm.weight", np.ones(4, np.float32))  # the one layer it declares
     ints.write_header_to_file(), ints.write_kv_data_to_file(), ints.write_tensors_to_file(), ints.close()
     with pytest.raises(UserError) as e:
         load_gguf_model(tmp_path / "ints.gguf")
@@ -218,3 +219,107 @@ def test_bad_gguf_inputs_are_one_line_errors(tmp_path, monkeypatch):
     with pytest.raises(UserError) as e:
         gguf_args(path)
     assert "pip install gguf" in one_line(e)
+
+
+# ------------------------------------------------------------------------------- hostile files: bounds
+def _header(n_tensors: int, kvs: bytes, n_kv: int) -> bytes:
+    import struct
+
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv) + kvs
+
+
+def _key(name: str) -> bytes:
+    import struct
+
+    return struct.pack("<Q", len(name)) + name.encode()
+
+
+@pytest.mark.parametrize("what, body, says", [
+    ("a billion-byte array", _header(0, _key("a") + __import__("struct").pack("<IIQ", 9, 0, 1 << 40), 1),
+     "needs 1099511627776 bytes"),
+    ("a billion-string array", _header(0, _key("a") + __import__("struct").pack("<IIQ", 9, 8, 1 << 30), 1),
+     "items) needs"),
+    ("a billion keys", _header(0, b"", 1 << 30), "do not fit"),
+    ("a billion tensors", _header(1 << 40, b"", 0), "do not fit"),
+    ("a huge key", _header(0, __import__("struct").pack("<Q", 1 << 50), 1), "is 1125899906842624 bytes long"),
+    ("an unknown value type", _header(0, _key("a") + __import__("struct").pack("<I", 77), 1), "unknown value type 77"),
+    ("version 1", b"GGUF" + __import__("struct").pack("<IQQ", 1, 0, 0), "version 1"),
+])
+def test_declared_counts_are_checked_against_the_file_before_reading(tmp_path, what, body, says):
+    """A few MB declaring billions of entries: refused in milliseconds, not read until memory runs out."""
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(body + bytes(2 << 20))
+    t = time.perf_counter()
+    with pytest.raises(UserError) as e:
+        gguf_args(path)
+    assert time.perf_counter() - t < 1.0, what
+    assert says in one_line(e) and "damaged GGUF" in one_line(e), (what, one_line(e))
+
+
+def _set(**values):
+    """A metadata callback overriding ``llama.KEY`` values (ints as int32/uint32, floats as float32)."""
+    def metadata(w):
+        for key, v in values.items():
+            kind = (gguf.GGUFValueType.FLOAT32 if isinstance(v, float) else gguf.GGUFValueType.INT32 if v < 0
+                    else gguf.GGUFValueType.UINT64 if v >= 1 << 32 else gguf.GGUFValueType.UINT32)
+            w.add_key_value(f"llama.{key}", v, kind)
+    return metadata
+
+
+@pytest.mark.parametrize("values, says", [
+    (dict(attention__head_count=0), "num_attention_heads=0; expected an integer from 1"),
+    (dict(attention__head_count_kv=0), "num_key_value_heads=0"),
+    (dict(embedding_length=-64), "hidden_size=-64"),
+    (dict(embedding_length=0), "hidden_size=0"),
+    (dict(feed_forward_length=0), "intermediate_size=0"),
+    (dict(block_count=1 << 40), "num_hidden_layers=1099511627776"),
+    (dict(block_count=7), "declares 7 layers, its tensors hold 2"),
+    (dict(context_length=1 << 40), "max_position_embeddings=1099511627776"),
+    (dict(context_length=1 << 21, attention__key_length=256, attention__value_length=256), "RoPE tables of 2 GiB"),
+    (dict(attention__layer_norm_rms_epsilon=math.nan), "rms_norm_eps=nan; expected a finite positive"),
+    (dict(attention__layer_norm_rms_epsilon=-1e-5), "rms_norm_eps=-1e-05"),
+    (dict(rope__freq_base=-10000.0), "rope_theta=-10000.0; expected a finite positive"),
+    (dict(rope__freq_base=math.inf), "rope_theta=inf"),
+    (dict(attention__key_length=-8, attention__value_length=-8), "head_dim=-8"),
+])
+def test_metadata_values_out_of_bounds_are_one_line(tmp_path, values, says):
+    arch, hf = tiny_hf("llama")
+    path = write_gguf(hf, arch, tmp_path / "bad.gguf", metadata=_set(**{k.replace("__", "."): v for k, v in values.items()}))
+    with pytest.raises(UserError) as e:
+        load_gguf_model(path)
+    assert says in one_line(e), one_line(e)
+
+
+def test_damaged_names_types_and_extents_are_one_line(tmp_path):
+    import struct
+
+    arch, hf = tiny_hf("llama")
+    good = write_gguf(hf, arch, tmp_path / "good.gguf").read_bytes()
+
+    def patched(name: str, edit) -> Path:
+        path = tmp_path / name
+        path.write_bytes(edit(bytearray(good)))
+        return path
+
+    def rename(needle: bytes):
+        def edit(data):
+            at = data.find(needle)
+            data[at] = 0xFF  # the same length, no longer UTF-8
+            return bytes(data)
+        return edit
+
+    def retype(data):  # output_norm.weight: F32 written, F16 declared (half the bytes)
+        at = data.find(b"output_norm.weight") + len("output_norm.weight") + 4 + 8
+        assert struct.unpack_from("<I", data, at)[0] == 0
+        struct.pack_into("<I", data, at, 1)
+        return bytes(data)
+
+    cases = {"key.gguf": (rename(b"llama.block_count"), "is not UTF-8 text"),
+             "tensor.gguf": (rename(b"token_embd.weight"), "is not UTF-8 text"),
+             "type.gguf": (retype, "a mislabelled tensor type"),
+             "cut.gguf": (lambda data: bytes(data[:-4096]), "past the file's end")}
+    for name, (edit, says) in cases.items():
+        with pytest.raises(UserError) as e:
+            load_gguf_model(patched(name, edit))
+        assert says in one_line(e), (name, one_line(e))
+    assert load_gguf_model(tmp_path / "good.gguf") is not None  # the checks pass a good file

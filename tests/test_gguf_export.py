@@ -244,6 +244,12 @@ def test_bad_gguf_exports_are_one_line_and_write_nothing(lora_run, tmp_path, cap
     assert "cannot write the export (No space left on device)" in one_error_line(capfd)
     assert list(tmp_path.iterdir()) == [tmp_path / "taken.gguf"]
 
+    monkeypatch.undo()  # a user's own file under the name a fixed temporary name would have: not touched
+    (tmp_path / "m.gguf.partial").write_text("mine")
+    assert lmforge_in_process("export", "--gguf", out, lora_run) == 0
+    assert (tmp_path / "m.gguf.partial").read_text() == "mine" and out.is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "m.gguf.partial", "taken.gguf"]
+
 
 # ---------------------------------------------------------------------------- llama.cpp itself (optional)
 def _smollm2_weights():

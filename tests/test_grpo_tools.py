@@ -90,10 +90,18 @@ def test_an_unknown_environment_is_one_line_before_anything_is_written(tmp_path,
     data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     args = tiny_run_args(data, data_seq_len=None, training_steps=1, training_global_batch_size=8,
                          grpo_num_generations=2, checkpoint_enabled=False, tasks_eval_examples=0)
+    (tmp_path / "broken_env.py").write_text("raise RuntimeError('broken at import')\n")
     for name, says in (("calculator_world", "not a built-in (gsm8k_calculator) nor module:Class"),
-                       ("no_such_module:Env", "cannot load it (ModuleNotFoundError")):
-        rc = lmforge_in_process("grpo", *args, f"--grpo.environment={name}", f"--run.dir={tmp_path / 'run'}",
-                                cwd=tmp_path)
+                       ("no_such_module:Env", "cannot load it (ModuleNotFoundError"),
+                       ("json:dumps", "a function, not an environment"),
+                       ("os:sep", "a str, not an environment"),
+                       ("json:JSONDecoder", "a class without start, step, reward, not an environment"),
+                       ("broken_env:Env", "cannot load it (RuntimeError: broken at import)"),
+                       (":Env", "nor module:Class")):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.syspath_prepend(str(tmp_path))
+            rc = lmforge_in_process("grpo", *args, f"--grpo.environment={name}", f"--run.dir={tmp_path / 'run'}",
+                                    cwd=tmp_path)
         err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
         assert rc == 2 and len(err) == 1 and says in err[0], err
         assert not (tmp_path / "run").exists()

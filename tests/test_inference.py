@@ -131,3 +131,46 @@ def test_export_refuses_a_file_and_replaces_an_earlier_export_whole(tmp_path):
     export_hf(trained_run, out)
     assert (out / "config.json").is_file() and not (out / "stale.txt").exists()
     assert not list(tmp_path.glob(".hf.*"))
+
+
+def test_export_leaves_the_users_partial_named_files_alone_and_fills_the_working_directory(tmp_path, capfd):
+    """The temporary names an export writes under are its own (random): a user's ``hf.partial``,
+    ``.hf.partial`` or ``.hf.old`` survives untouched. ``--hf .`` in an empty working directory fills it in
+    place (the directory itself is not renamed away from under the shell)."""
+    from _helpers import lmforge_in_process
+
+    src = make_hf_model_dir(tmp_path / "src")
+    mine = {tmp_path / "hf.partial": "file", tmp_path / ".hf.partial": "dir", tmp_path / ".hf.old": "dir"}
+    for path, kind in mine.items():
+        if kind == "dir":
+            path.mkdir()
+            (path / "keep.txt").write_text("mine")
+        else:
+            path.write_text("mine")
+    for _ in range(2):  # a new export, then one over it
+        assert lmforge_in_process("export", "--hf", tmp_path / "hf", src) == 0
+    assert (tmp_path / "hf" / "config.json").is_file()
+    assert (tmp_path / "hf.partial").read_text() == "mine"
+    assert all((p / "keep.txt").read_text() == "mine" for p, kind in mine.items() if kind == "dir")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["src", "hf", *(p.name for p in mine)])
+
+    here = tmp_path / "empty"
+    here.mkdir()
+    assert lmforge_in_process("export", "--hf", ".", src, cwd=here) == 0
+    assert (here / "config.json").is_file() and here.is_dir()
+    assert not list(tmp_path.glob(".empty.*"))
+
+
+def test_names_too_long_for_the_file_system_are_one_line(tmp_path, capfd):
+    from _helpers import lmforge_in_process
+
+    src = make_hf_model_dir(tmp_path / "src")
+    capfd.readouterr()  # transformers' progress bars
+    long = tmp_path / ("x" * 300)
+    for args in (["export", "--hf", long, src], ["export", "--gguf", f"{long}.gguf", src],
+                 ["rm", f"--data.train={long}.jsonl", f"--run.dir={tmp_path / 'run'}"],
+                 ["sft", f"--run.dir={long}"]):
+        assert lmforge_in_process(*args) == 2, args
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and "too long" in err[0], (args, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -139,7 +139,11 @@ def test_cli_json_and_from_hf(tmp_path, capfd):
 @pytest.mark.parametrize("argv,message", [
     (["--devices=0"], "--devices must be at least 1"),
     (["--devices=8", "--model.size=9b"], "unknown model size '9b'"),
-    (["--devices=8", "--device-memory-gb=-1"], "--device-memory-gb must be positive"),
+    (["--devices=8", "--device-memory-gb=-1"], "--device-memory-gb must be a positive finite number"),
+    (["--devices=8", "--device-memory-gb=nan"], "--device-memory-gb must be a positive finite number, got nan"),
+    (["--devices=8", "--device-memory-gb=inf"], "--device-memory-gb must be a positive finite number, got inf"),
+    (["--devices=8", "--top=-3"], "--top must be 0 (all rows) or more, got -3"),
+    (["--devices=8", "--parallel.tp=true"], "config key `parallel.tp`: Value error, expected a number, got the boolean true"),
     (["--devices=8", "--data.seq_len=4096"], "data.seq_len=4096 is longer than the model allows"),
     (["--devices=8", "--training.micro_batch=2"], "unknown config key `training.micro_batch`"),
 ])
@@ -148,3 +152,12 @@ def test_cli_bad_arguments_fail_in_one_line(capfd, argv, message):
     out, err = capfd.readouterr()
     assert rc == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+@pytest.mark.parametrize("text, message", [("[1, 2]", "found a JSON list"), ('"llama"', "found a JSON str"),
+                                           ("[" * 100_000, "unreadable")])
+def test_cli_config_json_not_an_object_is_one_line(tmp_path, capfd, text, message):
+    (tmp_path / "config.json").write_text(text)
+    rc = lmforge_in_process("plan", "--devices=2", f"--model.from_hf={tmp_path}")
+    out, err = capfd.readouterr()
+    assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: ") and message in err, err

@@ -177,6 +177,21 @@ def test_bad_margin_is_one_line_naming_file_and_line(tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # refused before the run directory was made
 
 
+@pytest.mark.parametrize("margin", ["1e400", "1" + "0" * 400, "1e308", "-3e38", "20000"])
+def test_margins_beyond_any_score_are_refused_at_data_check(tmp_path, capsys, margin):
+    """1e400 is infinite once read, a 400-digit integer overflows float(), and 1e308 is finite but makes an
+    infinite loss at step 1: each is the line's error before the run directory exists."""
+    from lmforge.cli import main
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"prompt": "p", "chosen": "a", "rejected": "b", "margin": 2.5}\n'
+                    '{"prompt": "p", "chosen": "a", "rejected": "b", "margin": %s}\n' % margin)
+    rc = main(["rm", f"--data.train={path}", f"--run.dir={tmp_path / 'run'}", "--training.threads=0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"error: {path}:2: 'margin' must be a finite number within") and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+
+
 # ---------------------------------------------------------------------------------------- the CLI
 RM_RUN = {"data_seq_len": 96, "training_global_batch_size": 4, "training_micro_batch_size": 2, "data_prefetch": 0,
           "optimizer_lr": 1e-2, "schedule_kind": "constant", "schedule_warmup_steps": 0}

@@ -137,3 +137,60 @@ def test_formatted_calls_parse_back_and_match_qwen_rendering():
     assert detect_call_format(llama) == "llama3" and detect_call_format(None) == "hermes"
     with pytest.raises(ValueError, match="unknown tool-call format"):
         parse_tool_calls("x", "xml")
+
+
+# ------------------------------------------------------------------- degenerate model output is bounded
+def _degenerate_turns(fmt: str) -> dict[str, str]:
+    """Generated turns a policy can write, each over one of the parser's bounds (or Python's own)."""
+    from lmforge.rl.tools.tool_calls import MAX_CALL_CHARS, MAX_DEPTH
+
+    def call(args: str) -> str:
+        body = '{"name": "calculator", "%s": %s}' % ("arguments" if fmt == "hermes" else "parameters", args)
+        return f"<tool_call>{body}</tool_call>" if fmt == "hermes" else body
+
+    return {
+        "deep nesting": call("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1)),
+        "deep nesting, unclosed": call("[" * 3000),
+        "recursion-deep": call("[" * 200_000),
+        "huge integer": call('{"expression": %s}' % ("9" * 5000)),
+        "long integer": call('{"expression": %s}' % ("9" * 200)),
+        "nested string arguments": call(json.dumps("[" * 3000)),
+        "long name": call("{}").replace("calculator", "c" * 500),
+        "long call": call('{"expression": "%s"}' % ("1+" * MAX_CALL_CHARS)),
+        "unclosed tags": "<tool_call>" * 20_000 + "{",
+        "many calls": (call('{"expression": "1"}') + ";") * 100,
+    }
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3"])
+def test_degenerate_model_output_is_a_tool_error_read_fast(fmt):
+    for what, text in _degenerate_turns(fmt).items():
+        t = time.perf_counter()
+        turn = parse_tool_calls(text, fmt)
+        assert time.perf_counter() - t < 0.25, what
+        if what == "many calls":  # the first calls are read, the rest refused in one error
+            assert len(turn.calls) == 16 and "more than 16 tool calls" in turn.errors[-1], what
+        elif what != "unclosed tags" or fmt == "hermes":
+            assert not turn.calls and turn.errors and turn.wants_tools, (what, turn.errors)
+
+
+def test_degenerate_output_reaches_the_model_as_error_results():
+    """Through the environment the GRPO rollout drives: the run goes on and the model reads why."""
+    from lmforge.rl.environments.base import ToolStyle
+    from lmforge.rl.environments.gsm8k import GSM8KCalculatorEnv
+
+    env = GSM8KCalculatorEnv(None, style=ToolStyle(native=False))
+    for what, text in _degenerate_turns("hermes").items():
+        out = env.step({}, [], text)
+        assert not out.done and out.tool_errors >= 1, what
+        assert all(m["content"].count("error:") >= 1 for m in out.results), what
+
+
+def test_answers_from_model_output_are_read_in_bounded_time():
+    from lmforge.rl.math_answers import answers_match
+
+    for text in ("#### 1e-99999999", "#### 1e999999", "\\boxed{1e99999999}", "#### " + "9" * 5000, "7" * 100_000):
+        t = time.perf_counter()
+        assert not answers_match(text, "5")
+        assert time.perf_counter() - t < 0.05, text[:20]
+    assert answers_match("#### 1e3", "1000") and answers_match("#### 2.5e-1", "1/4")

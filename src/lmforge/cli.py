@@ -8,6 +8,7 @@ User errors (bad config, missing files, ...) print one ``error:`` line and exit 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from typing import Callable
@@ -187,6 +188,15 @@ def main(argv: list[str] | None = None) -> int:
         rank = os.environ.get("RANK", "0")
         if rank == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except OSError as e:
+        if e.errno != errno.ENAMETOOLONG:
+            raise
+        # Path.exists() and friends raise it (they swallow only "no such file"), from any key naming a path
+        name = str(e.filename or "")
+        shown = name if len(name) <= 80 else f"{name[:60]}...{name[-16:]} ({len(name)} characters)"
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {shown}: file name too long for the file system", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

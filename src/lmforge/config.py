@@ -11,9 +11,10 @@ import difflib
 import json
 import sys
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from types import UnionType
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from lmforge.data.tasks import TASK_NAMES
 from lmforge.errors import UserError
@@ -29,8 +30,23 @@ def comma_separated(v: Any) -> Any:
     return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
 
 
+def _numeric(annotation: Any) -> bool:
+    """Whether a field takes numbers and no booleans (``int``, ``float``, ``int | None`` ...)."""
+    args = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    return bool(set(args) & {int, float}) and bool not in args
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        """pydantic reads ``true`` as 1 for an ``int`` key: ``parallel.tp=true`` would mean a degree of 1.
+        A boolean where a number is expected is refused, for every numeric key of every section."""
+        if isinstance(v, bool) and info.field_name and _numeric(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, got the boolean {str(v).lower()}")
+        return v
 
 
 class ModelSection(Section):
@@ -264,6 +280,12 @@ class LoraSection(Section):
     @classmethod
     def _split(cls, v: Any) -> Any:
         return comma_separated(v)
+
+    @model_validator(mode="after")
+    def _targets_named(self) -> "LoraSection":
+        if self.enabled and not self.target_modules:  # peft refuses it deep in model building
+            raise ValueError("lora.target_modules is empty: name at least one of wq, wk, wv, wo, w1, w2, w3")
+        return self
 
 
 class ParallelSection(Section):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -72,8 +73,9 @@ def export_gguf(source: str | Path, out_file: str | Path, gguf_type: str = "f16"
     """Write a GGUF file (:mod:`lmforge.models.gguf_write`) for a run, checkpoint or Hugging Face
     directory; a LoRA run's adapters are merged into its base weights.
 
-    ``out_file`` must not exist. The file is written as ``out_file.partial`` and renamed when
-    complete, so an interrupted or failed export never leaves a half-written file at ``out_file``.
+    ``out_file`` must not exist. The file is written under a new temporary name beside it
+    (``.NAME.XXXXXXXX.partial``, never a name a user's file may have) and renamed when complete, so an
+    interrupted or failed export never leaves a half-written file at ``out_file``.
     """
     from lmforge.models.gguf_write import GGUF_TYPES, gguf_architecture, write_gguf
     from lmforge.models.hf import hf_state_dict_from_lmforge
@@ -81,7 +83,7 @@ def export_gguf(source: str | Path, out_file: str | Path, gguf_type: str = "f16"
 
     if gguf_type not in GGUF_TYPES:
         raise UserError(f"--gguf-type {gguf_type!r}: choose from {', '.join(GGUF_TYPES)}")
-    out = Path(out_file).expanduser()
+    out = Path(os.path.abspath(Path(out_file).expanduser()))
     if out.exists():
         raise UserError(f"--gguf {out}: exists; choose a new file name")
     if not out.parent.is_dir():
@@ -91,17 +93,23 @@ def export_gguf(source: str | Path, out_file: str | Path, gguf_type: str = "f16"
         raise UserError(f"--gguf: {source} is a reward model; GGUF export writes language models only")
     gguf_architecture(model.args)  # refuse before writing anything
     check_exportable(model.args)
-    partial = out.with_name(out.name + ".partial")
     name = Path(str(source)).expanduser().resolve().name
+    partial = None
     try:
+        # a name of its own, never one a user's file could have
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name[:100]}.", suffix=".partial", dir=out.parent)
+        os.close(fd)
+        partial = Path(tmp)
         write_gguf(hf_state_dict_from_lmforge(dict(model.state_dict()), model.args), model.args, partial,
                    tokenizer=tokenizer, gguf_type=gguf_type, name=name)
         os.replace(partial, out)
     except OSError as e:
-        partial.unlink(missing_ok=True)
+        if partial is not None:
+            partial.unlink(missing_ok=True)
         raise UserError(f"--gguf {out}: cannot write the export ({e.strerror or e})") from None
     except BaseException:
-        partial.unlink(missing_ok=True)
+        if partial is not None:
+            partial.unlink(missing_ok=True)
         raise
     return out
 
@@ -161,8 +169,9 @@ def write_peft_adapter(model: Transformer, lora: dict, base_name: str, out: Path
 
 
 def _check_out(out_dir: str | Path, flag: str, marker: str) -> Path:
-    """``out_dir`` if it is new, empty, or an earlier export of the same kind (has ``marker``)."""
-    out = Path(out_dir).expanduser()
+    """``out_dir`` (made absolute: ``.`` has no name to put a temporary sibling beside) if it is new,
+    empty, or an earlier export of the same kind (has ``marker``)."""
+    out = Path(os.path.abspath(Path(out_dir).expanduser()))
     if out.exists() and not out.is_dir():
         raise UserError(f"{flag} {out}: exists and is not a directory; choose an empty or new directory")
     if out.is_dir() and any(out.iterdir()) and not (out / marker).is_file():
@@ -170,23 +179,40 @@ def _check_out(out_dir: str | Path, flag: str, marker: str) -> Path:
     return out
 
 
+def _sibling(out: Path, kind: str) -> Path:
+    """A new, empty directory beside ``out`` under a name no one else has (``.NAME.XXXXXXXX.kind``): a
+    fixed name such as ``NAME.partial`` could be the user's own file or directory, which the export would
+    then overwrite or delete."""
+    return Path(tempfile.mkdtemp(prefix=f".{out.name[:100]}.", suffix=f".{kind}", dir=out.parent))
+
+
 def _write_atomically(out: Path, flag: str, write: Callable[[Path], None]) -> Path:
-    """Run ``write`` into a temporary sibling directory, then swap it into place."""
-    partial = out.with_name(f".{out.name}.partial")
+    """Run ``write`` into a new temporary sibling directory, then put it in place: renamed over ``out``
+    when ``out`` is new or an earlier export (swapped, so a failure keeps the earlier one whole); moved in
+    file by file when ``out`` is an existing empty directory (it may be the working directory, which a
+    rename would leave deleted under the user's shell), with ``marker``-bearing config files last."""
+    partial: Path | None = None
     try:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = _sibling(out, "partial")
         write(partial)
-        old = out.with_name(f".{out.name}.old")
-        if out.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out, old)
+        if out.is_dir() and not any(out.iterdir()):
+            for item in sorted(partial.iterdir(), key=lambda p: (p.name.endswith("config.json"), p.name)):
+                os.replace(item, out / item.name)
+            partial.rmdir()
+            return out
+        old = _sibling(out, "old") if out.exists() else None
+        if old is not None:
+            os.replace(out, old)  # over the new empty directory
         os.replace(partial, out)
-        shutil.rmtree(old, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
-        shutil.rmtree(partial, ignore_errors=True)
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
         raise UserError(f"{flag} {out}: cannot write the export ({e.strerror or e})") from None
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
         raise
     return out

@@ -10,13 +10,12 @@ knows the line or row it starts at, so errors still name ``file:line``.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from lmforge.data.sources import (SUPPORTED_SUFFIXES, _append_text, _decode, _lines, append_jsonl_text, data_files,
-                                  hf_column, is_hf_dataset_dir, load_hf_dataset, text_blocks)
+                                  hf_column, is_hf_dataset_dir, load_hf_dataset, parse_json_line, text_blocks)
 from lmforge.errors import UserError
 
 __all__ = ["Chunk", "plan_chunks", "chunk_documents", "input_files"]
@@ -170,9 +169,6 @@ def _jsonl_docs(path: Path, text: str, text_field: str, first_line: int) -> list
         if not line.strip():
             continue
         lineno = first_line + k
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
+        obj = parse_json_line(line, f"{path}:{lineno}")
         append_jsonl_text(docs, obj, f"{path}:{lineno}", text_field)
     return docs

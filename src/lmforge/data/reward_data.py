@@ -33,17 +33,29 @@ from lmforge.data.sources import Record
 from lmforge.errors import UserError
 from lmforge.models.tokenizer import Tokenizer
 
-__all__ = ["read_reward_records", "build_reward_dataset", "rendered_sequence", "margin_of"]
+__all__ = ["read_reward_records", "build_reward_dataset", "rendered_sequence", "margin_of", "MAX_MARGIN"]
+
+
+MAX_MARGIN = 1e4
+"""Largest ``|margin|`` accepted. A margin is in reward units, which the Bradley-Terry loss compares with
+a score difference; far beyond any score a model gives, it only drives the loss to infinity in fp32 (at
+about 1e38) or bf16, which would stop the run at its first step, after its files are written."""
 
 
 def margin_of(record: dict[str, Any]) -> float:
-    """The record's ``margin`` (0 when absent); ``ValueError`` unless it is a finite number."""
+    """The record's ``margin`` (0 when absent); ``ValueError`` unless it is a number within ``MAX_MARGIN``."""
     value = record.get("margin", 0.0)
     if value is None:
         return 0.0
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"'margin' must be a finite number (got {type(value).__name__} {str(value)[:40]!r})")
-    return float(value)
+    try:
+        margin = float(value)
+    except OverflowError:  # an integer beyond any float
+        margin = math.inf
+    if not math.isfinite(margin) or abs(margin) > MAX_MARGIN:
+        raise ValueError(f"'margin' must be a finite number within +-{MAX_MARGIN:g} (got {str(value)[:40]})")
+    return margin
 
 
 def read_reward_records(spec: str) -> list[Record]:

@@ -33,7 +33,8 @@ from lmforge.data.hub_datasets import hub_dataset_name, load_hub_dataset
 from lmforge.errors import UserError
 
 __all__ = ["Record", "data_files", "read_documents", "read_records", "read_file_records", "record_files", "read_jsonl_records",
-           "SUPPORTED_SUFFIXES", "RECORD_SUFFIXES", "is_hf_dataset_dir", "load_hf_dataset", "hf_column"]
+           "SUPPORTED_SUFFIXES", "RECORD_SUFFIXES", "is_hf_dataset_dir", "load_hf_dataset", "hf_column", "parse_json_line",
+           "MAX_JSON_DEPTH"]
 
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet")
 RECORD_SUFFIXES = (".jsonl", ".parquet", ".txt")
@@ -66,16 +67,48 @@ def _lines(text: str) -> list[str]:
     return [line.rstrip("\r") for line in text.split("\n")]
 
 
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of a JSON line (a tool-calling chat record is under ten levels). Deeper values would
+fail later, far from their line, in whatever walks them recursively (templates, fingerprints, ``json``)."""
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests deeper than ``limit`` (iterative: a deep value cannot exhaust the stack)."""
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            if d > limit:
+                return True
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
+def parse_json_line(line: str, where: str) -> Any:
+    """One JSON line of a data file, or one ``where: ...`` error line: every JSONL reader of every recipe
+    reads through here. Beyond bad syntax, Python's ``json`` raises ``RecursionError`` on deep nesting
+    and ``ValueError`` on integers over ``sys.get_int_max_str_digits()`` digits; both are the line's error,
+    and so is nesting deeper than :data:`MAX_JSON_DEPTH` (counted only when the line has that many brackets)."""
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise UserError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:  # an integer literal over Python's digit limit
+        raise UserError(f"{where}: invalid JSON ({str(e).split(';')[0]})") from None
+    if line.count("[") + line.count("{") > MAX_JSON_DEPTH and _depth_over(value, MAX_JSON_DEPTH):
+        raise UserError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
 def _jsonl_lines(path: Path) -> Iterator[tuple[int, Any]]:
     """Yields (line number, parsed value) for every non-blank line."""
     text = _decode(path, _read_bytes(path))
     for lineno, line in enumerate(_lines(text), start=1):
         if not line.strip():
             continue
-        try:
-            yield lineno, json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
+        yield lineno, parse_json_line(line, f"{path}:{lineno}")
 
 
 def _txt_blocks(path: Path) -> Iterator[tuple[int, str]]:

@@ -20,6 +20,10 @@ sliding (unless ``attention.sliding_window_pattern`` says otherwise), local RoPE
 Training needs full-precision weights, so everything is dequantized on load (fp32, then ``dtype``)
 (:mod:`lmforge.models.gguf_write` writes GGUF files). The file's embedded tokenizer is not read: pair the weights with
 the model's Hugging Face tokenizer files (``model.tokenizer=DIR``).
+
+Everything the file declares is checked before it is used (:mod:`lmforge.models.gguf_checks`): its header's
+counts, lengths, types and tensor extents against the file's bytes before ``gguf.GGUFReader`` reads it, and
+the metadata's values against what a model can be before anything is sized from them.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from torch import Tensor
 
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
+from lmforge.models.gguf_checks import check_against_tensors, check_config_bounds, check_gguf_layout
 from lmforge.models.hf import model_from_hf_state
 from lmforge.models.hf_config import args_from_hf_config
 from lmforge.models.model import Transformer
@@ -85,6 +90,7 @@ def open_gguf(path: str | Path) -> Any:
         if f.read(4) != b"GGUF":
             raise UserError(f"{p}: not a GGUF file (no GGUF magic at its start)")
     gguf = _gguf_module()
+    check_gguf_layout(p, str(p))  # before the reader, which trusts every declared count and size
     try:
         return gguf.GGUFReader(str(p))
     except Exception as e:  # noqa: BLE001 - a damaged file fails anywhere in numpy's parsing
@@ -153,10 +159,12 @@ def gguf_hf_config(reader: Any, where: str) -> dict[str, Any]:
     missing = [k for k, v in cfg.items() if v is None]
     if missing:
         raise UserError(f"{where}: GGUF metadata lacks {arch}.* for {', '.join(missing)}")
+    check_config_bounds(cfg, where)  # before any value is divided by or sized from
     if key("context_length") is not None:
         cfg["max_position_embeddings"] = key("context_length")
     head_dim = key("attention.key_length") or (dim // n_heads)
     cfg["head_dim"] = head_dim
+    check_config_bounds(cfg, where)
     if key("attention.value_length", head_dim) != head_dim:
         raise UserError(f"{where}: {arch}.attention.value_length {key('attention.value_length')} differs from "
                         f"key_length {head_dim}; lmforge's attention has one head size")
@@ -179,8 +187,15 @@ def gguf_hf_config(reader: Any, where: str) -> dict[str, Any]:
         if key("rope.scaling.original_context_length"):
             cfg["rope_scaling"]["original_max_position_embeddings"] = key("rope.scaling.original_context_length")
     elif _ROPE_FREQS in tensors:
+        check_config_bounds(cfg, where)
         cfg["rope_scaling"] = _llama3_scaling(_dequantized(tensors[_ROPE_FREQS], where), cfg, where)
+    check_config_bounds(cfg, where)
     return cfg
+
+
+def _layer_ids(tensors: dict[str, Any]) -> set[int]:
+    """The block indices the tensors hold (``blk.N.*``)."""
+    return {int(n.split(".")[1]) for n in tensors if n.startswith("blk.") and n.split(".")[1].isdigit()}
 
 
 def _gemma3_keys(reader: Any, key: Callable[..., Any], cfg: dict[str, Any], where: str) -> dict[str, Any]:
@@ -303,6 +318,8 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Tra
     where = str(Path(path).expanduser())
     reader = open_gguf(path)
     cfg = gguf_hf_config(reader, where)
+    tensors = _tensors(reader)
+    check_against_tensors(cfg, tuple(int(n) for n in tensors["token_embd.weight"].shape), _layer_ids(tensors), where)
     args = args_from_hf_config(cfg, where)
     return model_from_hf_state(hf_state_dict_from_gguf(reader, cfg, where), args, dtype,
                                f"{where}: tensors do not match the GGUF metadata")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,10 @@ def _model_args(cfg: Any, vocab_size: int | None) -> ModelArgs:
             raise UserError(f"model.from_hf={m.from_hf}: no config.json there (lmforge plan reads a local directory)")
         try:
             hf = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             raise UserError(f"{path}: unreadable ({e})") from None
+        if not isinstance(hf, dict):
+            raise UserError(f"{path}: expected a JSON object of model settings, found a JSON {type(hf).__name__}")
         args = args_from_hf_config(hf, path)
         if vocab_size is not None:
             args = ModelArgs.from_dict({**args.to_dict(), "vocab_size": vocab_size})
@@ -104,8 +107,10 @@ def main(argv: list[str]) -> int:
     a, overrides = p.parse_known_args(argv)
     if a.devices < 1:
         raise UserError(f"--devices must be at least 1, got {a.devices}")
-    if a.device_memory_gb <= 0:
-        raise UserError(f"--device-memory-gb must be positive, got {a.device_memory_gb}")
+    if not math.isfinite(a.device_memory_gb) or a.device_memory_gb <= 0:  # argparse's float() reads nan and inf
+        raise UserError(f"--device-memory-gb must be a positive finite number, got {a.device_memory_gb}")
+    if a.top < 0:
+        raise UserError(f"--top must be 0 (all rows) or more, got {a.top}")
     if a.vocab_size is not None and a.vocab_size < 1:
         raise UserError(f"--vocab-size must be at least 1, got {a.vocab_size}")
     from lmforge.config import Config, load_config

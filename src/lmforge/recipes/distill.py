@@ -15,6 +15,7 @@ Each step's FLOPs include the teacher's forward pass; checkpoints record the tea
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,7 +32,7 @@ from lmforge.data.sft_inputs import SFTSection, sft_datasets
 from lmforge.errors import UserError
 from lmforge.evaluation.loss import validation_eval
 from lmforge.evaluation.tasks import TaskEval, held_out_examples
-from lmforge.models.load import ModelSource, load_model
+from lmforge.models.load import ModelSource, checkpoint_description, load_model
 from lmforge.models.spec import spec_for_args
 from lmforge.models.tokenizer import Tokenizer
 from lmforge.objectives.distill import DistillObjective, DistillSettings
@@ -86,11 +87,29 @@ def _same_tokenizer(a: Tokenizer, b: Tokenizer, probe: str) -> bool:
     return (a.vocab_size, a.eos_id, a.pad_id, a.encode(probe)) == (b.vocab_size, b.eos_id, b.pad_id, b.encode(probe))
 
 
+def scoring_head(source: ModelSource) -> str | None:
+    """The head a checkpoint or Hugging Face directory scores sequences with instead of predicting tokens
+    (a reward model's ``score``; ``*ForSequenceClassification``), read from its description alone."""
+    if source.kind == "checkpoint":
+        return checkpoint_description(Path(source.where)).get("head") or None
+    if source.kind == "hf":
+        config = Path(source.where) / "config.json"
+        try:
+            architectures = json.loads(config.read_text()).get("architectures") or []
+        except (OSError, ValueError, AttributeError):
+            return None  # loading the teacher says what is wrong with it
+        if any(str(a).endswith("ForSequenceClassification") for a in architectures):
+            return "score"
+    return None
+
+
 def load_teacher(rt: Runtime, path: str) -> FrozenReference:
     """The teacher, frozen on the trainer's device, with its source recorded in checkpoints (a resumed
     run distills from the teacher it started with)."""
     def load(source: ModelSource) -> torch.nn.Module:
         loaded = load_model(source, tokenizer=rt.model_description["tokenizer"])
+        if getattr(loaded.model, "score", None) is not None:  # also a teacher swapped for one since check
+            raise UserError(f"distill.teacher={path}: a reward model (a score head), not a language model")
         check_same_vocabulary(loaded, rt, f"distill.teacher={path}")
         if rt.cfg.data.seq_len > loaded.args.max_seq_len:
             raise UserError(f"distill.teacher={path}: data.seq_len={rt.cfg.data.seq_len} is longer than the teacher "
@@ -180,10 +199,15 @@ class Distill(Recipe):
         if train_spec(cfg.data).kind == "none":
             raise UserError("data.train=none: distillation needs training records (embedded, or a .jsonl/.parquet file)")
         try:
-            return ModelSource.at(cfg.distill.teacher)
+            source = ModelSource.at(cfg.distill.teacher)
+            head = scoring_head(source)
         except UserError as e:  # said once, after the key: "distill.teacher=PATH: what is wrong with it"
             why = str(e).split(": ", 1)[-1] if str(e).startswith(str(Path(cfg.distill.teacher).expanduser())) else str(e)
             raise UserError(f"distill.teacher={cfg.distill.teacher}: {why}") from None
+        if head:
+            raise UserError(f"distill.teacher={cfg.distill.teacher}: a reward model (a {head} head): it gives a score, not "
+                            "the next-token distribution distillation needs; name a language model")
+        return source
 
     def build(self, rt: Runtime, cfg: DistillConfig, inputs: ModelSource) -> Job:
         d = cfg.distill

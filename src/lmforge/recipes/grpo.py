@@ -28,6 +28,7 @@ from lmforge.evaluation.tasks import TaskEval
 from lmforge.objectives.grpo import GRPOObjective
 from lmforge.objectives.policy_losses import PolicyLoss, check_policy_loss
 from lmforge.recipes.base import Recipe, register
+from lmforge.rl.engines.preflight import check_engine_settings
 from lmforge.rl.engines.settings import EngineKeys
 from lmforge.rl.episode_groups import environment_class
 from lmforge.rl.rewards import WeightedReward, load_rewards, probe_rewards
@@ -180,6 +181,7 @@ class GRPO(Recipe):
             probe_rewards(rewards, train[0], g.prompt_field)
         if g.environment:
             environment_class(g.environment)
+        check_engine_settings(g)  # last: it may ask a server or an interpreter, once everything else holds
         return GRPOInputs(rewards, train, test)
 
     @staticmethod

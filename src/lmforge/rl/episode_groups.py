@@ -24,18 +24,29 @@ from lmforge.rl.rollout import RolloutSettings, SampledGroups
 BUILTIN_ENVIRONMENTS = {"gsm8k_calculator": GSM8KCalculatorEnv}
 
 
+ENVIRONMENT_METHODS = ("start", "step", "reward")
+"""What :class:`~lmforge.rl.environments.Environment` asks of a class, checked before the run starts."""
+
+
 def environment_class(name: str) -> Any:
-    """``grpo.environment``: a built-in environment's class by name, or ``module:Class`` imported."""
+    """``grpo.environment``: a built-in environment's class by name, or ``module:Class`` imported and
+    checked to be a class with the environment's methods (anything else is one line, before any work)."""
     if name in BUILTIN_ENVIRONMENTS:
         return BUILTIN_ENVIRONMENTS[name]
     module, _, attr = name.partition(":")
-    if not attr:
+    if not attr or not module:
         raise UserError(f"grpo.environment={name!r}: not a built-in ({', '.join(BUILTIN_ENVIRONMENTS)}) "
                         "nor module:Class")
     try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
+        cls = getattr(importlib.import_module(module), attr)
+    except Exception as e:  # noqa: BLE001 - a user's module may fail however it likes on import
         raise UserError(f"grpo.environment={name!r}: cannot load it ({type(e).__name__}: {e})") from None
+    missing = [m for m in ENVIRONMENT_METHODS if not callable(getattr(cls, m, None))]
+    if not isinstance(cls, type) or missing:
+        what = f"a {type(cls).__name__}" if not isinstance(cls, type) else f"a class without {', '.join(missing)}"
+        raise UserError(f"grpo.environment={name!r}: {what}, not an environment (a class with "
+                        f"{', '.join(ENVIRONMENT_METHODS)}: lmforge.rl.environments.Environment)")
+    return cls
 
 
 def load_environment(name: str, chat: ChatFormat, *, max_turns: int, prompt_field: str, answer_field: str) -> Environment:
@@ -44,7 +55,15 @@ def load_environment(name: str, chat: ChatFormat, *, max_turns: int, prompt_fiel
     cls = environment_class(name)
     if name in BUILTIN_ENVIRONMENTS:
         return cls(chat, max_turns=max_turns, prompt_field=prompt_field, answer_field=answer_field)
-    return cls(chat, max_turns=max_turns)
+    try:
+        return cls(chat, max_turns=max_turns)
+    except TypeError as e:  # its constructor does not take (chat, max_turns=...)
+        raise UserError(f"grpo.environment={name!r}: cannot construct it as {_constructor(name)} ({e})") from None
+
+
+def _constructor(name: str) -> str:
+    """How a ``module:Class`` environment is constructed, for the error line."""
+    return f"{name.partition(':')[2]}(chat, max_turns=N)"
 
 
 def sample_episode_groups(

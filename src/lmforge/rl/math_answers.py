@@ -95,8 +95,19 @@ def normalize_answer(answer: str) -> str:
     return s
 
 
+MAX_NUMBER_CHARS = 200
+"""Longest answer read as a number; a longer one is compared as text."""
+MAX_EXPONENT = 400
+"""Largest decimal exponent read (``1e-99999999`` as an exact rational would take minutes to build)."""
+_EXPONENT = re.compile(r"[eE]([+-]?\d+)")
+
+
 def as_number(normalized: str) -> Fraction | None:
-    """The exact value of a normalized answer (integers, decimals, ``a/b``), or None."""
+    """The exact value of a normalized answer (integers, decimals, ``a/b``), or None. Completions are
+    untrusted: an answer over :data:`MAX_NUMBER_CHARS` characters or with an exponent over
+    :data:`MAX_EXPONENT` is not a number here, so no answer costs more than microseconds to read."""
+    if len(normalized) > MAX_NUMBER_CHARS or any(abs(int(e)) > MAX_EXPONENT for e in _EXPONENT.findall(normalized)):
+        return None
     try:
         return Fraction(normalized)
     except (ValueError, ZeroDivisionError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -57,21 +58,35 @@ def make_engine(rt: Runtime, g: Any, *, autocast: Any, own_copy: bool) -> Rollou
 def _vllm_engine(rt: Runtime, g: Any, snapshots: WeightSnapshots, dtype: str, seed: int) -> RolloutEngine:
     from lmforge.rl.engines import vllm_engine
 
-    max_len = rt.model_args.max_seq_len
     if g.vllm_mode == "server" and g.vllm_url:
         backend: Any = vllm_engine.ServerBackend(g.vllm_url)
         return vllm_engine.VllmEngine(backend, snapshots, loads=rt.dist.is_main, shared=True)
     model_dir = rt.run_dir / "engine_model"
+    try:
+        return _started_engine(rt, g, snapshots, dtype, seed, model_dir)
+    except BaseException:  # a full copy of the model must not stay behind in the run directory
+        if rt.dist.is_main:
+            shutil.rmtree(model_dir, ignore_errors=True)
+        raise
+
+
+def _started_engine(rt: Runtime, g: Any, snapshots: WeightSnapshots, dtype: str, seed: int,
+                    model_dir: Path) -> RolloutEngine:
+    """An engine lmforge starts on ``model_dir``, a copy of the current policy written for it."""
+    from lmforge.rl.engines import vllm_engine
+
+    max_len = rt.model_args.max_seq_len
     write_model_dir(rt, model_dir)
     if g.vllm_mode == "server":
         backend = None
         if rt.dist.is_main:
-            backend = vllm_engine.start_server(vllm_engine.python_for_server(g.vllm_python), model_dir, dtype=dtype,
-                                               seed=seed, max_model_len=max_len, log=rt.run_dir / "vllm_server.log")
-        url = [backend.url if backend else None]
-        if dist.is_initialized():
+            backend = vllm_engine.start_server(vllm_engine.python_for_server(g.vllm_python), model_dir,
+                                               weights_dir=snapshots.dir, dtype=dtype, seed=seed,
+                                               max_model_len=max_len, log=rt.run_dir / "vllm_server.log")
+        url = [(backend.url, backend.secret) if backend else None]
+        if dist.is_initialized():  # the other ranks sample from it too, with its secret
             dist.broadcast_object_list(url, src=0)
-        backend = backend or vllm_engine.ServerBackend(str(url[0]))
+        backend = backend or vllm_engine.ServerBackend(str(url[0][0]), secret=url[0][1])
         return vllm_engine.VllmEngine(backend, snapshots, loads=rt.dist.is_main, shared=True)
     runner = vllm_engine.colocated_runner(model_dir, dtype=dtype, seed=seed, max_model_len=max_len,
                                           gpu_memory_utilization=g.vllm_gpu_memory_utilization)

@@ -17,7 +17,8 @@ class EngineKeys(Section):
     """``colocate``: a ``vllm.LLM`` in each trainer process (vLLM must import there); ``server``: a vLLM
     server that lmforge starts (with ``vllm_python``) or that runs at ``vllm_url``."""
     vllm_url: str = ""
-    """A running ``python -m lmforge.rl.engines.vllm_server`` (server mode); empty: lmforge starts one."""
+    """A running ``python -m lmforge.rl.engines.vllm_server`` (server mode); empty: lmforge starts one. Needs
+    the server's shared secret in ``LMFORGE_SERVER_SECRET`` and ``vllm_sync_dir`` = its ``--weights-dir``."""
     vllm_python: str = ""
     """The Python of vLLM's environment, for the server lmforge starts (empty: this one)."""
     vllm_sync_dir: str = ""

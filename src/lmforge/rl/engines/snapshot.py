@@ -65,7 +65,7 @@ class WeightSnapshots:
         if not self.writes:
             return path
         tensors = savable_tensors(hf_state_dict_from_lmforge(state, model.args))
-        tmp = path.with_suffix(".partial")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")  # not a name a user file could have by chance
         save_file(tensors, str(tmp), metadata={"format": "pt", "version": str(version)})
         os.replace(tmp, path)
         return path

