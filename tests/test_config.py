@@ -50,8 +50,9 @@ def test_a_boolean_is_not_a_number(override, key):
 
 
 def test_lora_without_target_modules_is_refused():
-    with pytest.raises(UserError, match=r"lora.target_modules is empty: name at least one of wq"):
+    with pytest.raises(UserError, match=r"lora.target_modules is empty: name at least one of the model's"):
         load_config(Config, None, ["--lora.enabled=true", "--lora.target_modules=[]"])
+    assert load_config(Config, None, ["--lora.enabled=true"]).lora.target_modules is None  # left out: all
     with pytest.raises(UserError, match=r"lora.target_modules is empty"):
         load_config(Config, None, ["--lora.enabled=true", "--lora.target_modules=,"])
     assert load_config(Config, None, ["--lora.target_modules=[]"]).lora.target_modules == []  # off: unused

@@ -94,8 +94,9 @@ def test_latent_attention_equals_transformers_module(variant):
     scale = yarn_softmax_scale(20, None if variant == "no_q_lora" else YARN)
     assert scale == pytest.approx(ref.scaling, rel=1e-12)
     lc = LatentAttentionConfig(dim=64, n_heads=4, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=12,
-                               qk_rope_head_dim=8, v_head_dim=10, norm=NormConfig(16, 1e-6), scale=scale)
-    ours = LatentAttention(lc, interleaved=cfg.rope_interleave).eval()
+                               qk_rope_head_dim=8, v_head_dim=10, norm=NormConfig(16, 1e-6), scale=scale,
+                               rope_interleave=cfg.rope_interleave)
+    ours = LatentAttention(lc).eval()
     names = {"wq": "q_proj", "wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj",
              "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
     theirs = ref.state_dict()

@@ -127,6 +127,13 @@ def test_unknown_model_type_is_refused_in_one_line_naming_the_file(cfg):
     assert repr(cfg.get("model_type")) in msg and all(t in msg for t in registered_model_types())
 
 
+def test_a_config_json_that_is_not_an_object_is_one_line(tmp_path):
+    from lmforge.models.hf_config import args_from_hf_config
+
+    with pytest.raises(UserError, match=r"^/m/config.json: expected a JSON object of model settings, got a list$"):
+        args_from_hf_config(json.loads("[1, 2]"), "/m/config.json")
+
+
 def test_lookups_by_name_and_model_type_refuse_unknowns():
     with pytest.raises(UserError, match="unknown model family 'gpt2'.*llama"):
         get_spec("gpt2")

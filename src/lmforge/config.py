@@ -283,8 +283,9 @@ class LoraSection(Section):
 
     @model_validator(mode="after")
     def _targets_named(self) -> "LoraSection":
-        if self.enabled and not self.target_modules:  # peft refuses it deep in model building
-            raise ValueError("lora.target_modules is empty: name at least one of wq, wk, wv, wo, w1, w2, w3")
+        if self.enabled and self.target_modules == []:  # peft refuses it deep in model building
+            raise ValueError("lora.target_modules is empty: name at least one of the model's LoRA targets, "
+                             "or leave the key out to adapt all of them")
         return self
 
 

@@ -36,14 +36,13 @@ class RopeConfig:
     """One rotary table: ``dim`` rotated features per head, base ``theta``, positions ``[0, max_seq_len)``.
 
     ``scaling`` is the Hugging Face ``rope_scaling`` dict (``rope_type`` ``linear``, ``llama3`` or
-    ``yarn``), None for plain RoPE. ``interleaved``: the rotated pairs are adjacent features (DeepSeek-V3's
-    ``rope_interleave``) rather than the two halves."""
+    ``yarn``), None for plain RoPE. The table is always in the rotate-half layout; an attention whose
+    checkpoint pairs adjacent features says so in its own config (``rope_interleave``)."""
 
     dim: int
     theta: float
     max_seq_len: int
     scaling: Mapping[str, Any] | None = None
-    interleaved: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,6 +89,8 @@ class LatentAttentionConfig:
     scale: float | None = None
     window: int | None = None
     rope: str = "global"
+    rope_interleave: bool = False
+    """The checkpoint's rotary features are adjacent pairs (DeepSeek-V3's ``rope_interleave``)."""
 
     @property
     def qk_head_dim(self) -> int:

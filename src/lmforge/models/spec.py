@@ -154,6 +154,8 @@ def spec_for_args(args: ModelArgs) -> ModelSpec:
 
 def spec_for_hf_config(cfg: Mapping[str, Any], where: str) -> ModelSpec:
     """The family of a parsed ``config.json`` (by its ``model_type``); ``where`` names the file in errors."""
+    if not isinstance(cfg, Mapping):
+        raise UserError(f"{where}: expected a JSON object of model settings, got a {type(cfg).__name__}")
     family = cfg.get("model_type")
     spec = _BY_MODEL_TYPE.get(family) if isinstance(family, str) else None
     if spec is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from lmforge.models.deepseek_v3 import hf_config as _hf
 from lmforge.models.deepseek_v3.args import DEEPSEEK_V3_SIZES, DeepseekV3Args
 from lmforge.models.deepseek_v3.layout import DEEPSEEK_V3_LAYOUT
+from lmforge.models.model import Transformer
 
 __all__ = ["DEEPSEEK_V3", "DEEPSEEK_V3_LAYOUT", "DEEPSEEK_V3_SIZES", "DeepseekV3Args", "LORA_TARGETS"]
 
@@ -25,17 +26,6 @@ LORA_TARGETS = {
 }
 """Latent attention's projections (``wq`` without a query bottleneck, ``wq_a``/``wq_b`` with one) and the
 MLP's; in MoE layers the MLP names reach the stacked experts and the shared experts' MLP."""
-
-
-def _build(args: DeepseekV3Args):  # type: ignore[no-untyped-def]
-    """The shared decoder; its latent attention told the checkpoint's rotary layout (``rope_interleave``),
-    which ``LatentAttentionConfig`` does not carry."""
-    from lmforge.models.model import Transformer
-
-    model = Transformer(args)
-    for layer in model.layers:
-        layer.attention.interleaved = args.rope_interleave
-    return model
 
 
 def _balance(model, args, totals) -> None:  # type: ignore[no-untyped-def]
@@ -56,7 +46,7 @@ def _register():  # type: ignore[no-untyped-def]
     return register_spec(ModelSpec(
         name=_hf.MODEL_TYPE, hf_model_type=_hf.MODEL_TYPE, hf_architecture=_hf.ARCHITECTURE,
         args_from_hf=_hf.args_from_hf, hf_config=_hf.hf_config, check_exportable=_hf.check_exportable,
-        state_dict_adapter=DEEPSEEK_V3_LAYOUT, build=_build, fused_decode=False,
+        state_dict_adapter=DEEPSEEK_V3_LAYOUT, build=Transformer, fused_decode=False,
         lora_targets=LORA_TARGETS,
         after_optimizer_step=_balance, args_class=DeepseekV3Args, sizes=DEEPSEEK_V3_SIZES,
     ))

@@ -119,12 +119,12 @@ class DeepseekV3Args(ModelArgs):
 
     def decoder_config(self) -> DecoderConfig:
         norm = NormConfig(self.dim, self.norm_eps)
-        rope = RopeConfig(self.qk_rope_head_dim, self.rope_theta, self.max_seq_len, self.rope_scaling,
-                          interleaved=self.rope_interleave)
+        rope = RopeConfig(self.qk_rope_head_dim, self.rope_theta, self.max_seq_len, self.rope_scaling)
         attention = LatentAttentionConfig(
             dim=self.dim, n_heads=self.n_heads, q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
             qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
             v_head_dim=self.v_head_dim, norm=NormConfig(self.kv_lora_rank, LATENT_NORM_EPS), scale=self.softmax_scale,
+            rope_interleave=self.rope_interleave,
         )
         return DecoderConfig(
             vocab_size=self.vocab_size, dim=self.dim, norm=norm, ropes={"global": rope}, max_seq_len=self.max_seq_len,

@@ -11,7 +11,7 @@ Names follow torchtitan's DeepSeek-V3 (``wq_a``, ``q_norm``, ``wq_b``, ``wkv_a``
 ``wo``); the family's state-dict layout maps them onto transformers' ``q_a_proj``, ``q_a_layernorm``,
 ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``.
 
-``interleaved`` (DeepSeek-V3's ``rope_interleave``): the checkpoint's rotary features are adjacent pairs.
+``rope_interleave`` (DeepSeek-V3's): the checkpoint's rotary features are adjacent pairs.
 transformers rotates the pairs ``(x[0::2], x[1::2])`` and writes the result de-interleaved
 (``[even | odd]``); that is exactly "take ``[x[0::2] | x[1::2]]``, then rotate-half", which is what is
 done here with the block's ordinary rotate-half table, so the values are transformers' own.
@@ -56,7 +56,7 @@ class LatentAttention(nn.Module):
     """Multi-head latent attention; ``forward`` has :class:`~lmforge.models.layers.attention.Attention`'s
     signature, with ``cos``/``sin`` the block's rotary table of ``qk_rope_head_dim`` features."""
 
-    def __init__(self, cfg: LatentAttentionConfig, interleaved: bool = False) -> None:
+    def __init__(self, cfg: LatentAttentionConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.n_heads = cfg.n_heads
@@ -64,7 +64,7 @@ class LatentAttention(nn.Module):
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.qk_dim = cfg.qk_head_dim
         self.scale = cfg.scale if cfg.scale is not None else self.qk_dim ** -0.5
-        self.interleaved = interleaved
+        self.interleaved = cfg.rope_interleave
         self.absorb = True
         """Decode steps attend on the cached latents directly (see :meth:`_absorbed`); False re-expands
         every cached token's keys and values each step, as transformers does. Only while ``wkv_b`` is a

@@ -186,11 +186,27 @@ class Router(nn.Linear):
         else:
             self.correction_bias = None
 
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def,override]
+        """``model.to(bf16)`` must not round the correction bias: its updates (``bias_update_speed``, 1e-3)
+        are below bf16's resolution near the scores it shifts. It follows the device, never the dtype."""
+        bias = self._buffers.pop("correction_bias", None)
+        super()._apply(fn, recurse)
+        if bias is not None:
+            device = fn(torch.empty(0, device=bias.device)).device
+            self._buffers["correction_bias"] = (torch.empty_like(bias, device=device) if bias.is_meta
+                                                else bias.to(device))
+        return self
+
     def route(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(weights [N, k] fp32, chosen experts [N, k], probabilities [N, E] fp32 for the balancing terms,
-        logits [N, E] fp32) for tokens ``flat`` [N, dim]."""
+        logits [N, E] fp32) for tokens ``flat`` [N, dim]. Sigmoid routing (DeepSeek-V3) computes its logits
+        in fp32 from fp32 weights, as the reference does: its choice compares scores shifted by small biases."""
         cfg = self.cfg
-        logits = self(flat).float()
+        if cfg.scoring == "sigmoid":
+            weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+            logits = F.linear(flat.float(), weight.float(), None if self.bias is None else self.bias.float())
+        else:
+            logits = self(flat).float()
         if cfg.scoring == "topk_softmax":  # gpt-oss: the k best logits, then a softmax over those k
             top, chosen = torch.topk(logits, cfg.top_k, dim=-1)
             return torch.softmax(top, dim=-1), chosen, torch.softmax(logits, dim=-1), logits
