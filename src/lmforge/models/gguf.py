@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -41,16 +41,10 @@ from lmforge.models.gguf_checks import check_against_tensors, check_config_bound
 from lmforge.models.hf import model_from_hf_state
 from lmforge.models.hf_config import args_from_hf_config
 from lmforge.models.model import Transformer
+from lmforge.models.spec import gguf_format_for
 
 __all__ = ["gguf_args", "gguf_hf_config", "hf_state_dict_from_gguf", "load_gguf_model", "open_gguf"]
 
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
-"""GGUF ``general.architecture`` -> Hugging Face ``model_type``. llama.cpp writes Mistral as ``llama``."""
-PERMUTED_QK = frozenset({"llama"})
-"""Architectures whose q/k projections llama.cpp's converter permutes (``LlamaModel.permute``)."""
-NORM_SHIFTED = frozenset({"gemma3"})
-"""Architectures whose ``*norm.weight`` tensors llama.cpp's converter stores plus 1 (``Gemma3Model``'s
-``norm_shift``; transformers' GGUF loader subtracts it again)."""
 GEMMA3_PATTERN = 6
 """llama.cpp's Gemma 3 layer pattern (``set_swa_pattern(6)``): five sliding layers, then a global one."""
 GEMMA3_LOCAL_THETA = 10_000.0
@@ -58,17 +52,6 @@ GEMMA3_LOCAL_THETA = 10_000.0
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
-_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-"""``blk.N.<part>.{weight,bias}`` -> ``model.layers.N.<name>.{weight,bias}``; anything else is refused
-by name, so a file with tensors lmforge does not model never loads silently incomplete."""
-_ARCH_LAYER_NAMES = {
-    "gemma3": {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
-               "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
-}
-"""Per-architecture overrides: Gemma 3's ``ffn_norm`` is the norm *before* the MLP, and it has two more."""
 _ROPE_FREQS = "rope_freqs.weight"
 """Llama 3.1-style RoPE: llama.cpp stores the per-frequency divisors instead of the scaling settings."""
 
@@ -132,8 +115,7 @@ def _tensors(reader: Any) -> dict[str, Any]:
 def gguf_hf_config(reader: Any, where: str) -> dict[str, Any]:
     """The Hugging Face ``config.json`` a GGUF file's metadata stands for (keys transformers reads)."""
     arch = _value(reader, "general.architecture")
-    if arch not in MODEL_TYPES:
-        raise UserError(f"{where}: GGUF architecture {arch!r} is not supported (supported: {', '.join(MODEL_TYPES)})")
+    spec, _ = gguf_format_for(str(arch), where)
 
     def key(name: str, default: Any = None) -> Any:
         return _value(reader, f"{arch}.{name}", default)
@@ -145,7 +127,7 @@ def gguf_hf_config(reader: Any, where: str) -> dict[str, Any]:
     n_heads = key("attention.head_count")
     dim = key("embedding_length")
     cfg: dict[str, Any] = {
-        "model_type": MODEL_TYPES[arch],
+        "model_type": spec.hf_model_type,
         "hidden_size": dim,
         "intermediate_size": key("feed_forward_length"),
         "num_hidden_layers": key("block_count"),
@@ -270,7 +252,7 @@ def _unpermute(w: Tensor, heads: int) -> Tensor:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _hf_name(name: str, where: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str:
+def _hf_name(name: str, where: str, layer_names: Mapping[str, str]) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     parts = name.split(".")
@@ -282,9 +264,8 @@ def _hf_name(name: str, where: str, layer_names: dict[str, str] = _LAYER_NAMES) 
 
 def hf_state_dict_from_gguf(reader: Any, cfg: dict[str, Any], where: str) -> dict[str, Tensor]:
     """Every tensor, dequantized to fp32, unpermuted and unshifted, under its Hugging Face name."""
-    arch = _value(reader, "general.architecture")
-    permuted, shifted = arch in PERMUTED_QK, arch in NORM_SHIFTED
-    layer_names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
+    _, fmt = gguf_format_for(str(_value(reader, "general.architecture")), where)
+    permuted, shifted, layer_names = fmt.permuted_qk, fmt.norm_shifted, fmt.layer_names
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
     out: dict[str, Tensor] = {}
     for name, tensor in _tensors(reader).items():

@@ -31,35 +31,39 @@ from torch import Tensor
 
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
-from lmforge.models.gguf import (_ARCH_LAYER_NAMES, _GLOBAL_NAMES, _LAYER_NAMES, _ROPE_FREQS, GEMMA3_LOCAL_THETA,
-                                 GEMMA3_PATTERN, NORM_SHIFTED, PERMUTED_QK, _gguf_module)
+from lmforge.models.gguf import _GLOBAL_NAMES, _ROPE_FREQS, GEMMA3_LOCAL_THETA, GEMMA3_PATTERN, _gguf_module
+from lmforge.models.spec import GGUFFormat, registered_specs, spec_for_args
 from lmforge.models.tokenizer import Tokenizer
 
-__all__ = ["GGUF_ARCHITECTURES", "GGUF_TYPES", "gguf_architecture", "write_gguf"]
+__all__ = ["GGUF_TYPES", "gguf_architecture", "gguf_format", "write_gguf"]
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
-"""lmforge family (``hf_model_type``) -> GGUF ``general.architecture``; llama.cpp runs Mistral as ``llama``."""
 _Q8_BLOCK = 32
 
 
-def gguf_architecture(args: ModelArgs) -> str:
-    """The GGUF architecture of ``args``; UserError for a family or feature the writer does not cover."""
+def gguf_format(args: ModelArgs) -> GGUFFormat:
+    """How llama.cpp stores ``args``' family; UserError for a family or feature the writer does not cover."""
     if args.n_experts:
         raise UserError(f"GGUF export of mixture-of-experts models ({args.hf_model_type}) is not supported")
-    if args.hf_model_type not in GGUF_ARCHITECTURES:
-        raise UserError(f"GGUF export of {args.hf_model_type!r} models is not supported "
-                        f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
+    fmt = spec_for_args(args).gguf
+    if fmt is None:
+        known = ", ".join(s.hf_model_type for s in registered_specs() if s.gguf is not None)
+        raise UserError(f"GGUF export of {args.hf_model_type!r} models is not supported (supported: {known})")
     kind = (args.rope_scaling or {}).get("rope_type", (args.rope_scaling or {}).get("type"))
-    if args.hf_model_type == "gemma3_text" and kind not in (None, "default"):
+    if fmt.architecture == "gemma3" and kind not in (None, "default"):
         raise UserError(f"GGUF export of Gemma 3 with {kind} RoPE scaling is not supported")
-    return GGUF_ARCHITECTURES[args.hf_model_type]
+    return fmt
 
 
-def _gguf_names(arch: str) -> dict[str, str]:
+def gguf_architecture(args: ModelArgs) -> str:
+    """The GGUF architecture of ``args`` (see :func:`gguf_format`)."""
+    return gguf_format(args).architecture
+
+
+def _gguf_names(fmt: GGUFFormat) -> dict[str, str]:
     """Hugging Face name -> GGUF name, by inverting the reader's tables."""
     out = {hf: g for g, hf in _GLOBAL_NAMES.items()}
-    for g, hf in _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES).items():
+    for g, hf in fmt.layer_names.items():
         out[hf] = g
     return out
 
@@ -154,9 +158,10 @@ def write_gguf(hf_state: dict[str, Tensor], args: ModelArgs, path: str | Path, *
     """
     if gguf_type not in GGUF_TYPES:
         raise UserError(f"unknown GGUF type {gguf_type!r} (choose from: {', '.join(GGUF_TYPES)})")
-    arch = gguf_architecture(args)
+    fmt = gguf_format(args)
+    arch = fmt.architecture
     gguf = _gguf_module()
-    names = _gguf_names(arch)
+    names = _gguf_names(fmt)
     heads = {"self_attn.q_proj": args.n_heads, "self_attn.k_proj": args.kv_heads}
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(name)
@@ -175,10 +180,10 @@ def write_gguf(hf_state: dict[str, Tensor], args: ModelArgs, path: str | Path, *
         if hf == "lm_head.weight" and (args.tie_embeddings or arch == "gemma3"):
             continue
         a = t.detach().to("cpu", torch.float32).numpy()
-        if arch in NORM_SHIFTED and hf.endswith("norm.weight"):
+        if fmt.norm_shifted and hf.endswith("norm.weight"):
             a = a + 1.0
         module = ".".join(hf.split(".")[3:-1])
-        if arch in PERMUTED_QK and module in heads and hf.endswith(".weight"):
+        if fmt.permuted_qk and module in heads and hf.endswith(".weight"):
             a = _permute(a, heads[module])
         data, raw_dtype = _stored(np.ascontiguousarray(a), gguf_type)
         writer.add_tensor(_gguf_name(hf, names), data, raw_dtype=raw_dtype)

@@ -24,7 +24,7 @@ from lmforge.models.args import ModelArgs, register_args_class, register_sizes
 from lmforge.models.state_dict_adapter import StateDictAdapter
 
 __all__ = [
-    "DECODER_LORA_TARGETS", "ModelSpec", "get_spec", "lora_targets_for", "register_spec", "registered_model_types",
+    "DECODER_LORA_TARGETS", "GGUFFormat", "ModelSpec", "get_spec", "gguf_format_for", "lora_targets_for", "register_spec", "registered_model_types",
     "registered_specs", "spec_for_args",
     "spec_for_hf_config",
 ]
@@ -46,6 +46,21 @@ FlopsPerToken = Callable[[ModelArgs, int, int | None], float]
 """(args, seq_len, adapter_params) -> training FLOPs per token (see ``flops.flops_per_token``)."""
 TrainingFlops = Callable[[ModelArgs, Iterable[int], int | None], float]
 """(args, document lengths, adapter_params) -> training FLOPs of a batch (see ``flops.training_flops``)."""
+
+
+@dataclass(frozen=True)
+class GGUFFormat:
+    """How llama.cpp stores a family: its GGUF ``architecture``, the block tensor names (``blk.N.<part>``
+    -> the Hugging Face module name), and its converter's two rewrites: q/k projections permuted
+    (``LlamaModel.permute``) and ``*norm.weight`` stored plus one (Gemma 3's ``norm_shift``)."""
+
+    architecture: str
+    layer_names: Mapping[str, str]
+    permuted_qk: bool = False
+    norm_shifted: bool = False
+    reads: bool = True
+    """Whether a file of this architecture reads as this family (llama.cpp writes Mistral as ``llama``:
+    Mistral writes that architecture, and it reads back as Llama)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,6 +102,8 @@ class ModelSpec:
     """Called by the loop after every optimizer step with the step's global totals (sums over microbatches
     and ranks, e.g. ``router_expert_tokens`` [MoE layers, experts]): DeepSeek-V3's auxiliary-loss-free
     balancing moves its routers' correction biases here. None: nothing to do."""
+    gguf: GGUFFormat | None = None
+    """How llama.cpp stores the family (None: GGUF in and out refused in one line)."""
     args_class: type[ModelArgs] = ModelArgs
     """The family's argument class: ``ModelArgs``, or a subclass with the family's own fields whose
     ``decoder_config()`` builds its modules; checkpoints of the family load into it."""
@@ -105,6 +122,15 @@ def lora_targets_for(args: ModelArgs, requested: Iterable[str] | None) -> dict[s
     if not names:
         raise UserError(f"lora.target_modules is empty; choose from {', '.join(known)} (or leave it out: all)")
     return {n: known[n] for n in names}
+
+
+def gguf_format_for(architecture: str, where: str) -> tuple[ModelSpec, GGUFFormat]:
+    """The family a GGUF file's ``general.architecture`` reads as (the spec whose ``gguf`` reads it)."""
+    for spec in _BY_NAME.values():
+        if spec.gguf is not None and spec.gguf.reads and spec.gguf.architecture == architecture:
+            return spec, spec.gguf
+    known = sorted({s.gguf.architecture for s in _BY_NAME.values() if s.gguf is not None and s.gguf.reads})
+    raise UserError(f"{where}: GGUF architecture {architecture!r} is not supported (supported: {', '.join(known)})")
 
 
 _BY_NAME: dict[str, ModelSpec] = {}

@@ -24,7 +24,7 @@ from lmforge.models.args import ROPE_TYPES, ModelArgs
 from lmforge.models.state_dict_adapter import StateDictAdapter
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lmforge.models.spec import ModelSpec
+    from lmforge.models.spec import GGUFFormat, ModelSpec
 
 __all__ = ["LLAMA_LAYOUT", "LlamaStyleConfig", "rope_settings"]
 
@@ -183,7 +183,7 @@ class LlamaStyleConfig:
             raise UserError(f"{where}: {e}") from None
 
     def register(self, layout: StateDictAdapter, fused_decode: bool,
-                 sizes: Mapping[str, Mapping[str, Any]] | None = None) -> "ModelSpec":
+                 sizes: Mapping[str, Mapping[str, Any]] | None = None, gguf: "GGUFFormat | None" = None) -> "ModelSpec":
         """Register this family's :class:`~lmforge.models.spec.ModelSpec` (named after its ``model_type``):
         these conversions, ``layout`` for the tensor names, the shared decoder as its model and the named
         ``sizes`` of its published models."""
@@ -194,6 +194,7 @@ class LlamaStyleConfig:
             name=self.model_type, hf_model_type=self.model_type, hf_architecture=self.architecture,
             args_from_hf=self.args_from_hf, hf_config=self.hf_config, check_exportable=self.check_exportable,
             state_dict_adapter=layout, build=Transformer, fused_decode=fused_decode, sizes=dict(sizes or {}),
+            gguf=gguf,
         ))
 
     def check_exportable(self, args: ModelArgs) -> None:

@@ -20,7 +20,9 @@ from typing import Any, Mapping
 
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
+from lmforge.models.common.gguf_names import LLAMA_GGUF_LAYER_NAMES
 from lmforge.models.common.llama_style import LLAMA_LAYOUT, LlamaStyleConfig, rope_settings
+from lmforge.models.spec import GGUFFormat
 
 DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 
@@ -122,5 +124,12 @@ def _size(n_layers: int, dim: int, ffn: int) -> dict[str, Any]:
 
 # The fused decode step has no (1 + w) norms, sandwich norms or per-layer windows.
 # google/gemma-3-270m, google/gemma-3-1b-pt
-GEMMA3 = GEMMA3_CONFIG.register(GEMMA3_LAYOUT, fused_decode=False, sizes={
+GEMMA3_GGUF = GGUFFormat("gemma3", {
+    **LLAMA_GGUF_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    norm_shifted=True)
+"""llama.cpp's ``gemma3``: its ``ffn_norm`` is the norm *before* the MLP, two more norms, and every
+``*norm.weight`` stored plus one."""
+
+GEMMA3 = GEMMA3_CONFIG.register(GEMMA3_LAYOUT, fused_decode=False, gguf=GEMMA3_GGUF, sizes={
     "gemma3-270m": _size(18, 640, 2048), "gemma3-1b": _size(26, 1152, 6912)})

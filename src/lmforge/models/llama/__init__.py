@@ -9,7 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from lmforge.models.args import ModelArgs
+from lmforge.models.common.gguf_names import LLAMA_GGUF_LAYER_NAMES
 from lmforge.models.common.llama_style import LLAMA_LAYOUT, LlamaStyleConfig
+from lmforge.models.spec import GGUFFormat
 
 
 def _export_keys(args: ModelArgs) -> dict[str, Any]:
@@ -24,7 +26,10 @@ LLAMA_CONFIG = LlamaStyleConfig(
     export_keys=_export_keys,
 )
 
-LLAMA = LLAMA_CONFIG.register(LLAMA_LAYOUT, fused_decode=True, sizes={
+LLAMA_GGUF = GGUFFormat("llama", LLAMA_GGUF_LAYER_NAMES, permuted_qk=True)
+"""llama.cpp's ``llama`` architecture: the Llama names, q/k rows permuted by its converter."""
+
+LLAMA = LLAMA_CONFIG.register(LLAMA_LAYOUT, fused_decode=True, gguf=LLAMA_GGUF, sizes={
     # HuggingFaceTB/SmolLM2-135M, meta-llama/Llama-3.2-1B (published config.json values)
     "smollm2-135m": dict(
         dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_hidden_dim=1536, norm_eps=1e-5,

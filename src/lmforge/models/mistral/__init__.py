@@ -10,7 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from lmforge.models.args import ModelArgs
+from lmforge.models.common.gguf_names import LLAMA_GGUF_LAYER_NAMES
 from lmforge.models.common.llama_style import LLAMA_LAYOUT, LlamaStyleConfig
+from lmforge.models.spec import GGUFFormat
 
 
 def _export_keys(args: ModelArgs) -> dict[str, Any]:
@@ -29,4 +31,7 @@ MISTRAL_CONFIG = LlamaStyleConfig(
 # the fused step applies the window; mistralai/Mistral-7B-v0.1
 MISTRAL = MISTRAL_CONFIG.register(LLAMA_LAYOUT, fused_decode=True, sizes={"mistral-7b": dict(
     dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336, norm_eps=1e-5,
-    rope_theta=10000.0, max_seq_len=32768, tie_embeddings=False, sliding_window=4096)})
+    rope_theta=10000.0, max_seq_len=32768, tie_embeddings=False, sliding_window=4096)},
+    # llama.cpp writes Mistral as its `llama` architecture (the window in llama.attention.sliding_window),
+    # which reads back as Llama
+    gguf=GGUFFormat("llama", LLAMA_GGUF_LAYER_NAMES, permuted_qk=True, reads=False))

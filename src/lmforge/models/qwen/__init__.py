@@ -12,7 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from lmforge.models.args import ModelArgs
+from lmforge.models.common.gguf_names import LLAMA_GGUF_LAYER_NAMES
 from lmforge.models.common.llama_style import LLAMA_LAYOUT, LlamaStyleConfig
+from lmforge.models.spec import GGUFFormat
 
 
 def _full_attention_keys(args: ModelArgs) -> dict[str, Any]:
@@ -55,9 +57,11 @@ QWEN3_LAYOUT = LLAMA_LAYOUT.extend(layer_names={
 # the fused step adds the q/k/v bias; Qwen/Qwen2.5-0.5B
 QWEN2 = QWEN2_CONFIG.register(QWEN2_LAYOUT, fused_decode=True, sizes={"qwen2.5-0.5b": dict(
     dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_hidden_dim=4864, norm_eps=1e-6,
-    rope_theta=1000000.0, max_seq_len=32768, tie_embeddings=True, qkv_bias=True)})
+    rope_theta=1000000.0, max_seq_len=32768, tie_embeddings=True, qkv_bias=True)},
+    gguf=GGUFFormat("qwen2", LLAMA_GGUF_LAYER_NAMES))
 
 # the fused step applies the q/k norms; Qwen/Qwen3-0.6B
 QWEN3 = QWEN3_CONFIG.register(QWEN3_LAYOUT, fused_decode=True, sizes={"qwen3-0.6b": dict(
     dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_hidden_dim=3072, norm_eps=1e-6,
-    rope_theta=1000000.0, max_seq_len=40960, tie_embeddings=True, qk_norm=True)})
+    rope_theta=1000000.0, max_seq_len=40960, tie_embeddings=True, qk_norm=True)},
+    gguf=GGUFFormat("qwen3", LLAMA_GGUF_LAYER_NAMES))
