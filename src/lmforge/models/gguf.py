@@ -9,7 +9,8 @@ permutation of ``llama``-architecture models (it stores them in Meta's interleav
 lmforge, like transformers, uses ``rotate_half``; Qwen and Gemma models are stored unpermuted), and
 the unit offset of Gemma 3's RMSNorm weights (it stores ``1 + w`` for every ``*norm.weight``; the
 Hugging Face weight, which the (1 + w) norm scales by, is the stored value minus 1, as transformers'
-own GGUF loader reads it).
+own GGUF loader reads it). Which family an architecture reads as, its tensor names and which of the two
+rewrites it has are the family's own (``ModelSpec.gguf``, a :class:`~lmforge.models.spec.GGUFFormat`).
 
 Gemma 3 (``gemma3``, the text model; e.g. google/gemma-3-270m) becomes a ``gemma3_text`` config. What
 its GGUF metadata leaves out is filled in as llama.cpp itself does: every 6th layer global, the others
