@@ -380,6 +380,75 @@ def test_correction_bias_is_balanced_after_each_optimizer_step():
     assert spec.lora_targets["wkv_b"] == "attention.wkv_b" and spec.args_class is DeepseekV3Args
 
 
+def _reference_sequence_aux(routers, mask):
+    """DeepSeek-V3's sequence-wise balance loss written out per row and layer from the routers' own
+    affinities (eq. 17-20 of arXiv 2412.19437), independently of lmforge's vectorised version."""
+    per_layer = []
+    for probs, chosen in routers:
+        rows = []
+        for b in range(mask.shape[0]):
+            real = mask[b].bool()
+            T, (E, k) = int(real.sum()), (probs.shape[-1], chosen.shape[-1])
+            if T == 0:
+                continue
+            f = torch.zeros(E)
+            for t in real.nonzero().flatten().tolist():
+                for e in chosen[b, t].tolist():
+                    f[e] += E / (k * T)
+            P = probs[b][real].mean(0)
+            rows.append((f * P).sum())
+        per_layer.append(torch.stack(rows).mean())
+    return torch.stack(per_layer).mean()
+
+
+def test_sequence_wise_aux_loss_equals_deepseeks_formula_with_padding():
+    """``aux_loss_scope=sequence`` (the family's default) gives DeepSeek-V3's per-row, per-layer loss over
+    real tokens only, with a gradient into the router; ``batch`` gives transformers' batch-wise one."""
+    from lmforge.models.layers.moe import MoEFeedForward, router_losses
+
+    args = DeepseekV3Args(**{**TINY, "vocab_size": VOCAB, "n_layers": 3})
+    model = spec_build(args)
+    tokens = ids(12, B=3)
+    mask = torch.ones(3, 12)
+    mask[0, 9:] = 0
+    mask[2, 4:] = 0  # rows of 12, 9 and 4 real tokens
+    model(tokens)
+    moes = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+    routers = [(m.last_routing.probs.detach().view(3, 12, -1), m.last_routing.chosen.view(3, 12, -1)) for m in moes]
+    terms = router_losses(model, mask)
+    torch.testing.assert_close(terms.aux_loss, _reference_sequence_aux(routers, mask), rtol=1e-6, atol=1e-7)
+    terms.aux_loss.backward()
+    assert moes[0].router.weight.grad.abs().sum() > 0
+    batch = DeepseekV3Args(**{**TINY, "vocab_size": VOCAB, "n_layers": 3, "aux_loss_scope": "batch"})
+    model_b = spec_build(batch)
+    model_b.load_state_dict(model.state_dict())
+    model_b(tokens)
+    assert not torch.allclose(router_losses(model_b, mask).aux_loss, terms.aux_loss)
+    with pytest.raises(UserError, match="aux_loss_scope must be"):
+        DeepseekV3Args(**{**TINY, "vocab_size": VOCAB, "aux_loss_scope": "token"})
+
+
+def test_correction_bias_stays_fp32_through_dtype_casts():
+    """A bf16 model keeps its routers' correction biases in fp32: a 1e-3 update is below bf16's
+    resolution near the sigmoid scores the bias shifts."""
+    args = DeepseekV3Args(**{**TINY, "vocab_size": VOCAB})
+    model = spec_build(args).to(torch.bfloat16)
+    router = model.layers[1].feed_forward.router
+    assert router.weight.dtype == torch.bfloat16 and router.correction_bias.dtype == torch.float32
+    with torch.device("meta"):
+        meta = spec_build(args)
+    meta.to_empty(device="cpu")
+    assert meta.layers[1].feed_forward.router.correction_bias.device.type == "cpu"
+
+
+def spec_build(args):
+    from lmforge.models.spec import spec_for_args
+
+    model = spec_for_args(args).build(args)
+    model.init_weights(seed=0)
+    return model
+
+
 @pytest.fixture(scope="module")
 def chat_start(tmp_path_factory):
     """A tiny random DeepSeek-V3 saved with a real chat tokenizer (Qwen2.5's fixture)."""

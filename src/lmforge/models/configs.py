@@ -132,6 +132,10 @@ class RouterConfig:
     correction_bias: bool = False
     bias: bool = False
     scaling: float = 1.0
+    aux_scope: Literal["batch", "sequence"] = "batch"
+    """The load-balancing loss's scope: over the forward's tokens and layers together (``batch``, as
+    transformers computes it), or DeepSeek-V3's complementary sequence-wise loss (``sequence``: per row and
+    layer, ``sum_i f_i P_i`` with ``f_i = E / (k T) * slots_i``, averaged over rows and layers)."""
 
 
 @dataclass(frozen=True)

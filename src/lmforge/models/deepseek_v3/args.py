@@ -75,6 +75,10 @@ class DeepseekV3Args(ModelArgs):
     bias_update_speed: float = 0.001
     """Auxiliary-loss-free balancing: how far each step moves ``e_score_correction_bias`` towards even
     expert loads (DeepSeek-V3's gamma; 0 keeps the bias fixed)."""
+    aux_loss_scope: str = "sequence"
+    """The load-balancing loss ``training.router_aux_loss_coef`` weighs (off by default, as the family
+    balances through the correction bias): DeepSeek-V3's complementary sequence-wise loss (``sequence``,
+    its alpha 0.0001 in the paper), or transformers' batch-wise one (``batch``)."""
     hf_model_type: str = "deepseek_v3"
 
     def __post_init__(self) -> None:
@@ -91,6 +95,8 @@ class DeepseekV3Args(ModelArgs):
                             f"not {self.head_dim}")
         if self.first_k_dense_replace < 0:
             raise UserError(f"first_k_dense_replace must be >= 0, got {self.first_k_dense_replace}")
+        if self.aux_loss_scope not in ("sequence", "batch"):
+            raise UserError(f"aux_loss_scope must be 'sequence' or 'batch', got {self.aux_loss_scope!r}")
         if self.first_k_dense_replace < self.n_layers:
             if not self.n_experts:
                 raise UserError("DeepSeek-V3 layers from first_k_dense_replace on are mixtures of experts: "
@@ -138,6 +144,7 @@ class DeepseekV3Args(ModelArgs):
         router = RouterConfig(
             self.n_experts, self.n_experts_per_token, "sigmoid", self.moe_norm_topk, n_groups=self.n_groups,
             topk_groups=self.topk_groups, correction_bias=True, scaling=self.routed_scaling_factor,
+            aux_scope=self.aux_loss_scope,  # type: ignore[arg-type]
         )
         return MoEConfig(self.dim, router, MLPConfig(self.dim, self.expert_ffn_dim, self.hidden_act),
                          shared=MLPConfig(self.dim, self.n_shared_experts * self.expert_ffn_dim, self.hidden_act))

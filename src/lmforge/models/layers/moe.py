@@ -60,6 +60,10 @@ class RoutingStats:
     slots: Tensor
     """[E] fp32: how many of the top-k slots each expert received (all tokens, padding included: the
     dispatch's own counts)."""
+    rows: int = 1
+    """Rows of the forward's ``[B, T, dim]`` input (B): the sequences of the sequence-wise loss."""
+    scope: str = "batch"
+    """The layer's ``RouterConfig.aux_scope``."""
 
     @property
     def tokens(self) -> int:
@@ -274,7 +278,8 @@ class MoEFeedForward(nn.Module):
         combined = torch.zeros_like(flat).index_add_(0, token_of, out.to(flat.dtype))
         if self.shared_experts is not None:
             combined = combined + self.shared_experts(flat)
-        self.last_routing = RoutingStats(probs, chosen, torch.logsumexp(logits, -1).pow(2), counts.float())
+        self.last_routing = RoutingStats(probs, chosen, torch.logsumexp(logits, -1).pow(2), counts.float(),
+                                         rows=shape[0] if len(shape) == 3 else 1, scope=self.cfg.router.aux_scope)
         return combined.view(shape)
 
 
@@ -321,6 +326,26 @@ def router_losses(model: nn.Module, mask: Tensor | None = None) -> RouterLosses 
     prob_sums, counts, z_sums, tokens = zip(*(s.sums(mask) for s in stats))
     counts = torch.stack(counts)
     total = torch.stack(tokens).sum().clamp(min=1)  # all padding: zero terms, not 0/0
-    aux = n_experts * torch.sum((counts.sum(0) / total) * (torch.stack(prob_sums).sum(0) / total))
+    if stats[0].scope == "sequence":
+        aux = torch.stack([_sequence_aux(s, mask) for s in stats]).mean()
+    else:
+        aux = n_experts * torch.sum((counts.sum(0) / total) * (torch.stack(prob_sums).sum(0) / total))
     z = torch.stack(z_sums).sum() / total
     return RouterLosses(aux, z, counts)
+
+
+def _sequence_aux(s: RoutingStats, mask: Tensor | None) -> Tensor:
+    """DeepSeek-V3's sequence-wise balance loss of one layer (arXiv 2412.19437, eq. 17-20): per row,
+    ``sum_i f_i P_i`` with ``f_i = E / (k T) * (slots of expert i)`` and ``P_i`` the mean normalised
+    affinity, over the row's real tokens; averaged over the rows that have any. 1 when balanced."""
+    N, E = s.probs.shape
+    B, k = s.rows, s.chosen.shape[1]
+    w = (torch.ones(N, device=s.probs.device) if mask is None else mask.reshape(-1).to(s.probs.dtype)).view(B, -1)
+    slots = torch.zeros(B, N // B, E, device=s.probs.device).scatter_add_(
+        2, s.chosen.view(B, -1, k), w.unsqueeze(-1).expand(-1, -1, k).contiguous()).sum(1)
+    T = w.sum(1)
+    real = T > 0
+    f = E / (k * T.clamp(min=1)).unsqueeze(1) * slots
+    P = (s.probs.view(B, -1, E) * w.unsqueeze(-1)).sum(1) / T.clamp(min=1).unsqueeze(1)
+    per_row = (f * P).sum(1)
+    return (per_row * real).sum() / real.sum().clamp(min=1)  # no host sync: rows without real tokens weigh 0
