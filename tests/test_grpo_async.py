@@ -88,9 +88,9 @@ def test_vllm_engine_without_vllm_is_one_line(tiny_task):
     shutil.rmtree(tiny_task / "v", ignore_errors=True)
 
 
-def test_an_unreachable_vllm_server_is_one_line(tiny_task, capsys):
-    """grpo.vllm_url naming nothing that listens: the first weight sync fails with one line naming the
-    URL and the key, exit 2; the weight snapshot directory made for the run is removed."""
+def test_an_unreachable_vllm_server_is_one_line(tiny_task, tmp_path, capsys):
+    """grpo.vllm_url naming nothing that listens: the start-up check fails with one line naming the
+    URL and the key, exit 2; no weight snapshot directory is left behind."""
     import glob
 
     from _helpers import lmforge_in_process
@@ -99,6 +99,7 @@ def test_an_unreachable_vllm_server_is_one_line(tiny_task, capsys):
     before = set(glob.glob("/dev/shm/lmforge-weights-*"))
     rc = lmforge_in_process(*_grpo_args("v", **dict(COMMON, training_steps=1, grpo_engine="vllm",
                                                     grpo_vllm_mode="server", grpo_vllm_url="http://127.0.0.1:9",
+                                                    grpo_vllm_sync_dir=str(tmp_path / "sync"),
                                                     checkpoint_enabled=False)), cwd=tiny_task)
     err = capsys.readouterr().err
     assert rc == 2
