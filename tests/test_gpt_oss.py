@@ -347,3 +347,28 @@ def test_plan_runs_for_the_named_sizes(size, capsys):
     rows = json.loads(out)
     assert rows and any(r["layout"]["ep"] > 1 for r in rows)
     assert all(r["layout"]["tp"] == 1 for r in rows)  # sinks: no tensor-parallel plan
+
+
+def test_bf16_norm_scales_in_fp32_as_transformers_does():
+    """gpt-oss's RMSNorm on bf16 input scales by the weight in fp32 and casts last (transformers'
+    GptOssRMSNorm), bit for bit; its gradients equal autograd's through the same expression. Llama's
+    convention (cast, then scale in bf16) gives other bits, so the test can tell them apart."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+
+    from lmforge.models.configs import NormConfig
+    from lmforge.models.layers.norm import RMSNorm
+
+    torch.manual_seed(0)
+    ref = GptOssRMSNorm(64, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        ref.weight.normal_(1.0, 0.3)
+    ours, llama = RMSNorm(NormConfig(64, 1e-5, weight_in_fp32=True)), RMSNorm(NormConfig(64, 1e-5))
+    for norm in (ours, llama):
+        norm.to(torch.bfloat16).weight.data.copy_(ref.weight.data)
+    x = (torch.randn(4, 16, 64) * 3).to(torch.bfloat16).requires_grad_(True)
+    want = ref(x)
+    assert torch.equal(ours(x), want) and not torch.equal(llama(x), want)
+    grads = torch.autograd.grad(want.float().pow(2).sum(), (x, ref.weight))
+    got = torch.autograd.grad(ours(x).float().pow(2).sum(), (x, ours.weight))
+    for g, w in zip(got, grads):
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=1e-2)

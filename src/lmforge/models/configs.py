@@ -29,6 +29,9 @@ class NormConfig:
     dim: int
     eps: float = 1e-5
     unit_offset: bool = False
+    weight_in_fp32: bool = False
+    """Low-precision inputs: scale the fp32 normalised values by the weight in fp32 and cast last (gpt-oss,
+    as transformers computes it), instead of casting first and scaling in the input's dtype (Llama)."""
 
 
 @dataclass(frozen=True)

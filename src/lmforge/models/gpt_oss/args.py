@@ -77,7 +77,7 @@ class GptOssArgs(ModelArgs):
     def decoder_config(self) -> DecoderConfig:
         """Every block: biased grouped-query attention with sinks (windowed on the sliding layers) and a mixture
         of biased clamped-SwiGLU experts behind a biased top-k-softmax router."""
-        norm = NormConfig(self.dim, self.norm_eps)
+        norm = NormConfig(self.dim, self.norm_eps, weight_in_fp32=True)  # transformers' GptOssRMSNorm
         ropes = {"global": RopeConfig(self.head_dim, self.rope_theta, self.max_seq_len, self.rope_scaling)}  # type: ignore[arg-type]
         router = RouterConfig(self.n_experts, self.n_experts_per_token, "topk_softmax", norm_topk=self.moe_norm_topk,
                               bias=self.router_bias)

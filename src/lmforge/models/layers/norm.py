@@ -1,8 +1,9 @@
 """RMSNorm: the normalisation every supported family uses (blocks, final norm, q/k norms).
 
-Two conventions exist and differ in low-precision rounding, so each family gets its own: Llama's
+Three conventions exist and differ in low-precision rounding, so each family gets its own: Llama's
 scales by ``weight`` after casting the normalised activations back to their dtype; Gemma's
-(``unit_offset``) scales by ``1 + weight`` in fp32 and casts last, and its weights start at zero.
+(``unit_offset``) scales by ``1 + weight`` in fp32 and casts last, and its weights start at zero;
+gpt-oss's (``weight_in_fp32``) scales by ``weight`` in fp32 and casts last.
 
 When a gradient is wanted, each convention is one autograd node that keeps only its input, the
 weight and ``1/rms`` (one fp32 value per row) for the backward, which recomputes the normalised
@@ -25,9 +26,10 @@ from lmforge.models.configs import NormConfig
 
 __all__ = ["RMSNorm", "rms_norm", "unit_offset_rms_norm"]
 
-_FP32, _LOW, _UNIT_OFFSET = "fp32", "low", "unit_offset"
-"""The three forwards: Llama's on fp32 inputs (``F.rms_norm``'s kernel), Llama's on bf16/fp16 inputs
-(normalised in fp32, cast back, then scaled), Gemma's (scaled by ``1 + weight`` in fp32, cast last)."""
+_FP32, _LOW, _UNIT_OFFSET, _FP32_SCALE = "fp32", "low", "unit_offset", "fp32_scale"
+"""The four forwards: Llama's on fp32 inputs (``F.rms_norm``'s kernel), Llama's on bf16/fp16 inputs
+(normalised in fp32, cast back, then scaled), Gemma's (scaled by ``1 + weight`` in fp32, cast last),
+gpt-oss's on bf16/fp16 inputs (scaled by ``weight`` in fp32, cast last)."""
 
 
 _FUSED_RMS_NORM = getattr(torch.ops.aten, "_fused_rms_norm", None)
@@ -42,6 +44,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = cfg.eps
         self.unit_offset = cfg.unit_offset
+        self.weight_in_fp32 = cfg.weight_in_fp32
         self.weight = nn.Parameter(torch.zeros(cfg.dim) if cfg.unit_offset else torch.ones(cfg.dim))
 
     def reset_parameters(self) -> None:
@@ -52,6 +55,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.unit_offset:
             return unit_offset_rms_norm(x, self.weight, self.eps)
+        if self.weight_in_fp32 and x.dtype != torch.float32:
+            return _norm(x, self.weight, self.eps, _FP32_SCALE)
         return rms_norm(x, self.weight, self.eps)
 
 
@@ -72,6 +77,8 @@ def _forward(x: Tensor, weight: Tensor, eps: float, kind: str) -> tuple[Tensor, 
     rstd = _rstd(h, eps)
     if kind == _LOW:
         return weight * (h * rstd).to(x.dtype), rstd
+    if kind == _FP32_SCALE:
+        return (h * rstd * weight.float()).to(x.dtype), rstd
     return (h * rstd * (1.0 + weight.float())).to(x.dtype), rstd
 
 
@@ -93,6 +100,8 @@ class _RMSNormFunction(torch.autograd.Function):
         scale = weight
         if ctx.kind == _UNIT_OFFSET:  # out = (x_hat * (1 + w)).to(dtype): the scale is applied in fp32
             grad, scale = grad.float(), 1.0 + weight.float()
+        elif ctx.kind == _FP32_SCALE:  # out = (x_hat * w).to(dtype), in fp32
+            grad, scale = grad.float(), weight.float()
         grad_weight = grad_x = None
         if ctx.needs_input_grad[1]:  # Llama's on bf16 input scales the normalised values cast to bf16
             scaled = x_hat.to(x.dtype) if ctx.kind == _LOW else x_hat
