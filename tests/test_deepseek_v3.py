@@ -542,31 +542,39 @@ def test_trained_run_exports_to_transformers_with_equal_logits(chat_start, lora,
     assert moved is not lora
 
 
+def _sft_run(chat_start, out, nproc: int, flags: list[str]):
+    from pathlib import Path
+
+    from _helpers import run_lmforge, tail, tiny_run_args, torchrun
+
+    chats = Path(__file__).resolve().parent / "fixtures" / "data" / "fastchat_identity_multiturn.jsonl"
+    args = ("sft", *tiny_run_args(chats, training_steps=3, training_global_batch_size=4, training_micro_batch_size=2,
+                                  data_seq_len=128, tasks_eval_examples=0, model_size=None, model_n_layers=None,
+                                  model_dim=None, model_n_heads=None, model_n_kv_heads=None),
+            f"--model.from_hf={chat_start}", f"--run.dir={out}", "--checkpoint.enabled=false",
+            "--optimizer.lr=0.05", *flags)
+    proc = run_lmforge(*args) if nproc == 1 else torchrun(*args, nproc=nproc)
+    assert proc.returncode == 0, tail(proc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_process_run(chat_start, tmp_path_factory):
+    """The one-process reference the 2-rank layouts are held against (run once for all of them)."""
+    return _sft_run(chat_start, tmp_path_factory.mktemp("ds_one") / "one", 1, [])
+
+
 @pytest.mark.parametrize("parallel", [["--parallel.mode=fsdp"], ["--parallel.mode=fsdp", "--parallel.ep=2"],
                                       ["--parallel.mode=fsdp", "--parallel.cp=2"]], ids=["fsdp2", "fsdp2_ep2", "cp2"])
-def test_two_ranks_match_one_process(chat_start, parallel, tmp_path):
+def test_two_ranks_match_one_process(chat_start, one_process_run, parallel, tmp_path):
     """Real torchrun, 2 gloo ranks (FSDP2; with the experts split over both by expert parallelism; context
     parallelism, where latent attention's narrower values ride the key gather padded): the same losses and
     global router statistics as one process over three steps, so the correction biases, moved after each
     step from the global loads, stay the same on every rank."""
-    from pathlib import Path
-
-    from _helpers import assert_losses_match, losses, run_lmforge, tail, tiny_run_args, torchrun
+    from _helpers import assert_losses_match, losses
     from lmforge.metrics.records import read_records
 
-    chats = Path(__file__).resolve().parent / "fixtures" / "data" / "fastchat_identity_multiturn.jsonl"
-
-    def run(name: str, nproc: int, flags: list[str]) -> Path:
-        args = ("sft", *tiny_run_args(chats, training_steps=3, training_global_batch_size=4, training_micro_batch_size=2,
-                                      data_seq_len=128, tasks_eval_examples=0, model_size=None, model_n_layers=None,
-                                      model_dim=None, model_n_heads=None, model_n_kv_heads=None),
-                f"--model.from_hf={chat_start}", f"--run.dir={tmp_path / name}", "--checkpoint.enabled=false",
-                "--optimizer.lr=0.05", *flags)
-        proc = run_lmforge(*args) if nproc == 1 else torchrun(*args, nproc=nproc)
-        assert proc.returncode == 0, tail(proc)
-        return tmp_path / name
-
-    one, two = run("one", 1, []), run("two", 2, parallel)
+    one, two = one_process_run, _sft_run(chat_start, tmp_path / "two", 2, parallel)
     assert_losses_match(losses(two), losses(one), range(1, 4))
     for a, b in zip(read_records(one, "train"), read_records(two, "train")):
         assert a["expert_load_max"] == pytest.approx(b["expert_load_max"], rel=1e-5)
