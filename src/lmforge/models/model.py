@@ -1,13 +1,12 @@
 """The decoder-only transformer (``Transformer``) that every built-in family builds.
 
-Its blocks come from :mod:`lmforge.models.layers`: RMSNorm, rotary embeddings in the Hugging Face
-``rotate_half`` convention, grouped-query attention and a gated MLP (or a mixture of experts),
-laid out exactly as Llama so that Hugging Face checkpoints map onto it tensor-for-tensor with no
-permutation (each family's :class:`~lmforge.models.spec.ModelSpec` holds the renaming). The
-``ModelArgs`` switches cover the families with the same modules: ``qkv_bias`` (Qwen2),
-``qk_norm`` and an explicit ``head_dim`` (Qwen3), ``sliding_window`` (Mistral), Gemma 3's GeGLU,
-(1 + w) norms before and after each sublayer, scaled embeddings, softmax scale and per-layer
-local/global attention with two RoPE bases, and ``n_experts`` (Qwen3-MoE, Mixtral, OLMoE).
+It is built from a :class:`~lmforge.models.configs.DecoderConfig` (``args.decoder_config()``): one
+block per :class:`~lmforge.models.configs.BlockConfig`, each module chosen by its config's type from
+:mod:`lmforge.models.layers` (grouped-query or latent attention; a gated MLP or a mixture of experts;
+RMSNorm; rotary tables in the Hugging Face ``rotate_half`` convention), laid out so that Hugging Face
+checkpoints map onto it tensor-for-tensor with no permutation (each family's
+:class:`~lmforge.models.spec.ModelSpec` holds the renaming). What only the model can name lives here:
+the blocks' tensor-parallel roles, Muon's matrices, pipeline stages and the init.
 
 The forward decides the attention pattern once per distinct window (at most two: Gemma 3's local
 and global layers): plain causal (``is_causal=True``, no mask tensor: the fast path on GPUs); a
