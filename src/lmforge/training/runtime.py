@@ -317,7 +317,8 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
         info.device, torch.bfloat16 if dtype == "bfloat16" else torch.float32,
         cfg.metrics.peak_tflops * 1e12 if cfg.metrics.peak_tflops else None)
     fpt = spec.flops_per_token(args, cfg.data.seq_len, adapter_params)
-    compile_on, compile_why, compile_key = _choose_compile(cfg, args, dims, dtype, fpt * cfg.data.seq_len, peak, info.world_size)
+    compile_on, compile_why, compile_key = _choose_compile(cfg, args, dims, dtype, fpt * cfg.data.seq_len, peak,
+                                                           info.world_size)
     wrapped = parallelize(model, spec, cfg, dims, mesh, info.device, bf16=dtype == "bfloat16", compile=compile_on)
     if compile_on:
         _mark_when_compiled(model, compile_key)

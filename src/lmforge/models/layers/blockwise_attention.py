@@ -185,8 +185,8 @@ class _BlockwiseAttention(torch.autograd.Function):
     """Forward: online softmax over the plan's blocks; backward: each block recomputed from y and lse'."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, plan: BlockPlan,  # type: ignore[override]
-                scale: float) -> Tensor:
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor,  # type: ignore[override]
+                sinks: Tensor | None, plan: BlockPlan, scale: float) -> Tensor:
         B, H, n, D = q.shape
         out = torch.zeros(B, H, n, D, dtype=torch.float32, device=q.device)
         lse = torch.full((B, H, n), float("-inf"), dtype=torch.float32, device=q.device)

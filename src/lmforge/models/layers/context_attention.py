@@ -54,7 +54,8 @@ class ContextParallelLayout:
     ``queries`` / ``keys``: the local tokens and the gathered keys cut into pieces contiguous in the row
     (:class:`~lmforge.models.layers.blockwise_attention.Piece`); ``runs`` [B, T]: each position's document
     (None: one per row); ``window``: the sliding window of the layers using this layout (None: causal
-    within documents); ``plan``: the blocks attention runs (:func:`~lmforge.models.layers.blockwise_attention.plan_blocks`).
+    within documents); ``plan``: the blocks attention runs
+    (:func:`~lmforge.models.layers.blockwise_attention.plan_blocks`).
     """
 
     group: Any
