@@ -2,7 +2,7 @@
 
 The mesh is ``dp_shard=2 x cp=2``. Part 1, on each cp pair without any wrapper: a packed batch
 (several documents per row, per-document positions), a plain causal batch and a Gemma-3-like model
-with sliding and full layers; the cp ranks' summed loss, their hidden states put back in row order
+with sliding and full layers (once more with pieces of 3 tokens on the matmul blocks); the cp ranks' summed loss, their hidden states put back in row order
 and their gradients summed over the pair equal one process's on the whole batch. Part 2: FSDP2 over
 the flattened ``(dp_shard, cp)`` mesh, with activation checkpointing, and the train step's ``gradient_computation`` over two
 microbatches per rank; the full gradients equal one process's over the global batch. Rank 0 writes
@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lmforge import distributed as dist_utils
 from lmforge.data.packing import IGNORE_INDEX, Batch
+from lmforge.models.layers import blockwise_attention as blockwise
 from lmforge.models.args import ModelArgs
 from lmforge.models.model import Transformer
 from lmforge.objectives.next_token import cross_entropy_loss
@@ -134,6 +135,9 @@ def main() -> None:
     part1(LLAMA, plain_batch(2, seed=2), mesh["cp"], "causal", errors)
     part1(GEMMA3, packed_batch(2, seed=4), mesh["cp"], "sliding_packed", errors)
     part1(GEMMA3, plain_batch(2, seed=5), mesh["cp"], "sliding_causal", errors, drop_document_ids=True)
+    blockwise.BLOCK, blockwise.CPU_FLASH = 3, False  # pieces that cut the chunks of 4; the matmul blocks
+    part1(GEMMA3, packed_batch(2, seed=6), mesh["cp"], "blocks3_matmul", errors)
+    blockwise.BLOCK, blockwise.CPU_FLASH = 1024, True
     part2(mesh, errors)
     if info.rank == 0:
         with open(sys.argv[1], "w") as f:

@@ -58,7 +58,7 @@ def test_context_parallel_matches_one_process(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=cli_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     errors = json.loads(out.read_text())
-    for case in ("packed", "causal", "sliding_packed", "sliding_causal"):
+    for case in ("packed", "causal", "sliding_packed", "sliding_causal", "blocks3_matmul"):
         for what in ("loss", "hidden", "grad"):
             assert errors[f"{case}.{what}"] < 1e-5
     assert errors["fsdp_dp_shard_cp.grad"] < 1e-5

@@ -575,6 +575,9 @@ def test_two_ranks_match_one_process(chat_start, one_process_run, parallel, tmp_
     from lmforge.metrics.records import read_records
 
     one, two = one_process_run, _sft_run(chat_start, tmp_path / "two", 2, parallel)
-    assert_losses_match(losses(two), losses(one), range(1, 4))
+    # cp: step 1's gradient norm is 1.9e-6 off one process's with either attention path (the dense mask
+    # before, blockwise now; the two agree to 7e-8), and lr 0.05 with the routers' sign-driven bias updates
+    # grows that to 4.6e-6 (dense) / 1.0e-5 (blockwise) relative in step 3's loss (measured): fp32 order
+    assert_losses_match(losses(two), losses(one), range(1, 4), rel=2e-5 if "--parallel.cp=2" in parallel else 1e-5)
     for a, b in zip(read_records(one, "train"), read_records(two, "train")):
         assert a["expert_load_max"] == pytest.approx(b["expert_load_max"], rel=1e-5)

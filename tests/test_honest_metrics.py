@@ -253,8 +253,12 @@ def test_auto_dtype_rule(monkeypatch):
     assert precision.choose_dtype("auto", torch.device("cuda", 0), 1000) == ("bfloat16", "auto: the GPU supports bf16")
 
 
-def test_auto_dtype_in_the_setup_record(tmp_path):
-    rt, records = _pretrain_in_process(tmp_path / "run", 1, "debug")
+def test_auto_dtype_in_the_setup_record(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMFORGE_CACHE_DIR", str(tmp_path / "cache"))
+    rt, records = _pretrain_in_process(tmp_path / "run", 1, "debug", compile="auto")
     setup = next(r for r in records if r["kind"] == "setup")
     assert setup["dtype"] == rt.dtype == "float32"  # debug is far under the CPU threshold
     assert setup["dtype_reason"].startswith("auto: ")
+    # one step of debug cannot repay a compile: off, and the estimate is on the line
+    assert setup["compile"] == "off" and setup["compile_reason"].startswith("auto: ~")
+    assert "1 steps" in setup["compile_reason"] and "cache cold" in setup["compile_reason"]

@@ -95,7 +95,7 @@ def test_sharding_divides_what_it_divides():
     assert fsdp.params == pytest.approx((one.params - 4 * param_counts(args).buffers) / 8 + 4 * param_counts(args).buffers)
     assert fsdp.optimizer == pytest.approx(one.optimizer / 8)
     assert cp.params == pytest.approx(fsdp.params)  # FSDP shards over dp_shard x cp
-    # half the tokens per device, but attention saves the whole row's keys and values and a T/cp x T mask
+    # half the tokens per device, but attention saves the whole row's keys and values
     assert cp.activations < 0.6 * fsdp.activations
     assert tp.activations < 0.7 * fsdp.activations  # heads and hidden units split, linear inputs gathered
     ckpt = estimate_memory(args, Layout(dp_shard=8), 8192, 1, "bfloat16", True, microbatches=2)

@@ -124,7 +124,20 @@ class TrainingSection(Section):
     """Autocast dtype for the forward pass; parameters and optimizer state stay fp32. ``auto``: bf16
     where it is faster (a GPU with bf16; a CPU with native bf16 and a model large enough, see
     lmforge.training.precision), else fp32; the setup line says which and why."""
-    compile: bool = False
+    compile: bool | Literal["auto"] = False
+    """``torch.compile`` each decoder block, with Inductor's caches in ``~/.cache/lmforge/compile`` so a
+    second run of the same shapes loads its kernels. ``auto``: compile when the run is estimated to
+    save more time than compiling costs (lmforge.training.compile_cache); the setup line says which and why."""
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_value(cls, v: Any) -> Any:
+        """One message naming the three values, rather than pydantic's one per member of the union."""
+        if isinstance(v, bool) or v == "auto":
+            return v
+        if isinstance(v, str) and v.lower() in ("true", "false"):
+            return v.lower() == "true"
+        raise ValueError('expected true, false or "auto"')
     activation_checkpointing: bool = False
     activation_offload: bool = False
     """Keep each decoder block's saved activations in (pinned) host memory between forward and

@@ -89,13 +89,13 @@ def _attention_bytes(att: AttentionConfig | LatentAttentionConfig, tokens: float
         total += (2 * a * (rq + att.kv_lora_rank) + a * att.qk_rope_head_dim + 8) * tokens
         total += (a * H * (2 * att.qk_head_dim + 2 * att.v_head_dim) + per_head * H) * tokens / tp
         if cp > 1:
-            total += a * H * (att.qk_head_dim + att.v_head_dim) * tokens * (cp - 1) / tp + a * tokens * row
+            total += a * H * (att.qk_head_dim + att.v_head_dim) * tokens * (cp - 1) / tp
         return total
     kv, hd = att.n_kv_heads, att.head_dim
     total = _norm_bytes(d, sp, tokens, 3, a)  # attention_norm -> wq, wk, wv
     total += (a * 2 * (H + kv) * hd + per_head * H) * tokens / tp
-    if cp > 1:  # the other ranks' keys and values, and the additive mask [B, 1, T / cp, T]
-        total += a * 2 * kv * hd * tokens * (cp - 1) / tp + a * tokens * row
+    if cp > 1:  # the other ranks' keys and values (blockwise attention keeps no mask)
+        total += a * 2 * kv * hd * tokens * (cp - 1) / tp
     if att.qk_norm is not None:  # the norm's input per q/k value and 1/rms per head (fp32)
         total += (a * hd + 4) * (H + kv) * tokens / tp
     return total
@@ -114,8 +114,9 @@ def block_activation_bytes(block: BlockConfig, tokens: float, a: int, tp: int = 
     cos/sin tables (they need no gradient); the gated MLP saves both projections and their gated
     product (``w2``'s input; the activation is recomputed in the backward, lmforge.models.layers.mlp).
     Under context parallelism (``cp`` ranks, rows of ``row`` tokens) attention saves the keys and values
-    gathered from every cp rank (the whole row's) and the mask in the compute dtype: SDPA turns the
-    boolean ``[B, 1, T/cp, T]`` mask into an additive one per call (measured). Qwen3's q/k norms,
+    gathered from every cp rank (the whole row's); its blockwise attention saves q, k, v, the output and
+    the log-sum-exp as SDPA does, and builds masks per block only (lmforge.models.layers.blockwise_attention).
+    Qwen3's q/k norms,
     Gemma's sandwich norms and the MoE routing are counted the same way but were not measured.
     """
     d = block.norm.dim

@@ -20,7 +20,7 @@ while each linear saves its own bf16 copy of its input (autocast casts per call)
 On a mesh (measured per rank, ``bench/plan_memory_layouts.py``, ``tests/test_planner_layouts.py``):
 FSDP2 shards over ``dp_shard x cp`` and, while gradients accumulate over microbatches, keeps them
 unsharded until the last backward; context parallelism saves each layer's gathered keys and values
-and an additive ``T/cp x T`` mask; the first pipeline stage holds up to ``pp`` microbatches in flight,
+(its blockwise attention keeps no ``T/cp x T`` mask); the first pipeline stage holds up to ``pp`` microbatches in flight,
 and when every microbatch is in flight at once its peak comes before any gradient exists.
 """
 

@@ -41,6 +41,7 @@ from lmforge.parallel import ParallelDims, ParallelOptions, parallelize_decoder
 from lmforge.parallel.dims import sub_mesh
 from lmforge.parallel.layout_checks import check_layout, check_same_layout_on_every_rank
 from lmforge.training.host_memory import map_large_buffers, trim
+from lmforge.training.compile_cache import choose_compile, enable_compile_caches, mark_compiled, shape_key
 from lmforge.training.precision import choose_dtype
 from lmforge.training.startup_checks import check_fresh_start, check_resume_compatible
 from lmforge.training.optimizers import check_optimizer, make_optimizer
@@ -189,16 +190,42 @@ def build_model(cfg: Config) -> LoadedModel:
 
 
 def parallelize(model: Transformer, spec: ModelSpec, cfg: Config, dims: ParallelDims, mesh: Any,
-                device: torch.device, bf16: bool) -> nn.Module:
+                device: torch.device, bf16: bool, compile: bool | None = None) -> nn.Module:
     """Lay the model out over the mesh with its family's plan (the decoder plan unless the family
-    brings its own)."""
+    brings its own); ``compile`` None: ``training.compile`` as set (``auto`` resolved by the caller)."""
     plan = spec.parallelize or parallelize_decoder
     t = cfg.training
     offload = t.activation_offload and device.type == "cuda"  # on a CPU activations already live in host memory
     p = cfg.parallel
-    return plan(model, dims, mesh, device, ParallelOptions(t.activation_checkpointing, t.compile, bf16,
+    compile = t.compile is True if compile is None else compile
+    return plan(model, dims, mesh, device, ParallelOptions(t.activation_checkpointing, compile, bf16,
                                                            p.sequence_parallel, p.pp_schedule,
                                                            p.pp_stages_per_rank, offload))
+
+
+def _choose_compile(cfg: Config, args: ModelArgs, dims: ParallelDims, dtype: str, flops_per_row: float,
+                    peak: float, world: int) -> tuple[bool, str, str]:
+    """``training.compile`` resolved (``auto``: lmforge.training.compile_cache's rule) and why; when on,
+    Inductor's caches go to lmforge's directory and the reason names it. Also returns the shapes' key."""
+    t = cfg.training
+    key = shape_key(args, cfg.data.seq_len, t.micro_batch_size, dtype, dims.describe_mesh(),
+                    t.activation_checkpointing, cfg.lora.enabled)
+    step_flops = flops_per_row * t.global_batch_size / world
+    on, why = choose_compile(t.compile, t.steps, step_flops, peak, t.max_seconds, key)
+    if on:
+        why = f"{why}; cache {enable_compile_caches()}"
+    return on, why, key
+
+
+def _mark_when_compiled(model: nn.Module, key: str) -> None:
+    """After the first forward through the compiled blocks, record their shapes as cached (what ``auto``
+    reads as a warm cache next time)."""
+
+    def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+        mark_compiled(key)
+        handle.remove()
+
+    handle = model.register_forward_hook(hook)
 
 
 def _offload_note(cfg: Config, device: torch.device) -> str:
@@ -286,12 +313,16 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
     group = dims.gradient_group_name()
     dist_utils.set_data_group(sub_mesh(mesh, group).get_group() if group else None, dims.gradient_world)
     spec = spec_for_args(args)
-    wrapped = parallelize(model, spec, cfg, dims, mesh, info.device, bf16=dtype == "bfloat16")
-    optimizer = make_optimizer(wrapped, cfg.optimizer)
     peak, peak_src = peak_flops_per_device(  # MFU is measured against the peak of the dtype in use
         info.device, torch.bfloat16 if dtype == "bfloat16" else torch.float32,
         cfg.metrics.peak_tflops * 1e12 if cfg.metrics.peak_tflops else None)
     fpt = spec.flops_per_token(args, cfg.data.seq_len, adapter_params)
+    compile_on, compile_why, compile_key = _choose_compile(cfg, args, dims, dtype, fpt * cfg.data.seq_len, peak,
+                                                           info.world_size)
+    wrapped = parallelize(model, spec, cfg, dims, mesh, info.device, bf16=dtype == "bfloat16", compile=compile_on)
+    if compile_on:
+        _mark_when_compiled(model, compile_key)
+    optimizer = make_optimizer(wrapped, cfg.optimizer)
     metrics = build_metrics(cfg, info, run, fpt, peak, services.process_start)
     trainable, total = trainable_parameters(model)
     metrics.log_setup({
@@ -301,6 +332,7 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
         "peak_tflops_per_device": peak / 1e12, "peak_source": peak_src,
         "world_size": info.world_size, "device": str(info.device), "parallel": dims.kind,
         "mesh": dims.describe_mesh(), "dtype": dtype, "dtype_reason": dtype_why,
+        "compile": "on" if compile_on else "off", "compile_reason": compile_why,
         "optimizer": cfg.optimizer.name, "activation_offload": _offload_note(cfg, info.device), "host_memory": host_memory, "threads": torch.get_num_threads(), "run_dir": str(run.root),
         **_router_note(cfg, trainer, args),
     }, cfg.to_toml())
