@@ -21,6 +21,7 @@ from lmforge.config import (
     TasksSection,
     comma_separated,
 )
+from lmforge.data.inputs import train_spec
 from lmforge.data.prompts import prompt_records
 from lmforge.data.tasks import TaskExample
 from lmforge.errors import UserError
@@ -175,12 +176,15 @@ class GRPO(Recipe):
         named = not g.environment or "rewards" in g.model_fields_set  # an environment brings its own reward
         rewards = load_rewards(g.rewards, g.rewards_weights, max_new_tokens=g.max_new_tokens,
                                overlong_buffer=g.overlong_buffer) if named else []
-        train, test = (prompt_records(cfg.data, cfg.tasks, split, g.prompt_field, g.answer_field)
-                       for split in ("train", "test"))
+        env_cls = environment_class(g.environment) if g.environment else None
+        own = getattr(env_cls, "embedded_records", None)
+        if own is not None and train_spec(cfg.data).kind == "embedded":  # the environment's own task
+            train, test = own("train"), own("test")[: cfg.tasks.eval_examples]
+        else:
+            train, test = (prompt_records(cfg.data, cfg.tasks, split, g.prompt_field, g.answer_field)
+                           for split in ("train", "test"))
         if rewards:
             probe_rewards(rewards, train[0], g.prompt_field)
-        if g.environment:
-            environment_class(g.environment)
         check_engine_settings(g)  # last: it may ask a server or an interpreter, once everything else holds
         return GRPOInputs(rewards, train, test)
 

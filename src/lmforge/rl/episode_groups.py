@@ -16,12 +16,12 @@ from lmforge.data.chat import ChatFormat
 from lmforge.errors import UserError
 from lmforge.models.tokenizer import Tokenizer
 from lmforge.rl.engines.base import RolloutEngine, SamplingSettings
-from lmforge.rl.environments import Environment, GSM8KCalculatorEnv
+from lmforge.rl.environments import CodeEnv, Environment, GSM8KCalculatorEnv
 from lmforge.rl.multi_turn import episode_metrics, run_episodes
 from lmforge.rl.rewards import WeightedReward, score_completions
 from lmforge.rl.rollout import RolloutSettings, SampledGroups
 
-BUILTIN_ENVIRONMENTS = {"gsm8k_calculator": GSM8KCalculatorEnv}
+BUILTIN_ENVIRONMENTS = {"gsm8k_calculator": GSM8KCalculatorEnv, "code": CodeEnv}
 
 
 ENVIRONMENT_METHODS = ("start", "step", "reward")
