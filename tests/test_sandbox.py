@@ -71,12 +71,23 @@ def test_writing_outside_the_scratch_directory_is_refused(tmp_path):
     target = tmp_path / "owned.txt"
     for code in (f"open({str(target)!r}, 'w').write('x')", f"import os\nos.open({str(target)!r}, os.O_CREAT | os.O_WRONLY)",
                  f"import os\nos.symlink({str(tmp_path)!r}, 'out')\nopen('out/owned.txt', 'w').write('x')",
-                 f"import shutil\nshutil.rmtree({str(tmp_path)!r})", f"import os\nos.chdir({str(tmp_path)!r})"):
+                 f"import shutil\nshutil.rmtree({str(tmp_path)!r})", f"import os\nos.chdir({str(tmp_path)!r})",
+                 f"import os\nfor top, dirs, names, fd in os.fwalk({str(tmp_path)!r}):\n    print(names)"):
         r = run_python(code, FAST)
         assert not r.ok and "sandbox:" in r.error, (code, r)
     assert tmp_path.exists() and not target.exists()
     inside = run_python("open('a.txt', 'w').write('hi')\nimport os\nos.mkdir('d')\nprint(open('a.txt').read())", FAST)
     assert inside.ok and inside.stdout == "hi"
+
+
+def test_a_readable_directory_cannot_be_written_through_a_directory_fd(tmp_path):
+    """Paths are checked against the working directory; ``dir_fd=`` would resolve them elsewhere, so no
+    directory fd outside the scratch directory is handed out (here a configured, readable import path)."""
+    attack = (f"import os\nfd = os.open({str(tmp_path)!r}, os.O_RDONLY)\n"
+              "open('owned.txt', 'w', opener=lambda p, f: os.open(p, f, dir_fd=fd)).write('x')")
+    r = run_python(attack, SandboxLimits(timeout_s=3, python_paths=(str(tmp_path),)))
+    assert not r.ok and "os.open of" in r.error
+    assert not (tmp_path / "owned.txt").exists()
 
 
 def test_the_scratch_directory_is_removed_and_file_sizes_are_capped():

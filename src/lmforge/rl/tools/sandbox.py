@@ -173,6 +173,10 @@ def _hook(event, args):
         if where is None:
             return
         writes = (mode is not None and any(c in mode for c in "wax+")) or (mode is None and flags & _WRITE_FLAGS)
+        if mode is None and not _under(where, (_scratch, "/dev/null", "/dev/urandom", "/dev/zero")):
+            # os.open outside the scratch directory: a directory fd there would let dir_fd= paths escape
+            # the check above, which resolves them against the working directory
+            _refuse(f"os.open of {where}")
         if writes and not _under(where, (_scratch,)):
             _refuse(f"writing {where}")
         if not writes and not _under(where, (_scratch,) + _reads):
