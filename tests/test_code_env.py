@@ -122,3 +122,19 @@ def test_grpo_trains_in_the_code_environment_on_its_embedded_task(tmp_path, monk
     assert train[0]["reward/environment"] == pytest.approx(0.5)  # half the episodes answer right
     assert train[0]["tools/calls"] == pytest.approx(1.0)
     assert train[0]["grad_norm"] > 0
+
+
+def test_prompt_records_the_reward_cannot_score_are_one_line(tmp_path, capsys):
+    base = {"prompt": "Write a Python function `add(a, b)`."}
+    cases = ((base, "no `entry_point` column"),
+             ({**base, "entry_point": "add", "tests": "[{"}, "`tests` is not JSON"),
+             ({**base, "entry_point": "add", "tests": json.dumps([{"args": 1, "expected": 2}])}, "`tests` is not a"))
+    for record, says in cases:
+        data = tmp_path / "code.jsonl"
+        data.write_text(json.dumps(record) + "\n")
+        args = tiny_run_args(data, data_seq_len=None, training_steps=1, training_global_batch_size=8,
+                             grpo_num_generations=2, checkpoint_enabled=False, tasks_eval_examples=0)
+        rc = lmforge_in_process("grpo", *args, "--grpo.environment=code", f"--run.dir={tmp_path / 'run'}", cwd=tmp_path)
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert rc == 2 and len(err) == 1 and says in err[0] and "prompt record 1" in err[0], err
+        assert not (tmp_path / "run").exists()

@@ -203,6 +203,9 @@ class GRPO(Recipe):
         else:
             train, test = (prompt_records(cfg.data, cfg.tasks, split, g.prompt_field, g.answer_field)
                            for split in ("train", "test"))
+        check = getattr(env_cls, "check_records", None)
+        if callable(check):  # an environment that reads columns of its own
+            check(train)
         if rewards:
             probe_rewards(rewards, train[0], g.prompt_field)
         check_engine_settings(g)  # last: it may ask a server or an interpreter, once everything else holds

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 from lmforge.data.chat import ChatFormat
 from lmforge.data.record_formats import prompt_messages
+from lmforge.errors import UserError
 from lmforge.rl.environments.base import Message, ToolEnvironment, ToolStyle
 from lmforge.rl.environments.code_tasks import code_task_records
 from lmforge.rl.tools.sandbox import SandboxLimits, run_python
@@ -127,6 +128,26 @@ class CodeEnv(ToolEnvironment):
     def embedded_records(split: str) -> list[dict[str, Any]]:
         """The embedded code task (:mod:`.code_tasks`), used when ``data.train`` is ``embedded``."""
         return code_task_records(split)
+
+    @staticmethod
+    def check_records(records: list[dict[str, Any]]) -> None:
+        """Refuse, before the run starts, a record the reward could not score: it needs ``entry_point`` (a
+        function name) and ``tests`` (a JSON list of ``{"args": [...], "expected": ...}``)."""
+        for k, r in enumerate(records, start=1):
+            name, tests = r.get("entry_point"), r.get("tests")
+            why = ""
+            if not isinstance(name, str) or not name.isidentifier():
+                why = "no `entry_point` column naming the function"
+            else:
+                try:
+                    tests = json.loads(tests) if isinstance(tests, str) else tests
+                except json.JSONDecodeError as e:
+                    tests, why = None, f"`tests` is not JSON ({e.msg})"
+                if not why and (not isinstance(tests, list) or not tests or not all(
+                        isinstance(t, dict) and isinstance(t.get("args"), list) and "expected" in t for t in tests)):
+                    why = "`tests` is not a non-empty list of {\"args\": [...], \"expected\": ...}"
+            if why:
+                raise UserError(f"grpo.environment=code: prompt record {k}: {why}")
 
     def task_messages(self, record: Mapping[str, Any]) -> tuple[str | None, list[Message]]:
         messages = prompt_messages(record[self.prompt_field])
