@@ -208,6 +208,12 @@ exec(_code, {"__name__": "__main__", "__builtins__": __builtins__})
 '''
 
 
+_NO_AUDIT_BOOTSTRAP = (
+    "import resource, sys\nn = int(sys.argv[1])\nresource.setrlimit(resource.RLIMIT_NPROC, (n, n))\n"
+    "exec(compile(open('main.py').read(), 'solution.py', 'exec'), {'__name__': '__main__'})")
+"""The OS layer alone (``run_python(..., _audit=False)``, for tests): the process limit, then the code."""
+
+
 def _stdlib_dirs() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     dirs = {os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib")}
@@ -336,12 +342,11 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, files: dic
         reads = _stdlib_dirs() + tuple(os.path.realpath(p) for p in limits.python_paths) + (
             "/dev/null", "/dev/urandom", "/dev/zero")
         paths = "\x1f".join(os.path.realpath(p) for p in limits.python_paths)
-        argv = [os.path.realpath(sys.executable), "-I", "-S", "-B"]  # the base interpreter: a venv may be private
-        argv += ["-c", _BOOTSTRAP, str(limits.processes), "\x1f".join(reads), paths] if _audit else ["main.py"]
-        if not _audit:
-            argv[-1:] = ["-c", "import resource,sys; n=int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_NPROC,"
-                         " (n, n)); exec(compile(open('main.py').read(), 'solution.py', 'exec'), {'__name__': "
-                         "'__main__'})", str(limits.processes)]
+        argv = [os.path.realpath(sys.executable), "-I", "-S", "-B", "-c"]  # the base interpreter: a venv may be private
+        if _audit:  # the reads and paths lists travel in argv, joined by U+001F (argv cannot hold NUL)
+            argv += [_BOOTSTRAP, str(limits.processes), "\x1f".join(reads), paths]
+        else:
+            argv += [_NO_AUDIT_BOOTSTRAP, str(limits.processes)]
         out_path, err_path = os.path.join(private, "stdout"), os.path.join(private, "stderr")
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             proc = subprocess.Popen(
