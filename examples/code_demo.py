@@ -1,7 +1,7 @@
 """The code environment on real weights: SmolLM2-135M-Instruct, a few GRPO steps with the sandboxed
 ``python`` tool and hidden unit tests, and the held-out pass rate before and after.
 
-    python examples/code_demo.py          # runs/demo_code/grpo, then the table (CPU, ~10 minutes)
+    python examples/code_demo.py          # runs/demo_code/grpo, then the table (CPU: 15-30 minutes)
 
 Settings: configs/grpo_code.toml (this script passes the model file only). The held-out split is the
 embedded code task's 20 functions the policy never trains on (``code_task_records("test")``), scored with
