@@ -91,7 +91,7 @@ def test_an_unknown_environment_is_one_line_before_anything_is_written(tmp_path,
     args = tiny_run_args(data, data_seq_len=None, training_steps=1, training_global_batch_size=8,
                          grpo_num_generations=2, checkpoint_enabled=False, tasks_eval_examples=0)
     (tmp_path / "broken_env.py").write_text("raise RuntimeError('broken at import')\n")
-    for name, says in (("calculator_world", "not a built-in (gsm8k_calculator) nor module:Class"),
+    for name, says in (("calculator_world", "not a built-in (gsm8k_calculator, code) nor module:Class"),
                        ("no_such_module:Env", "cannot load it (ModuleNotFoundError"),
                        ("json:dumps", "a function, not an environment"),
                        ("os:sep", "a str, not an environment"),

@@ -21,6 +21,7 @@ from lmforge.config import (
     TasksSection,
     comma_separated,
 )
+from lmforge.data.inputs import train_spec
 from lmforge.data.prompts import prompt_records
 from lmforge.data.tasks import TaskExample
 from lmforge.errors import UserError
@@ -31,6 +32,7 @@ from lmforge.recipes.base import Recipe, register
 from lmforge.rl.engines.preflight import check_engine_settings
 from lmforge.rl.engines.settings import EngineKeys
 from lmforge.rl.episode_groups import environment_class
+from lmforge.rl.judge import DEFAULT_RUBRIC, JudgeSettings
 from lmforge.rl.rewards import WeightedReward, load_rewards, probe_rewards
 from lmforge.rl.rollout_source import RolloutSource
 from lmforge.training.loop import Job
@@ -82,7 +84,24 @@ class GRPOSection(EngineKeys):
     mask_truncated: bool = False
     """Leave completions cut off at max_new_tokens out of the loss."""
     rewards: list[str] = ["exact_answer", "format"]
-    """Built-in reward names or ``module:function``."""
+    """Built-in reward names, ``rm:PATH``, ``judge:URL`` (an LLM judge; the ``judge_*`` keys) or ``module:function``."""
+    judge_model: str = "judge"
+    """The model name sent to a ``judge:URL`` endpoint."""
+    judge_rubric: str = DEFAULT_RUBRIC
+    """The judge's prompt, or a file holding it: a template of ``{prompt}``, ``{completion}`` and ``{answer}``
+    asking for a last line ``SCORE: <number>``."""
+    judge_max_score: float = Field(10.0, gt=0)
+    """The rubric's top score: the judge's score divided by it (and clipped to [0, 1]) is the reward."""
+    judge_timeout_s: float = Field(30.0, gt=0)
+    """Seconds one judge request may take."""
+    judge_retries: int = Field(2, ge=0)
+    """Further attempts after a failed request (timeouts, connection errors, 429, 5xx)."""
+    judge_max_failed: float = Field(0.5, ge=0, le=1)
+    """The share of a batch's completions the judge may fail to score before the run stops."""
+    judge_concurrency: int = Field(8, ge=1)
+    """Requests to the judge in flight at once."""
+    judge_api_key_env: str = ""
+    """The environment variable holding the judge endpoint's API key (empty: none sent)."""
     rewards_weights: list[float] = []
     """One weight per reward (empty: all 1.0)."""
     log_completions_every: int = Field(50, ge=0)
@@ -173,14 +192,22 @@ class GRPO(Recipe):
         g = cfg.grpo
         check_batch_shape(cfg, 1)
         named = not g.environment or "rewards" in g.model_fields_set  # an environment brings its own reward
+        judge = JudgeSettings(g.judge_model, g.judge_rubric, g.judge_timeout_s, g.judge_retries, g.judge_max_score,
+                              g.judge_max_failed, g.judge_concurrency, g.judge_api_key_env)
         rewards = load_rewards(g.rewards, g.rewards_weights, max_new_tokens=g.max_new_tokens,
-                               overlong_buffer=g.overlong_buffer) if named else []
-        train, test = (prompt_records(cfg.data, cfg.tasks, split, g.prompt_field, g.answer_field)
-                       for split in ("train", "test"))
+                               overlong_buffer=g.overlong_buffer, judge=judge) if named else []
+        env_cls = environment_class(g.environment) if g.environment else None
+        own = getattr(env_cls, "embedded_records", None)
+        if own is not None and train_spec(cfg.data).kind == "embedded":  # the environment's own task
+            train, test = own("train"), own("test")[: cfg.tasks.eval_examples]
+        else:
+            train, test = (prompt_records(cfg.data, cfg.tasks, split, g.prompt_field, g.answer_field)
+                           for split in ("train", "test"))
+        check = getattr(env_cls, "check_records", None)
+        if callable(check):  # an environment that reads columns of its own
+            check(train)
         if rewards:
             probe_rewards(rewards, train[0], g.prompt_field)
-        if g.environment:
-            environment_class(g.environment)
         check_engine_settings(g)  # last: it may ask a server or an interpreter, once everything else holds
         return GRPOInputs(rewards, train, test)
 

@@ -16,12 +16,12 @@ from lmforge.data.chat import ChatFormat
 from lmforge.errors import UserError
 from lmforge.models.tokenizer import Tokenizer
 from lmforge.rl.engines.base import RolloutEngine, SamplingSettings
-from lmforge.rl.environments import Environment, GSM8KCalculatorEnv
+from lmforge.rl.environments import CodeEnv, Environment, GSM8KCalculatorEnv
 from lmforge.rl.multi_turn import episode_metrics, run_episodes
 from lmforge.rl.rewards import WeightedReward, score_completions
 from lmforge.rl.rollout import RolloutSettings, SampledGroups
 
-BUILTIN_ENVIRONMENTS = {"gsm8k_calculator": GSM8KCalculatorEnv}
+BUILTIN_ENVIRONMENTS = {"gsm8k_calculator": GSM8KCalculatorEnv, "code": CodeEnv}
 
 
 ENVIRONMENT_METHODS = ("start", "step", "reward")
@@ -81,15 +81,17 @@ def sample_episode_groups(
     prompts = [r[prompt_field] for r in rows]
     total = [e.reward for e in episodes]
     per_function = {"environment": list(total)}
+    metrics = episode_metrics(episodes)
     if rewards:
         fields = {k: [r.get(k) for r in rows] for k in records[0] if k != prompt_field}
         fields["completion_length"] = [len(e.completion_ids) for e in episodes]
         scores = score_completions(rewards, prompts, [e.final_text or "" for e in episodes], fields)
         total = [a + b for a, b in zip(total, scores.total)]
         per_function |= scores.per_function
+        metrics |= scores.metrics
     return SampledGroups(
         G, list(records), [episodes[i * G].prompt_ids for i in range(len(records))],
         [e.completion_ids for e in episodes], prompts, [tokenizer.decode(e.completion_ids) for e in episodes],
         [e.truncated for e in episodes], total, per_function, gen_seconds,
         logprobs=[list(e.logprobs or []) for e in episodes] if engine_logprobs else None,
-        completion_masks=[list(e.loss_mask) for e in episodes], metrics=episode_metrics(episodes))
+        completion_masks=[list(e.loss_mask) for e in episodes], metrics=metrics)

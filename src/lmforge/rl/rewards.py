@@ -9,8 +9,10 @@ in tokens (its stop token included). A function returns one value per completion
 as 0 in the weighted total and are left out of that function's logged mean.
 
 Functions are named in the config either from the built-in registry (:data:`BUILTIN_REWARDS`), as
-``rm:PATH`` (a trained reward model's score, :mod:`lmforge.rl.reward_model`) or as ``module:function``,
-imported from the Python path plus the current directory.
+``rm:PATH`` (a trained reward model's score, :mod:`lmforge.rl.reward_model`), as ``judge:URL`` (an LLM
+judge behind an OpenAI-compatible endpoint, :mod:`lmforge.rl.judge`) or as ``module:function``,
+imported from the Python path plus the current directory. A function may have a ``batch_metrics()``
+method; what it returns after each batch is logged with the step (the judge's failure counts).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import math
 import numbers
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from lmforge.errors import UserError
@@ -83,18 +85,23 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 """Rewards available by bare name."""
 
 
-def resolve_reward(name: str) -> RewardFn:
-    """A built-in reward by name, ``rm:PATH`` (a trained reward model, :mod:`lmforge.rl.reward_model`), or
+def resolve_reward(name: str, judge: Any = None) -> RewardFn:
+    """A built-in reward by name, ``rm:PATH`` (a trained reward model, :mod:`lmforge.rl.reward_model`),
+    ``judge:URL`` (:mod:`lmforge.rl.judge`, with ``judge``, its :class:`~lmforge.rl.judge.JudgeSettings`), or
     ``module:function`` imported from the path or the current directory."""
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
+    if name.startswith("judge:"):
+        from lmforge.rl.judge import JudgeReward, JudgeSettings
+
+        return JudgeReward(name[len("judge:"):], judge or JudgeSettings())
     if name.startswith("rm:"):
         from lmforge.rl.reward_model import RewardModelReward
 
         return RewardModelReward(name[3:])
     if ":" not in name:
         raise UserError(f"unknown reward `{name}`: use a built-in ({', '.join(BUILTIN_REWARDS)}), "
-                        "rm:PATH or module:function")
+                        "rm:PATH, judge:URL or module:function")
     module_name, _, attr = name.partition(":")
     if not module_name or not attr:
         raise UserError(f"reward `{name}`: expected module:function")
@@ -125,9 +132,10 @@ class WeightedReward:
 
 
 def load_rewards(names: Sequence[str], weights: Sequence[float] = (), *, max_new_tokens: int = 0,
-                 overlong_buffer: int = 0) -> list[WeightedReward]:
+                 overlong_buffer: int = 0, judge: Any = None) -> list[WeightedReward]:
     """Resolve every name; ``weights`` is empty (all 1.0) or one weight per name. ``overlong_penalty``
-    gets ``max_new_tokens`` and ``overlong_buffer`` (the ``[grpo]`` keys) bound here."""
+    gets ``max_new_tokens`` and ``overlong_buffer`` (the ``[grpo]`` keys) bound here, ``judge:URL`` the
+    ``grpo.judge_*`` settings (``judge``)."""
     if not names:
         raise UserError("grpo.rewards is empty: name at least one reward function")
     if weights and len(weights) != len(names):
@@ -141,7 +149,7 @@ def load_rewards(names: Sequence[str], weights: Sequence[float] = (), *, max_new
                         f"(got {overlong_buffer} and {max_new_tokens})")
     bound = {"overlong_penalty": functools.partial(overlong_penalty, max_new_tokens=max_new_tokens,
                                                    overlong_buffer=overlong_buffer)}
-    return [WeightedReward(n, bound.get(n) or resolve_reward(n), float(w)) for n, w in zip(names, ws)]
+    return [WeightedReward(n, bound.get(n) or resolve_reward(n, judge), float(w)) for n, w in zip(names, ws)]
 
 
 MAX_REWARD = 1e6
@@ -188,6 +196,8 @@ class RewardScores:
     """Weighted sum per completion (``None`` entries count as 0)."""
     per_function: dict[str, list[float]]
     """Raw values per function; ``None`` becomes NaN."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """What the functions' ``batch_metrics()`` reported for this batch."""
 
 
 def score_completions(rewards: Sequence[WeightedReward], prompts: list[str], completions: list[str],
@@ -195,11 +205,14 @@ def score_completions(rewards: Sequence[WeightedReward], prompts: list[str], com
     """Call each reward function once on the whole batch and combine with the weights."""
     total = [0.0] * len(completions)
     per_fn: dict[str, list[float]] = {}
+    metrics: dict[str, float] = {}
     for r in rewards:
         try:
             values = r.fn(prompts, completions, **fields)
             if inspect.isgenerator(values):
                 values = list(values)
+        except UserError:  # already one line (a judge that failed too often)
+            raise
         except Exception as e:  # noqa: BLE001 - the user's function: report it in one line
             raise UserError(f"reward `{r.name}` raised {_one_line(e)} (a reward is "
                             f"fn(prompts, completions, **fields) -> one number or None per completion)") from None
@@ -210,4 +223,7 @@ def score_completions(rewards: Sequence[WeightedReward], prompts: list[str], com
         clean = [_reward_value(r.name, v, i) for i, v in enumerate(values)]
         per_fn[r.name] = clean
         total = [t + (0.0 if math.isnan(x) else r.weight * x) for t, x in zip(total, clean)]
-    return RewardScores(total, per_fn)
+        report = getattr(r.fn, "batch_metrics", None)
+        if callable(report):
+            metrics |= report()
+    return RewardScores(total, per_fn, metrics)

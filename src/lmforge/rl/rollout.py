@@ -209,7 +209,7 @@ def sample_groups(
     scores = score_completions(rewards, prompts, completions, fields)
     logprobs = [list(c.logprobs or []) for c in completions_out] if engine_logprobs else None
     return SampledGroups(G, list(records), [list(p) for p in prompt_ids], completion_ids, prompts, completions,
-                         truncated, scores.total, scores.per_function, gen_seconds, logprobs)
+                         truncated, scores.total, scores.per_function, gen_seconds, logprobs, metrics=scores.metrics)
 
 
 def build_rollout(

@@ -2,6 +2,7 @@
 
 * :mod:`.calculator` - a sandboxed arithmetic evaluator and its JSON-schema definition;
 * :mod:`.tool_calls` - tool calls in generated text (``<tool_call>`` JSON, Llama 3.1's bare JSON).
+* :mod:`.sandbox` - model-written Python run in a separate, limited process (the ``code`` environment's tool).
 """
 
 from lmforge.rl.tools.calculator import CALCULATOR_TOOL, calculate
