@@ -16,24 +16,22 @@ from typing import Callable
 from lmforge.errors import UserError
 
 def _train(name: str, argv: list[str]) -> int:
-    from lmforge.config import load_config
+    """``lmforge NAME --config FILE --key=value``: :func:`lmforge.api.train`, whose config is read and
+    checked before torch is imported (a config error answers at once)."""
+    from lmforge.api import train
+    from lmforge.config import parse_overrides
     from lmforge.recipes import get_recipe
-    from lmforge.recipes.skeleton import run_recipe
 
     recipe = get_recipe(name)
     parser = argparse.ArgumentParser(prog=f"lmforge {name}", description=f"{name}: {recipe.summary}.",
                                      epilog="Any config key can be overridden: --training.steps=50")
     parser.add_argument("--config", help="TOML config file (configs/*.toml)")
     args, overrides = parser.parse_known_args(argv)
-    cfg = load_config(recipe.config, args.config, overrides)
-    rt = run_recipe(recipe, cfg)
-    if rt.dist.is_main:
-        d = rt.run_dir
+    run = train(name, args.config, parse_overrides(overrides))
+    if os.environ.get("RANK", "0") == "0":
+        d = run.run_dir
         print(f"run files: {d}/ (metrics.jsonl, config.toml, checkpoints/, tensorboard/)")
         print(f"view in TensorBoard: tensorboard --logdir {d}/tensorboard")
-    from lmforge import distributed
-
-    distributed.shutdown()
     return 0
 
 

@@ -1,7 +1,7 @@
 """Configuration: TOML files plus ``--section.key=value`` overrides, validated by pydantic.
 
 Every trainer has one config class (``Config`` here, extended by SFT/GRPO/elastic with their own
-section). Validation errors become one ``UserError`` line that names the key, the file and, for
+section). Validation errors become one ``ConfigError`` (a ``UserError``) line that names the key, the file and, for
 unknown keys, the closest known key.
 """
 
@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from lmforge.data.tasks import TASK_NAMES
-from lmforge.errors import UserError
+from lmforge.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -363,13 +363,13 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or len(arg) == 2:
-            raise UserError(f"unexpected argument {arg!r}: overrides look like --section.key=value")
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key=value")
         body = arg[2:]
         if "=" in body:
             key, raw = body.split("=", 1)
         else:
             if i + 1 >= len(args):
-                raise UserError(f"override --{body} has no value: write --{body}=VALUE")
+                raise ConfigError(f"override --{body} has no value: write --{body}=VALUE")
             key, raw = body, args[i + 1]
             i += 1
         i += 1
@@ -379,7 +379,7 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         for p in parts[:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
-                raise UserError(f"override --{key} conflicts with another override")
+                raise ConfigError(f"override --{key} conflicts with another override")
         node[parts[-1]] = _parse_value(raw)
     return out
 
@@ -391,13 +391,13 @@ def _parse_value(raw: str) -> Any:
         return raw
 
 
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+def merge_config(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     """``extra`` over ``base``; an override into a key the file gives a non-table value keeps the file's
     value, so validation still reports it (e.g. ``training = [1, 2]`` plus ``--training.steps=5``)."""
     merged = dict(base)
     for k, v in extra.items():
         if isinstance(v, dict) and isinstance(merged.get(k), dict):
-            merged[k] = _merge(merged[k], v)
+            merged[k] = merge_config(merged[k], v)
         elif isinstance(v, dict) and k in merged:
             continue
         else:
@@ -408,20 +408,20 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 def read_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"config file not found: {p}")
+        raise ConfigError(f"config file not found: {p}")
     try:
         return tomllib.loads(p.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
-        raise UserError(f"{p}: invalid TOML: {e}") from None
+        raise ConfigError(f"{p}: invalid TOML: {e}") from None
     except UnicodeDecodeError:
-        raise UserError(f"{p}: config file is not UTF-8 text") from None
+        raise ConfigError(f"{p}: config file is not UTF-8 text") from None
 
 
 def load_config(cls: type[C], path: str | Path | None, overrides: list[str] | None = None) -> C:
     """Read ``path`` (optional), apply CLI overrides, validate; raise UserError on any problem."""
     source = str(path) if path else "command line"
     data = read_toml(path) if path else {}
-    data = _merge(data, parse_overrides(overrides or []))
+    data = merge_config(data, parse_overrides(overrides or []))
     return validate_config(cls, data, source)
 
 
@@ -429,7 +429,7 @@ def validate_config(cls: type[C], data: dict[str, Any], source: str = "config") 
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        raise UserError(_describe(cls, e, source)) from None
+        raise ConfigError(_describe(cls, e, source)) from None
 
 
 RENAMED = {"sft.too_long": "data.overlong"}

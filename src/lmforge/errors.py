@@ -6,3 +6,9 @@ class UserError(Exception):
 
     The CLI prints ``error: <message>`` on one line and exits with status 2.
     """
+
+
+class ConfigError(UserError):
+    """A config that cannot be read or does not validate (an unknown key, a bad value, a missing or
+    malformed TOML file): raised before anything is built, so a caller can tell a bad config from a
+    run that failed later."""

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
+import types
 from pathlib import Path
 from typing import Callable
 
@@ -216,3 +218,16 @@ def _write_atomically(out: Path, flag: str, write: Callable[[Path], None]) -> Pa
             shutil.rmtree(partial, ignore_errors=True)
         raise
     return out
+
+
+class _CallableModule(types.ModuleType):
+    """``lmforge.export`` names both this module and the Python API's ``export`` function: once the
+    module is imported it is the package's attribute, so calling it calls :func:`lmforge.api.export`."""
+
+    def __call__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        from lmforge.api import export
+
+        return export(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,27 +1,26 @@
-"""Data: the embedded corpus, file readers, packing into samples, and step loading."""
+"""Data: the embedded corpus, file readers, packing into samples, and step loading.
 
-from lmforge.data.corpus import embedded_corpus
-from lmforge.data.loader import StepLoader, eval_batches
-from lmforge.data.packing import (
-    IGNORE_INDEX,
-    Batch,
-    PackedTokenDataset,
-    Sample,
-    SampleDataset,
-    collate,
-)
-from lmforge.data.sources import read_documents, read_jsonl_records
+The names below load on first use (module ``__getattr__``), so importing one light submodule (say
+:mod:`.tasks`, which the config reads) does not import torch through the loader.
+"""
 
-__all__ = [
-    "IGNORE_INDEX",
-    "Batch",
-    "PackedTokenDataset",
-    "Sample",
-    "SampleDataset",
-    "StepLoader",
-    "collate",
-    "embedded_corpus",
-    "eval_batches",
-    "read_documents",
-    "read_jsonl_records",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOME = {
+    "embedded_corpus": "corpus",
+    "StepLoader": "loader", "eval_batches": "loader",
+    "IGNORE_INDEX": "packing", "Batch": "packing", "PackedTokenDataset": "packing", "Sample": "packing",
+    "SampleDataset": "packing", "collate": "packing",
+    "read_documents": "sources", "read_jsonl_records": "sources",
+}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)

@@ -6,15 +6,17 @@ The section and the dataset builder live here, below the recipes, so that no rec
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from lmforge.config import Section
-from lmforge.data.chat import ChatFormat
 from lmforge.data.inputs import DataSpec, train_and_validation
-from lmforge.data.sft_data import DataSummary, SFTDataset, build_sft_dataset, read_sft_records, task_records
-from lmforge.data.sources import Record
 from lmforge.data.tasks import task_examples, task_share
-from lmforge.models.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the section is read by recipe configs, which load without torch
+    from lmforge.data.chat import ChatFormat
+    from lmforge.data.sft_data import DataSummary, SFTDataset
+    from lmforge.data.sources import Record
+    from lmforge.models.tokenizer import Tokenizer
 
 
 class SFTSection(Section):
@@ -27,6 +29,8 @@ class SFTSection(Section):
 
 
 def _records(spec: DataSpec, split: str, cfg: Any) -> tuple[list[Record], str]:
+    from lmforge.data.sft_data import read_sft_records, task_records
+
     if spec.kind == "embedded":
         # a subset of the tasks keeps each task's default share of each split, as GRPO's prompts do
         share = task_share(split, cfg.tasks.names)
@@ -39,6 +43,8 @@ def sft_datasets(cfg: Any, tokenizer: Tokenizer, chat: ChatFormat | None,
                  report: Callable[[str, DataSummary], None]) -> tuple[SFTDataset, SFTDataset | None]:
     """Train and validation sets of a config with ``data``, ``sft`` and ``tasks`` sections; each
     summary (counts of skipped/truncated examples) goes to ``report(split, summary)``."""
+    from lmforge.data.sft_data import build_sft_dataset
+
     d, s = cfg.data, cfg.sft
 
     def build(spec: DataSpec, split: str) -> SFTDataset:

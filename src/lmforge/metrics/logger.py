@@ -51,6 +51,11 @@ GOODPUT_CATEGORIES = (
 _PERF_KEYS = {"seconds", "tflops_per_device", "tokens_per_sec_per_device", "mfu", "data_wait_seconds", "memory_gb"}
 
 
+RECORD_HOOKS: list[Callable[[dict[str, Any]], None]] = []
+"""Called with every record rank 0 writes (setup, train, eval, events), as it is made: how the Python
+API's ``callbacks`` see each metrics line without a sink of their own."""
+
+
 class MetricLogger:
     """Records train/eval metrics and timing for one run; only rank 0 writes anything."""
 
@@ -147,6 +152,8 @@ class MetricLogger:
         if not self.writes:
             return
         record = {"time": round(time.time(), 3), **record}
+        for hook in RECORD_HOOKS:
+            hook(record)
         if self._opened:
             self._append(record)
         else:

@@ -20,6 +20,6 @@ tokenizers, generation, FLOP and memory accounting, and loading.
 directory, an lmforge run or checkpoint).
 """
 
-# Registration: every built-in family registers its spec (and its argument class and named sizes) when
-# the package is first imported, so a lookup anywhere under lmforge.models finds them all.
-from lmforge.models import families as _families  # noqa: E402,F401
+# Registration: the built-in families (each registering its spec, argument class and named sizes) are
+# imported by the first lookup (``args.load_families``), not here: the light modules of this package
+# (tokenizer, hub, args) are read by the config and ``lmforge --help``, which never load torch.

@@ -181,6 +181,7 @@ class ModelArgs:
         Called on ``ModelArgs`` itself, it builds the argument class of the family ``hf_model_type`` names
         (a family with modules of its own registers a subclass: :func:`register_args_class`)."""
         if cls is ModelArgs:
+            load_families()
             cls = _ARGS_CLASSES.get(d.get("hf_model_type", "llama"), ModelArgs)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
@@ -209,6 +210,12 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
 _ARGS_CLASSES: dict[str, type[ModelArgs]] = {}
 
 
+def load_families() -> None:
+    """Register the built-in families on first use: every registry lookup (sizes, argument classes,
+    specs) calls this, so importing ``lmforge.models`` stays light (no torch) until a model is needed."""
+    import lmforge.models.families  # noqa: F401
+
+
 def register_args_class(model_type: str, cls: type[ModelArgs]) -> None:
     """Make ``ModelArgs.from_dict`` build ``cls`` for checkpoints of ``model_type`` (a family's own fields)."""
     if cls is not ModelArgs:
@@ -225,6 +232,7 @@ def register_sizes(sizes: dict[str, dict[str, Any]]) -> None:
 
 def model_args_for(size: str, vocab_size: int, **overrides: Any) -> ModelArgs:
     """Build ``ModelArgs`` from a named preset, the tokenizer's vocab size and overrides."""
+    load_families()
     if size not in MODEL_SIZES:
         raise UserError(f"unknown model size {size!r}; known sizes: {', '.join(MODEL_SIZES)}")
     kwargs = {**MODEL_SIZES[size], "vocab_size": vocab_size, **overrides}

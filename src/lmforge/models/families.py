@@ -12,7 +12,7 @@ own modules where it has them) when imported.
 - ``gpt_oss``: gpt-oss (``gpt_oss``: sinks, biased router and experts, clamped SwiGLU, MXFP4 on load);
 - ``common``: what several folders share (the Llama tensor names and config.json mapping, the MoE keys).
 
-Importing this module (or :mod:`lmforge.models.spec`) registers them all; a new family is its folder
+Importing this module (which the first registry lookup does) registers them all; a new family is its folder
 and one line here.
 """
 

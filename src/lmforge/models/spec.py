@@ -7,8 +7,8 @@ to lay it out over devices and how to count its FLOPs. Code that depends on the 
 spec (``spec_for_args(args)``, ``spec_for_hf_config(cfg, where)``) and never tests a family name.
 
 The built-in families live in their folders under :mod:`lmforge.models`, listed in
-:mod:`lmforge.models.families`, and register themselves when the ``lmforge.models`` package is first
-imported (so before any lookup here). To add one, see ``docs/models.md`` ("Layout").
+:mod:`lmforge.models.families`, and register themselves when the first lookup here (or of a named size)
+imports that list (:func:`~lmforge.models.args.load_families`). To add one, see ``docs/models.md`` ("Layout").
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 
 from lmforge.errors import UserError
 from lmforge.models import flops
-from lmforge.models.args import ModelArgs, register_args_class, register_sizes
+from lmforge.models.args import ModelArgs, load_families, register_args_class, register_sizes
 from lmforge.models.state_dict_adapter import StateDictAdapter
 
 __all__ = [
@@ -126,6 +126,7 @@ def lora_targets_for(args: ModelArgs, requested: Iterable[str] | None) -> dict[s
 
 def gguf_format_for(architecture: str, where: str) -> tuple[ModelSpec, GGUFFormat]:
     """The family a GGUF file's ``general.architecture`` reads as (the spec whose ``gguf`` reads it)."""
+    load_families()
     for spec in _BY_NAME.values():
         if spec.gguf is not None and spec.gguf.reads and spec.gguf.architecture == architecture:
             return spec, spec.gguf
@@ -154,15 +155,18 @@ def register_spec(spec: ModelSpec) -> ModelSpec:
 
 def registered_specs() -> tuple[ModelSpec, ...]:
     """Every registered spec, in registration order."""
+    load_families()
     return tuple(_BY_NAME.values())
 
 
 def registered_model_types() -> tuple[str, ...]:
     """The Hugging Face model types lmforge runs (valid ``ModelArgs.hf_model_type`` values)."""
+    load_families()
     return tuple(_BY_MODEL_TYPE)
 
 
 def get_spec(name: str) -> ModelSpec:
+    load_families()
     try:
         return _BY_NAME[name]
     except KeyError:
@@ -171,6 +175,7 @@ def get_spec(name: str) -> ModelSpec:
 
 def spec_for_args(args: ModelArgs) -> ModelSpec:
     """The family ``args`` belong to (by ``args.hf_model_type``)."""
+    load_families()
     try:
         return _BY_MODEL_TYPE[args.hf_model_type]
     except KeyError:
@@ -180,6 +185,7 @@ def spec_for_args(args: ModelArgs) -> ModelSpec:
 
 def spec_for_hf_config(cfg: Mapping[str, Any], where: str) -> ModelSpec:
     """The family of a parsed ``config.json`` (by its ``model_type``); ``where`` names the file in errors."""
+    load_families()
     if not isinstance(cfg, Mapping):
         raise UserError(f"{where}: expected a JSON object of model settings, got a {type(cfg).__name__}")
     family = cfg.get("model_type")

@@ -25,9 +25,10 @@ r_it = pi(t) / pi_old(t) is the token ratio, A_i the advantage of completion i.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from torch import Tensor
+if TYPE_CHECKING:  # PolicyLoss and check_policy_loss are read by the GRPO config, which loads without torch
+    from torch import Tensor
 
 PolicyLoss = Literal["ppo", "gspo", "cispo"]
 

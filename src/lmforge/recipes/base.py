@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from lmforge.config import Config
 from lmforge.errors import UserError
-from lmforge.training.loop import Job
-from lmforge.training.runtime import RecipeServices, Runtime
-from lmforge.training.state import TrainState
+
+if TYPE_CHECKING:  # torch-free at import: ``lmforge --help`` and config errors answer without loading torch
+    from lmforge.training.loop import Job
+    from lmforge.training.runtime import RecipeServices, Runtime
+    from lmforge.training.state import TrainState
 
 
 class Recipe:
@@ -39,6 +41,8 @@ class Recipe:
         return None
 
     def services(self, cfg: Any, inputs: Any) -> RecipeServices:
+        from lmforge.training.runtime import RecipeServices
+
         return RecipeServices()
 
     def build(self, rt: Runtime, cfg: Any, inputs: Any) -> Job:

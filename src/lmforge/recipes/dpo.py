@@ -11,19 +11,24 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
+from typing import TYPE_CHECKING, Literal
+
 from lmforge.config import Config, RunSection, StartEvalSection, TasksSection
-from lmforge.objectives.dpo import DPOObjective, LossType
 from lmforge.recipes.base import Recipe, register
-from lmforge.training.loop import Job
-from lmforge.training.preference import BetaSection, check_preference_data, preference_datasets, preference_job
-from lmforge.training.reference import FrozenReference
-from lmforge.training.runtime import Runtime
+from lmforge.training.preference_config import BetaSection, check_preference_data
+
+if TYPE_CHECKING:  # recipe modules import no torch until a run starts (lmforge --help stays fast)
+    from lmforge.objectives.dpo import DPOObjective
+    from lmforge.training.loop import Job
+    from lmforge.training.reference import FrozenReference
+    from lmforge.training.runtime import Runtime
 
 
 class DPOSection(BetaSection):
     """``beta``: the strength of the pull towards the reference (the reward scale: reward = beta * log-ratio)."""
 
-    loss_type: LossType = "sigmoid"
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """``lmforge.objectives.dpo.LossType`` (spelled out here: that module imports torch)."""
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
     """cDPO: the assumed share of flipped preference labels (sigmoid loss only)."""
     nll_weight: float = Field(0.0, ge=0)
@@ -58,12 +63,17 @@ class DPO(Recipe):
     @staticmethod
     def objective(cfg: DPOConfig, reference: FrozenReference) -> DPOObjective:
         """The run's objective from its config alone (what tests check each key against)."""
+        from lmforge.objectives.dpo import DPOObjective
+
         d = cfg.dpo
         return DPOObjective(reference, beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing,
                             nll_weight=d.nll_weight, ipo_per_token=d.ipo_per_token,
                             chunk_tokens=cfg.training.loss_chunk_tokens)
 
     def build(self, rt: Runtime, cfg: DPOConfig, inputs: None) -> Job:
+        from lmforge.training.preference import preference_datasets, preference_job
+        from lmforge.training.reference import FrozenReference
+
         train_set, val_set = preference_datasets(rt, cfg.dpo, "dpo")
         d = cfg.dpo
         reference = FrozenReference.for_run(rt)

@@ -23,28 +23,22 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
-from lmforge import distributed as dist_utils
-from lmforge.checkpoint import RunDir
-from lmforge.checkpoint.layout import write_text
 from lmforge.config import Config, Section
-from lmforge.data.corpora import Corpora, read_corpora
-from lmforge.distributed import DistInfo
 from lmforge.errors import UserError
-from lmforge.metrics import PROCESS_START
-from lmforge.metrics.records import last_record_time
-from lmforge.parallel.dims import ParallelDims
 from lmforge.recipes.base import Recipe, register
 from lmforge.training import faults
-from lmforge.training.checkpointing import save
-from lmforge.training.loop import Job, StepSource
-from lmforge.training.next_token import next_token_job
-from lmforge.training.runtime import RecipeServices, Runtime
-from lmforge.training.state import TrainState
-from lmforge.training.train_step import is_pipeline
+
+if TYPE_CHECKING:  # recipe modules import no torch until a run starts (lmforge --help stays fast)
+    from lmforge.checkpoint import RunDir
+    from lmforge.data.corpora import Corpora
+    from lmforge.distributed import DistInfo
+    from lmforge.training.loop import Job, StepSource
+    from lmforge.training.runtime import RecipeServices, Runtime
+    from lmforge.training.state import TrainState
 
 RUN_ID_FILE = "elastic_run_id"
 SHM_ROOT = Path("/dev/shm")
@@ -111,6 +105,8 @@ class ElasticHooks:
     def arm_mid_step(self, rt: Runtime, step: int) -> None:
         """A ``when=mid`` fault due at ``step`` fires as the model's next forward pass starts (under
         ``parallel.pp``, the first of this rank's stages to run: the schedule calls them, not the model)."""
+        from lmforge.training.train_step import is_pipeline
+
         modules = rt.model.parts if is_pipeline(rt.model) else [rt.model]
         for plan in self.plans:
             if plan.when == "mid" and plan.due(rt.dist.rank, step, self.attempt):
@@ -123,6 +119,8 @@ class ElasticHooks:
         A snapshot that cannot be written (e.g. ``/dev/shm`` too small: Docker gives 64 MiB) turns the
         fast tier off with a warning; the run goes on with its durable checkpoints.
         """
+        from lmforge.training.checkpointing import save
+
         cfg, step = rt.cfg, state.step
         k = self.e.snapshot_interval
         if rt.checkpoints.fast is None or not k or step % k or step >= cfg.training.steps:
@@ -160,6 +158,8 @@ def adapt_micro_batch(cfg: ElasticConfig, world: int) -> dict[str, Any]:
 
     The batch is split over the data ranks only: tensor, context and pipeline neighbours read the
     same share, so under ``tp=2`` on 2 workers each reads the whole global batch."""
+    from lmforge.parallel.dims import ParallelDims
+
     t = cfg.training
     G, m = t.global_batch_size, t.micro_batch_size
     data = ParallelDims.from_config(cfg.parallel, world).data_world
@@ -175,6 +175,9 @@ def adapt_micro_batch(cfg: ElasticConfig, world: int) -> dict[str, Any]:
 
 def _run_token(run: RunDir, info: DistInfo) -> str:
     """A random id kept in the run directory, so a deleted and recreated run dir never finds old snapshots."""
+    from lmforge import distributed as dist_utils
+    from lmforge.checkpoint.layout import write_text
+
     token = None
     if info.is_main:
         f = run.root / RUN_ID_FILE
@@ -186,6 +189,8 @@ def _run_token(run: RunDir, info: DistInfo) -> str:
 
 def snapshot_root(cfg: ElasticConfig, run: RunDir, info: DistInfo) -> tuple[Path | None, str]:
     """Where this run's fast snapshots live, or None (and why) when the fast tier is off."""
+    from lmforge.checkpoint import RunDir
+
     e = cfg.elastic
     token = _run_token(run, info)  # collective: every rank calls it
     if not e.snapshot_interval:
@@ -232,6 +237,11 @@ class Elastic(Recipe):
     splits_model = True
 
     def check(self, cfg: ElasticConfig) -> ElasticInputs:
+        from lmforge.checkpoint import RunDir
+        from lmforge.data.corpora import read_corpora
+        from lmforge.metrics import PROCESS_START
+        from lmforge.metrics.records import last_record_time
+
         attempt = faults.current_attempt()
         # Read before this attempt appends its own setup record: the failed attempt's last sign of life.
         failure_time = last_record_time(RunDir(cfg.run.dir).metrics) if attempt > 0 else None
@@ -243,10 +253,14 @@ class Elastic(Recipe):
         return ElasticInputs(read_corpora(cfg), ElasticHooks(e, failure_time, plans, notes), starts_at)
 
     def services(self, cfg: ElasticConfig, inputs: ElasticInputs) -> RecipeServices:
+        from lmforge.training.runtime import RecipeServices
+
         return RecipeServices(step_hooks=(inputs.hooks,), snapshot_root=snapshot_root,
                               snapshot_keep=cfg.elastic.snapshot_keep, process_start=inputs.process_start)
 
     def build(self, rt: Runtime, cfg: ElasticConfig, inputs: ElasticInputs) -> Job:
+        from lmforge.training.next_token import next_token_job
+
         inputs.hooks.notes["snapshot_dir"] = str(rt.checkpoints.fast.root.parent) if rt.checkpoints.fast else ""
         job = next_token_job(rt, inputs.corpora)
         if any(p.when == "mid" for p in inputs.hooks.plans):
@@ -254,6 +268,8 @@ class Elastic(Recipe):
         return job
 
     def finish(self, rt: Runtime, cfg: ElasticConfig, inputs: ElasticInputs, state: TrainState) -> None:
+        from lmforge import distributed as dist_utils
+
         dist_utils.barrier()
         fast = rt.checkpoints.fast
         if fast is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:

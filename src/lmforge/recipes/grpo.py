@@ -11,7 +11,7 @@ for ``grpo.num_iterations`` updates), and the objective, :class:`lmforge.objecti
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -22,21 +22,17 @@ from lmforge.config import (
     comma_separated,
 )
 from lmforge.data.inputs import train_spec
-from lmforge.data.prompts import prompt_records
-from lmforge.data.tasks import TaskExample
 from lmforge.errors import UserError
-from lmforge.evaluation.tasks import TaskEval
-from lmforge.objectives.grpo import GRPOObjective
 from lmforge.objectives.policy_losses import PolicyLoss, check_policy_loss
 from lmforge.recipes.base import Recipe, register
-from lmforge.rl.engines.preflight import check_engine_settings
 from lmforge.rl.engines.settings import EngineKeys
-from lmforge.rl.episode_groups import environment_class
-from lmforge.rl.judge import DEFAULT_RUBRIC, JudgeSettings
-from lmforge.rl.rewards import WeightedReward, load_rewards, probe_rewards
-from lmforge.rl.rollout_source import RolloutSource
-from lmforge.training.loop import Job
-from lmforge.training.runtime import Runtime
+from lmforge.rl.judge import DEFAULT_RUBRIC
+
+if TYPE_CHECKING:  # recipe modules import no torch until a run starts (lmforge --help stays fast)
+    from lmforge.objectives.grpo import GRPOObjective
+    from lmforge.rl.rewards import WeightedReward
+    from lmforge.training.loop import Job
+    from lmforge.training.runtime import Runtime
 
 
 class GRPOSection(EngineKeys):
@@ -189,6 +185,12 @@ class GRPO(Recipe):
 
     def check(self, cfg: GRPOConfig) -> GRPOInputs:
         """Everything the user can get wrong (batch shape, rewards, prompt data), before any work."""
+        from lmforge.data.prompts import prompt_records
+        from lmforge.rl.engines.preflight import check_engine_settings
+        from lmforge.rl.episode_groups import environment_class
+        from lmforge.rl.judge import JudgeSettings
+        from lmforge.rl.rewards import load_rewards, probe_rewards
+
         g = cfg.grpo
         check_batch_shape(cfg, 1)
         named = not g.environment or "rewards" in g.model_fields_set  # an environment brings its own reward
@@ -214,6 +216,8 @@ class GRPO(Recipe):
     @staticmethod
     def objective(cfg: GRPOConfig) -> GRPOObjective:
         """The run's objective from its config alone (what tests check each key against)."""
+        from lmforge.objectives.grpo import GRPOObjective
+
         g = cfg.grpo
         return GRPOObjective(eps_low=g.epsilon_low, eps_high=g.epsilon_high, beta=g.beta,
                              aggregation=g.loss_aggregation, max_new_tokens=g.max_new_tokens,
@@ -221,6 +225,11 @@ class GRPO(Recipe):
                              tis_cap=g.tis_cap, policy_loss=g.policy_loss)
 
     def build(self, rt: Runtime, cfg: GRPOConfig, inputs: GRPOInputs) -> Job:
+        from lmforge.data.tasks import TaskExample
+        from lmforge.evaluation.tasks import TaskEval
+        from lmforge.rl.rollout_source import RolloutSource
+        from lmforge.training.loop import Job
+
         g = cfg.grpo
         check_batch_shape(cfg, rt.dist.data_world)
         objective = self.objective(cfg)

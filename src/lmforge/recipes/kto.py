@@ -5,18 +5,19 @@ reference is the run's starting model, frozen, and everything else is every pref
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
 from lmforge.config import Config, RunSection, StartEvalSection, TasksSection
-from lmforge.data.unpaired_data import build_unpaired_dataset
-from lmforge.objectives.kto import KTOObjective
 from lmforge.recipes.base import Recipe, register
-from lmforge.training.loop import Job
-from lmforge.training.preference import BetaSection, check_preference_data, preference_datasets, preference_job
-from lmforge.training.reference import FrozenReference
-from lmforge.training.runtime import Runtime
+from lmforge.training.preference_config import BetaSection, check_preference_data
+
+if TYPE_CHECKING:  # recipe modules import no torch until a run starts (lmforge --help stays fast)
+    from lmforge.objectives.kto import KTOObjective
+    from lmforge.training.loop import Job
+    from lmforge.training.reference import FrozenReference
+    from lmforge.training.runtime import Runtime
 
 
 class KTOSection(BetaSection):
@@ -47,12 +48,18 @@ class KTO(Recipe):
     @staticmethod
     def objective(cfg: KTOConfig, policy: Any, reference: FrozenReference, autocast: Any = None) -> KTOObjective:
         """The run's objective from its config (what tests check each key against)."""
+        from lmforge.objectives.kto import KTOObjective
+
         k = cfg.kto
         return KTOObjective(policy, reference, beta=k.beta, desirable_weight=k.desirable_weight,
                             undesirable_weight=k.undesirable_weight, chunk_tokens=cfg.training.loss_chunk_tokens,
                             **({} if autocast is None else {"autocast": autocast}))
 
     def build(self, rt: Runtime, cfg: KTOConfig, inputs: None) -> Job:
+        from lmforge.data.unpaired_data import build_unpaired_dataset
+        from lmforge.training.preference import preference_datasets, preference_job
+        from lmforge.training.reference import FrozenReference
+
         k = cfg.kto
         train_set, val_set = preference_datasets(rt, k, "kto", build_unpaired_dataset)
         reference = FrozenReference.for_run(rt)

@@ -4,16 +4,18 @@ preference recipe (:mod:`lmforge.training.preference`)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
 from lmforge.config import Config, RunSection, StartEvalSection, TasksSection
-from lmforge.objectives.orpo import ORPOObjective
 from lmforge.recipes.base import Recipe, register
-from lmforge.training.loop import Job
-from lmforge.training.preference import PreferenceSection, check_preference_data, preference_datasets, preference_job
-from lmforge.training.runtime import Runtime
+from lmforge.training.preference_config import PreferenceSection, check_preference_data
+
+if TYPE_CHECKING:  # recipe modules import no torch until a run starts (lmforge --help stays fast)
+    from lmforge.objectives.orpo import ORPOObjective
+    from lmforge.training.loop import Job
+    from lmforge.training.runtime import Runtime
 
 
 class ORPOSection(PreferenceSection):
@@ -43,9 +45,13 @@ class ORPO(Recipe):
     @staticmethod
     def objective(cfg: ORPOConfig) -> ORPOObjective:
         """The run's objective from its config alone (what tests check each key against)."""
+        from lmforge.objectives.orpo import ORPOObjective
+
         return ORPOObjective(beta=cfg.orpo.beta, nll=cfg.orpo.nll, chunk_tokens=cfg.training.loss_chunk_tokens)
 
     def build(self, rt: Runtime, cfg: ORPOConfig, inputs: None) -> Job:
+        from lmforge.training.preference import preference_datasets, preference_job
+
         o = cfg.orpo
         train_set, val_set = preference_datasets(rt, o, "orpo")
         objective = self.objective(cfg)

@@ -3,12 +3,15 @@ token shards, raw files prepared on first use, or a weighted mixture of them: :m
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from lmforge.config import Config
-from lmforge.data.corpora import Corpora, read_corpora
 from lmforge.recipes.base import Recipe, register
-from lmforge.training.loop import Job
-from lmforge.training.next_token import next_token_job
-from lmforge.training.runtime import Runtime
+
+if TYPE_CHECKING:  # recipe modules import no torch until a run starts (lmforge --help stays fast)
+    from lmforge.data.corpora import Corpora
+    from lmforge.training.loop import Job
+    from lmforge.training.runtime import Runtime
 
 
 @register
@@ -19,7 +22,11 @@ class Pretrain(Recipe):
     splits_model = True
 
     def check(self, cfg: Config) -> Corpora:
+        from lmforge.data.corpora import read_corpora
+
         return read_corpora(cfg)
 
     def build(self, rt: Runtime, cfg: Config, inputs: Corpora) -> Job:
+        from lmforge.training.next_token import next_token_job
+
         return next_token_job(rt, inputs)

@@ -12,23 +12,21 @@ records and rows, each sequence whole, with an optional ``margin`` per record
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 
 from lmforge.config import Config, RunSection, StartEvalSection
-from lmforge.data.chat import training_chat_format
 from lmforge.data.inputs import train_and_validation
-from lmforge.data.preference_data import PreferenceDataset
-from lmforge.data.reward_data import build_reward_dataset, read_reward_records
-from lmforge.data.sources import Record
 from lmforge.errors import UserError
-from lmforge.evaluation.loss import validation_eval
-from lmforge.objectives.reward import RewardObjective
 from lmforge.recipes.base import Recipe, register
-from lmforge.training.loop import Job
-from lmforge.training.next_token import LoaderSource
-from lmforge.training.preference import PairDataSection, check_preference_data
-from lmforge.training.runtime import RecipeServices, Runtime
+from lmforge.training.preference_config import PairDataSection, check_preference_data
+
+if TYPE_CHECKING:  # recipe modules import no torch until a run starts (lmforge --help stays fast)
+    from lmforge.data.preference_data import PreferenceDataset
+    from lmforge.data.sources import Record
+    from lmforge.training.loop import Job
+    from lmforge.training.runtime import RecipeServices, Runtime
 
 
 class RMSection(PairDataSection):
@@ -54,6 +52,8 @@ class RMInputs:
 def read_inputs(cfg: RMConfig) -> RMInputs:
     """Train and validation records, checked (margins too), or the training records' last
     ``rm.holdout`` share as validation."""
+    from lmforge.data.reward_data import read_reward_records
+
     d, share = cfg.data, cfg.rm.holdout
     if share and d.validation not in ("", "none"):
         raise UserError(f"rm.holdout={share} takes the validation pairs from data.train: set data.validation=none "
@@ -78,9 +78,18 @@ class RM(Recipe):
         return read_inputs(cfg)
 
     def services(self, cfg: RMConfig, inputs: RMInputs) -> RecipeServices:
+        from lmforge.training.runtime import RecipeServices
+
         return RecipeServices(head="score")
 
     def build(self, rt: Runtime, cfg: RMConfig, inputs: RMInputs) -> Job:
+        from lmforge.data.chat import training_chat_format
+        from lmforge.data.reward_data import build_reward_dataset
+        from lmforge.evaluation.loss import validation_eval
+        from lmforge.objectives.reward import RewardObjective
+        from lmforge.training.loop import Job
+        from lmforge.training.next_token import LoaderSource
+
         chat = training_chat_format(rt.tokenizer, rt.model_args.vocab_size, cfg.rm.chat_template)
 
         def build(records: list[Record], source: str, split: str) -> PreferenceDataset:

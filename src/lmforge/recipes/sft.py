@@ -9,19 +9,19 @@ every run reports its before/after.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from lmforge.config import Config, RunSection, StartEvalSection, TasksSection
-from lmforge.data.chat import ChatFormat, training_chat_format
 from lmforge.data.inputs import train_spec
-from lmforge.data.sft_data import SFTDataset
-from lmforge.data.sft_inputs import SFTSection, sft_datasets
+from lmforge.data.sft_inputs import SFTSection
 from lmforge.errors import UserError
-from lmforge.evaluation.loss import validation_eval
-from lmforge.evaluation.tasks import TaskEval, held_out_examples
-from lmforge.objectives.next_token import NextTokenObjective
 from lmforge.recipes.base import Recipe, register
-from lmforge.training.loop import Job
-from lmforge.training.next_token import LoaderSource
-from lmforge.training.runtime import Runtime
+
+if TYPE_CHECKING:  # recipe modules import no torch until a run starts (lmforge --help stays fast)
+    from lmforge.data.chat import ChatFormat
+    from lmforge.data.sft_data import SFTDataset
+    from lmforge.training.loop import Job
+    from lmforge.training.runtime import Runtime
 
 
 class SFTConfig(Config):
@@ -33,6 +33,8 @@ class SFTConfig(Config):
 
 def build_datasets(cfg: SFTConfig, rt: Runtime, chat: ChatFormat | None) -> tuple[SFTDataset, SFTDataset | None]:
     """Train and validation sets; each summary (counts of skipped/truncated examples) is logged."""
+    from lmforge.data.sft_inputs import sft_datasets
+
     return sft_datasets(cfg, rt.tokenizer, chat, lambda split, summary: rt.metrics.record_event(
         "sft_data", 0, summary.line(), split=split, **summary.counts()))
 
@@ -49,6 +51,13 @@ class SFT(Recipe):
             raise UserError("data.train=none: SFT needs training records (embedded, or a .jsonl/.parquet file)")
 
     def build(self, rt: Runtime, cfg: SFTConfig, inputs: None) -> Job:
+        from lmforge.data.chat import training_chat_format
+        from lmforge.evaluation.loss import validation_eval
+        from lmforge.evaluation.tasks import TaskEval, held_out_examples
+        from lmforge.objectives.next_token import NextTokenObjective
+        from lmforge.training.loop import Job
+        from lmforge.training.next_token import LoaderSource
+
         chat = training_chat_format(rt.tokenizer, rt.model_args.vocab_size, cfg.sft.chat_template)
         train_set, val_set = build_datasets(cfg, rt, chat)
         objective = NextTokenObjective.for_run(cfg.training, rt.model_args)

@@ -4,14 +4,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pydantic import Field
 
 from lmforge.config import Config, RunSection, StartEvalSection, TasksSection
-from lmforge.objectives.simpo import SimPOObjective
 from lmforge.recipes.base import Recipe, register
-from lmforge.training.loop import Job
-from lmforge.training.preference import PreferenceSection, check_preference_data, preference_datasets, preference_job
-from lmforge.training.runtime import Runtime
+from lmforge.training.preference_config import PreferenceSection, check_preference_data
+
+if TYPE_CHECKING:  # recipe modules import no torch until a run starts (lmforge --help stays fast)
+    from lmforge.objectives.simpo import SimPOObjective
+    from lmforge.training.loop import Job
+    from lmforge.training.runtime import Runtime
 
 
 class SimPOSection(PreferenceSection):
@@ -43,11 +47,15 @@ class SimPO(Recipe):
     @staticmethod
     def objective(cfg: SimPOConfig) -> SimPOObjective:
         """The run's objective from its config alone (what tests check each key against)."""
+        from lmforge.objectives.simpo import SimPOObjective
+
         s = cfg.simpo
         return SimPOObjective(beta=s.beta, gamma=s.gamma, label_smoothing=s.label_smoothing,
                               nll_weight=s.nll_weight, chunk_tokens=cfg.training.loss_chunk_tokens)
 
     def build(self, rt: Runtime, cfg: SimPOConfig, inputs: None) -> Job:
+        from lmforge.training.preference import preference_datasets, preference_job
+
         s = cfg.simpo
         train_set, val_set = preference_datasets(rt, s, "simpo")
         objective = self.objective(cfg)

@@ -1,5 +1,6 @@
 """What the preference recipes (DPO, ORPO, SimPO, KTO) share: their config options, the check of
-their data, the step source over rows of pairs, and the job around a method's objective.
+their data (both in :mod:`.preference_config`), the step source over rows of pairs, and the job around
+a method's objective.
 
 A recipe of this kind is then only its own section, its objective and (KTO) how records become pairs.
 """
@@ -8,42 +9,18 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from pydantic import Field
-
-from lmforge.config import Config, Section
 from lmforge.data.chat import ChatFormat, training_chat_format
-from lmforge.data.inputs import DataSpec, train_and_validation, train_spec
+from lmforge.data.inputs import DataSpec, train_and_validation
 from lmforge.data.overlong import Overlong
 from lmforge.data.preference_data import PreferenceDataset, PreferenceSummary, build_preference_dataset, read_preference_records
-from lmforge.errors import UserError
 from lmforge.evaluation.loss import validation_eval
 from lmforge.evaluation.tasks import TaskEval, held_out_examples
 from lmforge.models.tokenizer import Tokenizer
 from lmforge.training.loop import EvalFn, Job, StepBatch
 from lmforge.training.next_token import LoaderSource
+from lmforge.training.preference_config import PreferenceSection
 from lmforge.training.reference import FrozenReference
 from lmforge.training.runtime import Runtime
-
-
-class PairDataSection(Section):
-    """How every recipe on preference pairs lays out its data (reward models too)."""
-
-    packing: bool = True
-    """Pack several pairs per row (isolated by document masks); false: one pair per row."""
-    chat_template: str | None = None
-    """A jinja file to use instead of the tokenizer's own chat template."""
-
-
-class PreferenceSection(PairDataSection):
-    """Options every preference recipe has (its own section adds the method's)."""
-
-    task_eval: bool = False
-    """Also score held-out exact match on the embedded tasks at every eval (for pairs built from them)."""
-
-
-class BetaSection(PreferenceSection):
-    beta: float = Field(0.1, gt=0)
-
 
 PairBuilder = Callable[[str, Tokenizer, "ChatFormat | None", int, bool, Overlong],
                       "tuple[PreferenceDataset, PreferenceSummary]"]
@@ -55,13 +32,6 @@ def preference_pairs(path: str, tokenizer: Tokenizer, chat: ChatFormat | None, s
     """``prompt``/``chosen``/``rejected`` records to rows of pairs (DPO, ORPO, SimPO)."""
     return build_preference_dataset(read_preference_records(path), path, tokenizer, chat, seq_len=seq_len,
                                     packing=packing, overlong=overlong)
-
-
-def check_preference_data(cfg: Config, method: str, records: str = "prompt, chosen, rejected") -> None:
-    """Refuse, before anything is written, training data that cannot hold preference records."""
-    if train_spec(cfg.data).kind != "path":
-        raise UserError(f"data.train={cfg.data.train}: {method} trains on preference records (.jsonl/.parquet with "
-                        f"{records}); examples/dpo_demo.py builds them from the embedded tasks")
 
 
 class PreferenceSource(LoaderSource):

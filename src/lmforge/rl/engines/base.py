@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
-from torch import nn
+if TYPE_CHECKING:  # the package is imported by the GRPO config (engine keys), which loads without torch
+    from torch import nn
 
 
 @dataclass(frozen=True)
