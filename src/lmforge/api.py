@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +122,7 @@ class Trainer:
 
     def train(self) -> Run:
         """Write the in-memory parts into the run directory, run the recipe, put process state back."""
+        started = time.time()
         run_dir = Path(self.cfg.run.dir)
         data = self._config_dict()
         inputs = run_dir / "inputs"
@@ -132,16 +134,20 @@ class Trainer:
             data.setdefault("model", {}).update(_model_keys(self.model, self.tokenizer, run_dir / "start_model",
                                                             data.get("model", {}).get("tokenizer", "byte")))
         cfg = self._validate(data)
-        return run_recipe_isolated(self.recipe, cfg, self.rewards, self.callbacks)
+        return run_recipe_isolated(self.recipe, cfg, self.rewards, self.callbacks, started)
 
 
 def run_recipe_isolated(recipe: Recipe, cfg: Config, rewards: Mapping[str, Callable[..., Any]] = {},
-                        callbacks: Sequence[Callable[[dict[str, Any]], None]] = ()) -> Run:
+                        callbacks: Sequence[Callable[[dict[str, Any]], None]] = (),
+                        started: float | None = None) -> Run:
     """``run_recipe(recipe, cfg)`` with ``rewards`` registered and ``callbacks`` hooked for its
-    duration, inside :func:`process_state_restored`; the :class:`Run` read back from its metrics."""
-    from lmforge.metrics.logger import RECORD_HOOKS
+    duration, inside :func:`process_state_restored`; the :class:`Run` read back from its metrics.
+    ``started`` (default: now) is when goodput's ``setup`` begins."""
+    from lmforge.metrics import logger
     from lmforge.recipes.skeleton import run_recipe
     from lmforge.rl.rewards import BUILTIN_REWARDS
+
+    started = time.time() if started is None else started
 
     def on_record(record: dict[str, Any]) -> None:
         if record.get("kind") == "train":
@@ -151,8 +157,10 @@ def run_recipe_isolated(recipe: Recipe, cfg: Config, rewards: Mapping[str, Calla
     with ExitStack() as stack:
         stack.enter_context(process_state_restored(cfg.run.dir))
         stack.enter_context(_registered(BUILTIN_REWARDS, dict(rewards)))
+        # goodput's setup starts with this call, not with the process (an earlier run is not this one's setup)
+        stack.enter_context(_registered(vars(logger), {"PROCESS_START": started}))
         if callbacks:
-            stack.enter_context(_appended(RECORD_HOOKS, on_record))
+            stack.enter_context(_appended(logger.RECORD_HOOKS, on_record))
         rt = run_recipe(recipe, cfg)
         run_dir = Path(rt.run_dir)
     return read_run(recipe.name, run_dir)
@@ -403,13 +411,16 @@ def _reward_table(reward_funcs: Any) -> dict[str, Any]:
 
 @contextmanager
 def _registered(registry: dict[str, Any], entries: Mapping[str, Any]) -> Iterator[None]:
+    """``entries`` (those not None) in ``registry`` for the block; what they replaced comes back after."""
     added = {k: v for k, v in entries.items() if v is not None}
+    replaced = {k: registry[k] for k in added if k in registry}
     registry.update(added)
     try:
         yield
     finally:
         for key in added:
             registry.pop(key, None)
+        registry.update(replaced)
 
 
 @contextmanager

@@ -7,7 +7,10 @@ and evaluation, as a :class:`~lmforge.training.loop.Job`) and ``finish`` (anythi
 metrics, checkpoints and the skeleton around them (:mod:`.skeleton`) are the same for every recipe.
 
 Recipes are found by module: every module of the :mod:`lmforge.recipes` package is imported once and
-each ``@register``-ed class in it is registered under its ``name``.
+each ``@register``-ed class in it is registered under its ``name``; then the ``lmforge.recipes`` entry
+points of installed packages (:mod:`lmforge.plugins`): a module that registers its recipes, or a
+``Recipe`` class. Recipe modules import nothing heavy at module level (torch, the model, the data
+pipeline: inside ``check``/``build``), so listing them (``lmforge --help``) and checking a config stay fast.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ def register(cls: type[Recipe]) -> type[Recipe]:
 
 
 def recipes() -> dict[str, Recipe]:
-    """Every registered recipe by name, in the order their modules sort."""
+    """Every registered recipe by name: lmforge's own in the order their modules sort, then plugins'."""
     global _LOADED
     if not _LOADED:
         import lmforge.recipes as package
@@ -73,6 +76,14 @@ def recipes() -> dict[str, Recipe]:
         for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
             if info.name not in ("base", "skeleton"):
                 importlib.import_module(f"{package.__name__}.{info.name}")
+        from lmforge.plugins import load_entry_points
+
+        for ep, obj in load_entry_points("lmforge.recipes"):
+            if isinstance(obj, type) and issubclass(obj, Recipe) and type(_REGISTRY.get(obj.name)) is not obj:
+                try:
+                    register(obj)
+                except ValueError as e:
+                    raise UserError(f"plugin {ep.name} = {ep.value} of lmforge.recipes: {e}") from None
         _LOADED = True
     return dict(_REGISTRY)
 
