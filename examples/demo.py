@@ -2,8 +2,8 @@
 
     make demo            # or: python examples/demo.py
 
-Runs the three shipped configs through the CLI, each stage starting from the previous one's run
-directory, into runs/demo/{pretrain,sft,grpo} (runs/demo is deleted first). Every setting lives in
+Runs the three shipped configs through the Python API (``lmforge.train``, what the CLI runs), each
+stage in this process, starting from the previous one's run directory, into runs/demo/{pretrain,sft,grpo} (runs/demo is deleted first). Every setting lives in
 configs/debug.toml, configs/sft_debug.toml and configs/grpo_debug.toml; this script overrides only
 the run directories. Progress is streamed (eval lines in full, a training line every few seconds);
 at the end it prints a Markdown table read back from the three metrics.jsonl files, with the date,
@@ -12,49 +12,79 @@ the machine and the torch version, so that a quoted number can always be traced 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
+import lmforge
+from lmforge.cli import run_files_note
+from lmforge.config import parse_overrides
+from lmforge.errors import UserError
 from lmforge.metrics.records import read_records
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "runs" / "demo"
-STAGES = [  # (name, CLI command, config, the stage it starts from)
+STAGES = [  # (name, recipe, config, the stage it starts from)
     ("pretrain", "pretrain", "configs/debug.toml", None),
     ("sft", "sft", "configs/sft_debug.toml", "pretrain"),
     ("grpo", "grpo", "configs/grpo_debug.toml", "sft"),
 ]
 
 
-def run_stage(name: str, command: str, config: str, parent: str | None, out: Path = OUT,
+class Digest(io.TextIOBase):
+    """A stage's output, line by line: each prefixed with the stage and its seconds so far, with a
+    training line shown only every ~10 s (enough to follow along); the last 40 lines are kept."""
+
+    def __init__(self, name: str, out: io.TextIOBase) -> None:
+        self.name, self.out, self.start, self.last_shown = name, out, time.perf_counter(), 0.0
+        self.partial, self.tail = "", []
+
+    def write(self, text: str) -> int:
+        *lines, self.partial = (self.partial + text).split("\n")
+        for line in lines:
+            self.line(line + "\n")
+        return len(text)
+
+    def line(self, line: str) -> None:
+        self.tail = (self.tail + [line])[-40:]
+        now = time.perf_counter()
+        if line.startswith("completed step") and now - self.last_shown < 10:
+            return
+        if line.startswith("completed step"):
+            self.last_shown = now
+        print(f"[{self.name} {now - self.start:5.0f}s] {line.rstrip()[:160]}", file=self.out, flush=True)
+
+    def isatty(self) -> bool:
+        return False
+
+
+def run_stage(name: str, recipe: str, config: str, parent: str | None, out: Path = OUT,
               extra: Sequence[str] = ()) -> float:
-    """Run one stage as a subprocess (its run directory ``out/name``, starting from ``out/parent``,
-    then the ``extra`` flags), stream a digest of its output, return its wall seconds."""
-    argv = [sys.executable, "-m", "lmforge", command, "--config", config, f"--run.dir={out / name}"]
+    """Run one stage with ``lmforge.train`` (its run directory ``out/name``, starting from ``out/parent``,
+    then the ``extra`` flags, as the CLI reads them), stream a digest of its output, return its wall seconds."""
+    argv = ["-m", "lmforge", recipe, "--config", config, f"--run.dir={out / name}"]
     if parent:
         argv.append(f"--model.from_checkpoint={out / parent}")
     argv += extra
-    print(f"\n=== {name}: {' '.join(argv[1:])}", flush=True)
-    start, last_shown, tail = time.perf_counter(), 0.0, []
-    with subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          bufsize=1) as proc:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            tail = (tail + [line])[-40:]
-            now = time.perf_counter()
-            if line.startswith("completed step") and now - last_shown < 10:
-                continue  # a training line every ~10 s is enough to follow along
-            if line.startswith("completed step"):
-                last_shown = now
-            print(f"[{name} {now - start:5.0f}s] {line.rstrip()[:160]}", flush=True)
-    if proc.returncode:
-        sys.exit(f"{name} failed (exit {proc.returncode}); its last lines:\n{''.join(tail)}")
+    print(f"\n=== {name}: {' '.join(argv)}", flush=True)
+    start, console = time.perf_counter(), sys.stdout
+    digest = Digest(name, console)
+    try:
+        with contextlib.chdir(ROOT), contextlib.redirect_stdout(digest), contextlib.redirect_stderr(digest):
+            run = lmforge.train(recipe, config, parse_overrides(argv[5:]))
+            print(run_files_note(run.run_dir))
+    except UserError as e:
+        sys.exit(f"{name} failed (error: {e}); its last lines:\n{''.join(digest.tail)}")
+    finally:
+        if digest.partial:
+            digest.line(digest.partial)
     return time.perf_counter() - start
 
 
@@ -114,7 +144,7 @@ def machine(out: Path = OUT, stages: Sequence[str] = ("pretrain", "sft", "grpo")
 def main() -> int:
     shutil.rmtree(OUT, ignore_errors=True)
     OUT.mkdir(parents=True)
-    wall = {name: run_stage(name, command, config, parent) for name, command, config, parent in STAGES}
+    wall = {name: run_stage(name, recipe, config, parent) for name, recipe, config, parent in STAGES}
     print(f"\n### lmforge demo, {datetime.date.today().isoformat()}: {machine()}, "
           f"{sum(wall.values()):.0f} s wall in all\n")
     print(table(wall))

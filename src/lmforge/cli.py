@@ -29,10 +29,14 @@ def _train(name: str, argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
     run = train(name, args.config, parse_overrides(overrides))
     if os.environ.get("RANK", "0") == "0":
-        d = run.run_dir
-        print(f"run files: {d}/ (metrics.jsonl, config.toml, checkpoints/, tensorboard/)")
-        print(f"view in TensorBoard: tensorboard --logdir {d}/tensorboard")
+        print(run_files_note(run.run_dir))
     return 0
+
+
+def run_files_note(run_dir: os.PathLike | str) -> str:
+    """The two lines a finished training ends with: where its files are, how to view them."""
+    return (f"run files: {run_dir}/ (metrics.jsonl, config.toml, checkpoints/, tensorboard/)\n"
+            f"view in TensorBoard: tensorboard --logdir {run_dir}/tensorboard")
 
 
 def _generate(argv: list[str]) -> int:
