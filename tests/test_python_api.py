@@ -132,6 +132,23 @@ def test_in_memory_datasets_and_callbacks_match_files(tmp_path):
     assert RECORD_HOOKS == []
 
 
+def test_preference_records_in_memory_match_files(tmp_path):
+    """DPO on lists of conversational prompt/chosen/rejected records (TRL's preference format) trains
+    exactly as on the same records' files."""
+    data = FIXTURES / "data"
+    train = [json.loads(line) for line in (data / "preference_pairs_train.jsonl").read_text().splitlines()]
+    val = [json.loads(line) for line in (data / "preference_pairs_test.jsonl").read_text().splitlines()]
+    overrides = {**TINY, "data.seq_len": 128, "training.steps": 2, "eval.interval": 2, "eval.steps": 1,
+                 "eval.at_start": False, "dpo.task_eval": False, "model.from_checkpoint": None}
+    files = lmforge.train("dpo", REPO / "configs/dpo_debug.toml", {
+        **overrides, "data.train": data / "preference_pairs_train.jsonl",
+        "data.validation": data / "preference_pairs_test.jsonl", "run.dir": tmp_path / "files"})
+    memory = lmforge.Trainer("dpo", REPO / "configs/dpo_debug.toml", {**overrides, "run.dir": tmp_path / "memory"},
+                             train_dataset=train, eval_dataset=val).train()
+    assert len(losses(memory)) == 2 and losses(memory) == losses(files)
+    assert memory.eval["loss"] == files.eval["loss"]
+
+
 def lowercase(prompts, completions, **fields):
     """Fraction of each completion's characters that are lowercase ASCII letters."""
     return [sum("a" <= ch <= "z" for ch in c) / max(len(c), 1) for c in completions]
