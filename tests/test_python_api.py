@@ -182,9 +182,9 @@ def test_reward_functions_match_a_module_function(tmp_path, monkeypatch):
 
 
 def test_in_memory_models_start_the_run(tmp_path):
-    """A transformers model and an lmforge Transformer start a run: with a vanishing learning rate the
-    run's final weights, exported, are the model's own; generation agrees across the three ways to
-    name a model, and with ``lmforge generate``."""
+    """A transformers model (with a transformers tokenizer) and an lmforge Transformer start a run:
+    with a vanishing learning rate the run's final weights, exported, are the model's own; generation
+    agrees whichever way the model is named (run directory, loaded, exported directory)."""
     transformers = pytest.importorskip("transformers")
     hf_cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -193,8 +193,14 @@ def test_in_memory_models_start_the_run(tmp_path):
     hf_model = transformers.LlamaForCausalLM(hf_cfg)
     # lr must be positive; 1e-30 moves no float32 weight of this size (nor does its weight decay)
     frozen = {**TINY, "training.steps": 1, "optimizer.lr": 1e-30, "eval.interval": 0, "schedule.warmup_steps": 0}
+    from lmforge.export import write_tokenizer_files
+    from lmforge.models.tokenizer import load_tokenizer
+
+    write_tokenizer_files(load_tokenizer("byte"), tmp_path)  # the byte tokenizer as transformers reads it
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
     run = lmforge.Trainer("pretrain", REPO / "configs/debug.toml", {**frozen, "run.dir": tmp_path / "hf"},
-                          model=hf_model).train()
+                          model=hf_model, tokenizer=hf_tokenizer).train()
+    assert (tmp_path / "hf" / "start_model" / "tokenizer.json").is_file()
     out = lmforge.export(run.run_dir, hf=tmp_path / "exported")
     back = transformers.LlamaForCausalLM.from_pretrained(out["hf"])
     want = hf_model.state_dict()

@@ -206,14 +206,20 @@ def process_state_restored(run_dir: str | Path) -> Iterator[None]:
     env, path, cwd = dict(os.environ), list(sys.path), os.getcwd()
     group = list(dist_utils._DATA_GROUP)
     had_group = dist.is_available() and dist.is_initialized()
-    had_lock = holds_run_lock(run_dir) if Path(run_dir).exists() else False
+    def holds() -> bool:
+        try:
+            return holds_run_lock(run_dir)
+        except OSError:  # a run.dir the file system refuses (the run itself says so, in one line)
+            return False
+
+    had_lock = holds()
     try:
         yield
     finally:
         if not had_group and dist.is_available() and dist.is_initialized():
             dist_utils.shutdown()
         dist_utils._DATA_GROUP[:] = group
-        if not had_lock and Path(run_dir).exists():
+        if not had_lock and holds():
             release_run_lock(run_dir)
         torch.set_num_threads(threads)
         torch.set_default_dtype(dtype)
