@@ -24,8 +24,6 @@ import re
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -113,6 +111,8 @@ class JudgeReward:
 
     # ------------------------------------------------------------------ one request
     def _request(self, content: str) -> str:
+        import urllib.request  # here, not at import: the GRPO config reads this module (lmforge --help)
+
         body = json.dumps({"model": self.settings.model, "temperature": 0.0,
                            "messages": [{"role": "user", "content": content}]}).encode()
         headers = {"Content-Type": "application/json"}
@@ -127,6 +127,8 @@ class JudgeReward:
             raise _JudgeFailure(f"unexpected response {json.dumps(payload)[:120]}") from None
 
     def _score_one(self, prompt: str, completion: str, answer: str) -> float:
+        import urllib.error
+
         content = self.rubric.format(prompt=prompt, completion=completion, answer=answer)
         last = ""
         for attempt in range(self.settings.retries + 1):
