@@ -1,5 +1,5 @@
-"""The planner's estimate (lmforge.parallel.planner) against the measured peak of live tensor memory of a
-real train step in this process (lmforge.parallel.memory_probe), on the CPU.
+"""The planner's estimate (lmforge.planning.planner) against the measured peak of live tensor memory of a
+real train step in this process (lmforge.planning.memory_probe), on the CPU.
 
     PYTHONPATH=src python bench/plan_memory.py [--sizes debug small smollm2-135m] [--seq-len 256] [--micro-batch 8]
 """
@@ -12,8 +12,8 @@ import torch
 
 from lmforge.models.args import model_args_for
 from lmforge.models.tokenizer import ByteTokenizer
-from lmforge.parallel.memory_probe import measure_train_step
-from lmforge.parallel.planner import Layout, estimate_memory
+from lmforge.planning.memory_probe import measure_train_step
+from lmforge.planning.planner import Layout, estimate_memory
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """Run under torchrun, 2 ranks: each rank's peak of live tensor memory in a real train step at tp=2, then
-at pp=2 (lmforge.parallel.layout_probe); rank 0 writes the largest rank's peak per layout to argv[1]
+at pp=2 (lmforge.planning.layout_probe); rank 0 writes the largest rank's peak per layout to argv[1]
 as JSON (see test_planner_layouts.py, which holds the planner's estimate against it)."""
 
 import json
@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 from lmforge import distributed as dist_utils
 from lmforge.models.args import model_args_for
-from lmforge.parallel.layout_probe import measure_layout_step
-from lmforge.parallel.planner import Layout
+from lmforge.planning.layout_probe import measure_layout_step
+from lmforge.planning.planner import Layout
 
 torch.set_num_threads(1)
 dist_utils.init_distributed("cpu")

@@ -10,8 +10,8 @@ import torch
 from _helpers import lmforge_in_process
 from lmforge.models.args import model_args_for
 from lmforge.models.spec import spec_for_args
-from lmforge.parallel.memory_probe import LiveTensorMemory, measure_train_step
-from lmforge.parallel.planner import Layout, candidate_layouts, estimate_memory, param_counts
+from lmforge.planning.memory_probe import LiveTensorMemory, measure_train_step
+from lmforge.planning.planner import Layout, candidate_layouts, estimate_memory, param_counts
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128)
 

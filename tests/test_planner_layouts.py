@@ -9,7 +9,7 @@ import sys
 
 from _helpers import REPO, cli_env
 from lmforge.models.args import model_args_for
-from lmforge.parallel.planner import Layout, estimate_memory
+from lmforge.planning.planner import Layout, estimate_memory
 
 SHAPE = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=128)
 STEP = dict(seq_len=128, micro_batch=4, microbatches=2, dtype="float32")

@@ -27,8 +27,8 @@ def _train(name: str, argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(recipe.config, args.config, overrides)
     rt = run_recipe(recipe, cfg)
-    if rt.dist.is_main:
-        d = rt.run_dir
+    if rt.world.dist.is_main:
+        d = rt.world.run_dir
         print(f"run files: {d}/ (metrics.jsonl, config.toml, checkpoints/, tensorboard/)")
         print(f"view in TensorBoard: tensorboard --logdir {d}/tensorboard")
     from lmforge import distributed
@@ -147,7 +147,7 @@ def _prepare(argv: list[str]) -> int:
 
 
 def _plan(argv: list[str]) -> int:
-    from lmforge.parallel.plan_command import main as plan_main
+    from lmforge.planning.plan_command import main as plan_main
     return plan_main(argv)
 
 

@@ -22,7 +22,7 @@ from lmforge.metrics.records import read_records
 from lmforge.models.generate import generate
 from lmforge.models.model import Transformer
 from lmforge.models.tokenizer import Tokenizer
-from lmforge.training.runtime import Runtime
+from lmforge.runtime import Runtime
 
 
 def task_accuracy(model: Transformer, tokenizer: Tokenizer, examples: Sequence[TaskExample], *,
@@ -84,18 +84,18 @@ class TaskEval:
     def __call__(self, rt: Runtime, step: int = 0) -> dict[str, float]:
         if not self.examples:
             return {}
-        with dist_utils.full_parameters(rt.raw_model) as model:  # FSDP2: gathered once for the whole pass
-            acc = task_accuracy(model, rt.tokenizer, self.examples, max_new_tokens=self.max_new_tokens,
-                                batch_size=self.batch_size, rank=rt.dist.data_rank, world_size=rt.dist.data_world)
+        with dist_utils.full_parameters(rt.model.raw) as model:  # FSDP2: gathered once for the whole pass
+            acc = task_accuracy(model, rt.model.tokenizer, self.examples, max_new_tokens=self.max_new_tokens,
+                                batch_size=self.batch_size, rank=rt.world.dist.data_rank, world_size=rt.world.dist.data_world)
         return {"exact_match": acc.pop("all")} | {f"exact_match_{task}": v for task, v in acc.items()}
 
 
 def record_task_summary(rt: Runtime, step: int) -> None:
     """One ``task_accuracy`` event: exact match of the starting model (the step-0 eval) and the last one,
     read from the run's metrics, so a resumed run still reports its real "before"."""
-    if not rt.dist.is_main:
+    if not rt.world.dist.is_main:
         return
-    scores = {r["step"]: r["exact_match"] for r in read_records(rt.run_dir, "eval") if "exact_match" in r}
+    scores = {r["step"]: r["exact_match"] for r in read_records(rt.world.run_dir, "eval") if "exact_match" in r}
     if 0 not in scores or step == 0 or len(scores) < 2:
         return
     before, after = scores[0], scores[max(scores)]

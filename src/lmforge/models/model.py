@@ -334,7 +334,7 @@ class Transformer(nn.Module):
 
         ``head`` replaces the output projection: it gets the final-normed hidden states [B, T, dim]
         and the output weight [vocab_size, dim] and its result is returned (e.g. the chunked loss of
-        ``lmforge.training.chunked_loss``, which never holds all logits at once). It runs here, inside
+        ``lmforge.losses.chunked_loss``, which never holds all logits at once). It runs here, inside
         forward, rather than on ``hidden_states`` afterwards, because wrappers act only on a forward
         call: FSDP2 unshards the root's parameters (the output weight among them) for that call only.
         """

@@ -33,7 +33,7 @@ from torch import nn
 
 from lmforge.models.args import ModelArgs
 from lmforge.models.layers.moe import router_losses
-from lmforge.training.stats import LossStats
+from lmforge.losses.stats import LossStats
 
 
 @dataclass(frozen=True)

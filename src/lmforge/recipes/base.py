@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from lmforge.config import Config
 from lmforge.errors import UserError
 from lmforge.training.loop import Job
-from lmforge.training.runtime import RecipeServices, Runtime
+from lmforge.runtime import RecipeServices, Runtime
 from lmforge.training.state import TrainState
 
 

@@ -38,10 +38,10 @@ from lmforge.models.tokenizer import Tokenizer
 from lmforge.objectives.distill import DistillObjective, DistillSettings
 from lmforge.recipes.base import Recipe, register
 from lmforge.training.loop import Job, StepBatch
-from lmforge.training.next_token import LoaderSource
-from lmforge.training.on_policy import sample_on_policy
-from lmforge.training.reference import FrozenReference
-from lmforge.training.runtime import Runtime
+from lmforge.recipes.jobs.next_token import LoaderSource
+from lmforge.recipes.jobs.on_policy import sample_on_policy
+from lmforge.objectives.reference import FrozenReference
+from lmforge.runtime import Runtime
 
 
 class DistillSection(Section):
@@ -75,12 +75,12 @@ class DistillConfig(Config):
 def check_same_vocabulary(teacher: Any, rt: Runtime, where: str) -> None:
     """One line unless teacher and student share their vocabulary: the divergence compares the two
     distributions token id by token id."""
-    a, b = rt.tokenizer, teacher.tokenizer
+    a, b = rt.model.tokenizer, teacher.tokenizer
     probe = "Distillation compares 12 + 30 = 42 token by token: ÄÖü, 東京, <tags>."
-    if teacher.args.vocab_size != rt.model_args.vocab_size or not _same_tokenizer(a, b, probe):
+    if teacher.args.vocab_size != rt.model.args.vocab_size or not _same_tokenizer(a, b, probe):
         raise UserError(f"{where}: the teacher's vocabulary (vocab_size {teacher.args.vocab_size}, tokenizer "
-                        f"{teacher.tokenizer_spec}) differs from the student's (vocab_size {rt.model_args.vocab_size}, "
-                        f"tokenizer {rt.model_description['tokenizer']}); distillation needs the same tokenizer")
+                        f"{teacher.tokenizer_spec}) differs from the student's (vocab_size {rt.model.args.vocab_size}, "
+                        f"tokenizer {rt.model.description['tokenizer']}); distillation needs the same tokenizer")
 
 
 def _same_tokenizer(a: Tokenizer, b: Tokenizer, probe: str) -> bool:
@@ -107,14 +107,14 @@ def load_teacher(rt: Runtime, path: str) -> FrozenReference:
     """The teacher, frozen on the trainer's device, with its source recorded in checkpoints (a resumed
     run distills from the teacher it started with)."""
     def load(source: ModelSource) -> torch.nn.Module:
-        loaded = load_model(source, tokenizer=rt.model_description["tokenizer"])
+        loaded = load_model(source, tokenizer=rt.model.description["tokenizer"])
         if getattr(loaded.model, "score", None) is not None:  # also a teacher swapped for one since check
             raise UserError(f"distill.teacher={path}: a reward model (a score head), not a language model")
         check_same_vocabulary(loaded, rt, f"distill.teacher={path}")
         if rt.cfg.data.seq_len > loaded.args.max_seq_len:
             raise UserError(f"distill.teacher={path}: data.seq_len={rt.cfg.data.seq_len} is longer than the teacher "
                             f"allows (max_seq_len={loaded.args.max_seq_len})")
-        return loaded.model.to(rt.dist.device).eval().requires_grad_(False)
+        return loaded.model.to(rt.world.dist.device).eval().requires_grad_(False)
 
     source = ModelSource.at(path)
     return FrozenReference(load(source), source, load, lambda line: rt.metrics.record_event("teacher", 0, line))
@@ -161,20 +161,20 @@ class DistillSource(LoaderSource):
         generator is seeded by the seed, the step and the microbatch's global index (rank-major)."""
         rt, micro = self.rt, batch.microbatches
         sampled, lengths = [], []
-        with dist_utils.full_parameters(rt.raw_model) as policy:
+        with dist_utils.full_parameters(rt.model.raw) as policy:
             for j, mb in enumerate(micro):
-                index = (step * rt.dist.data_world + rt.dist.data_rank) * len(micro) + j
-                gen = torch.Generator(device=rt.dist.device).manual_seed(self.seed * 1_000_003 + 7919 * index + 1)
+                index = (step * rt.world.dist.data_world + rt.world.dist.data_rank) * len(micro) + j
+                gen = torch.Generator(device=rt.world.dist.device).manual_seed(self.seed * 1_000_003 + 7919 * index + 1)
                 sb, n = sample_on_policy(policy, mb, max_new_tokens=self.d.max_new_tokens,
                                          temperature=self.d.sampling_temperature, stop_ids=self.stop_ids,
-                                         pad_id=rt.tokenizer.pad_id, generator=gen,
+                                         pad_id=rt.model.tokenizer.pad_id, generator=gen,
                                          teacher_max_len=self.teacher.frozen.args.max_seq_len,
-                                         lockstep=rt.dist.world_size > 1, autocast=rt.autocast())
+                                         lockstep=rt.world.dist.world_size > 1, autocast=rt.model.autocast())
                 sampled.append(sb)
                 lengths += n
         totals = dist_utils.all_reduce_sum(torch.tensor([float(sum(lengths)), float(len(lengths))],
-                                                        dtype=torch.float64, device=rt.dist.device)).tolist()
-        student = rt.training_flops([n for mb in sampled for n in mb.real_document_lengths()])
+                                                        dtype=torch.float64, device=rt.world.dist.device)).tolist()
+        student = rt.model.training_flops([n for mb in sampled for n in mb.real_document_lengths()])
         return (StepBatch(sampled, tokens=sum(mb.input_ids.numel() for mb in sampled), flops=student),
                 totals[0] / max(totals[1], 1.0))
 
@@ -212,13 +212,13 @@ class Distill(Recipe):
     def build(self, rt: Runtime, cfg: DistillConfig, inputs: ModelSource) -> Job:
         d = cfg.distill
         teacher = load_teacher(rt, d.teacher)
-        chat = training_chat_format(rt.tokenizer, rt.model_args.vocab_size, cfg.sft.chat_template)
-        train_set, val_set = sft_datasets(cfg, rt.tokenizer, chat, lambda split, summary: rt.metrics.record_event(
+        chat = training_chat_format(rt.model.tokenizer, rt.model.args.vocab_size, cfg.sft.chat_template)
+        train_set, val_set = sft_datasets(cfg, rt.model.tokenizer, chat, lambda split, summary: rt.metrics.record_event(
             "sft_data", 0, summary.line(), split=split, **summary.counts()))
         settings = DistillSettings(d.divergence, d.jsd_beta, d.temperature, d.ce_weight, cfg.training.loss_chunk_tokens)
         objective = DistillObjective(teacher, settings)
         tasks = TaskEval(held_out_examples(cfg.tasks) if cfg.data.train == "embedded" else [],
                          cfg.tasks.eval_max_new_tokens)
-        stop_ids = stop_token_ids(rt.tokenizer, cfg.sft.chat_template) if d.on_policy > 0 else []
+        stop_ids = stop_token_ids(rt.model.tokenizer, cfg.sft.chat_template) if d.on_policy > 0 else []
         source = DistillSource(rt, train_set, teacher, d, stop_ids)
         return Job(source, objective, validation_eval(objective, val_set, tasks))

@@ -1,10 +1,10 @@
 """Direct preference optimization on ``prompt``/``chosen``/``rejected`` records.
 
 The loss and its logged values are :mod:`lmforge.objectives.dpo`; the reference is the run's starting
-model, frozen (:class:`~lmforge.training.reference.FrozenReference`). The step source is SFT's packed
+model, frozen (:class:`~lmforge.objectives.reference.FrozenReference`). The step source is SFT's packed
 loader over rows of whole pairs (:mod:`lmforge.data.preference_data`), so a pair never straddles
 microbatches; each step's FLOPs include the reference's forward pass, and checkpoints record the
-reference's source, so a resume scores against the same reference (:mod:`lmforge.training.preference`).
+reference's source, so a resume scores against the same reference (:mod:`lmforge.recipes.jobs.preference`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from lmforge.config import Config, RunSection, StartEvalSection, TasksSection
 from lmforge.objectives.dpo import DPOObjective, LossType
 from lmforge.recipes.base import Recipe, register
 from lmforge.training.loop import Job
-from lmforge.training.preference import BetaSection, check_preference_data, preference_datasets, preference_job
-from lmforge.training.reference import FrozenReference
-from lmforge.training.runtime import Runtime
+from lmforge.recipes.jobs.preference import BetaSection, check_preference_data, preference_datasets, preference_job
+from lmforge.objectives.reference import FrozenReference
+from lmforge.runtime import Runtime
 
 
 class DPOSection(BetaSection):

@@ -41,8 +41,8 @@ from lmforge.recipes.base import Recipe, register
 from lmforge.training import faults
 from lmforge.training.checkpointing import save
 from lmforge.training.loop import Job, StepSource
-from lmforge.training.next_token import next_token_job
-from lmforge.training.runtime import RecipeServices, Runtime
+from lmforge.recipes.jobs.next_token import next_token_job
+from lmforge.runtime import RecipeServices, Runtime
 from lmforge.training.state import TrainState
 from lmforge.training.train_step import is_pipeline
 
@@ -100,20 +100,20 @@ class ElasticHooks:
             self.report(rt, state)
             self.reported = True
         for plan in self.plans:
-            if plan.when == "end" and plan.due(rt.dist.rank, state.step, self.attempt):
+            if plan.when == "end" and plan.due(rt.world.dist.rank, state.step, self.attempt):
                 self.fire(rt, plan)
         self.snapshot(rt, state, source)
 
     def fire(self, rt: Runtime, plan: faults.FaultPlan) -> None:
-        print(f"fault injection on rank {rt.dist.rank}: {plan.describe()}", flush=True)
+        print(f"fault injection on rank {rt.world.dist.rank}: {plan.describe()}", flush=True)
         faults.inject(plan)
 
     def arm_mid_step(self, rt: Runtime, step: int) -> None:
         """A ``when=mid`` fault due at ``step`` fires as the model's next forward pass starts (under
         ``parallel.pp``, the first of this rank's stages to run: the schedule calls them, not the model)."""
-        modules = rt.model.parts if is_pipeline(rt.model) else [rt.model]
+        modules = rt.model.module.parts if is_pipeline(rt.model.module) else [rt.model.module]
         for plan in self.plans:
-            if plan.when == "mid" and plan.due(rt.dist.rank, step, self.attempt):
+            if plan.when == "mid" and plan.due(rt.world.dist.rank, step, self.attempt):
                 for module in modules:
                     module.register_forward_pre_hook(lambda *_, plan=plan: self.fire(rt, plan))
 
@@ -141,17 +141,17 @@ class ElasticHooks:
         resumed = first_step - 1 if state.resumed_from else 0
         source = "start" if not state.resumed_from else \
             "snapshot" if rt.checkpoints.is_snapshot(state.resumed_from) else "checkpoint"
-        fields: dict[str, Any] = {"restart_count": self.attempt, "world_size": rt.dist.world_size,
+        fields: dict[str, Any] = {"restart_count": self.attempt, "world_size": rt.world.dist.world_size,
                                   "resumed_step": resumed, "resumed_from": source, **self.notes}
         if self.attempt > 0:
             lost = max(state.redo_until - resumed, 0)
             clock_start = time.time() - rt.metrics.training_seconds
             recovery = clock_start - self.failure_time if self.failure_time is not None else 0.0
             fields |= {"lost_steps": lost, "recovery_seconds": round(max(recovery, 0.0), 3)}
-            msg = (f"elastic: restart {self.attempt}, world size {rt.dist.world_size}, resumed from {source} "
+            msg = (f"elastic: restart {self.attempt}, world size {rt.world.dist.world_size}, resumed from {source} "
                    f"at step {resumed}, {lost} steps lost, recovered in {fields['recovery_seconds']:.1f} s")
         else:
-            msg = f"elastic: attempt 0, world size {rt.dist.world_size}, starting at step {first_step - 1}"
+            msg = f"elastic: attempt 0, world size {rt.world.dist.world_size}, starting at step {first_step - 1}"
         rt.metrics.record_event("elastic", first_step - 1, msg, **fields)
 
 

@@ -36,7 +36,7 @@ from lmforge.rl.judge import DEFAULT_RUBRIC, JudgeSettings
 from lmforge.rl.rewards import WeightedReward, load_rewards, probe_rewards
 from lmforge.rl.rollout_source import RolloutSource
 from lmforge.training.loop import Job
-from lmforge.training.runtime import Runtime
+from lmforge.runtime import Runtime
 
 
 class GRPOSection(EngineKeys):
@@ -222,7 +222,7 @@ class GRPO(Recipe):
 
     def build(self, rt: Runtime, cfg: GRPOConfig, inputs: GRPOInputs) -> Job:
         g = cfg.grpo
-        check_batch_shape(cfg, rt.dist.data_world)
+        check_batch_shape(cfg, rt.world.dist.data_world)
         objective = self.objective(cfg)
         tasks = TaskEval([TaskExample(r.get("task", "file"), r[g.prompt_field], str(r["answer"]))
                           for r in inputs.eval if r.get("answer") is not None and isinstance(r[g.prompt_field], str)],

@@ -1,7 +1,7 @@
 """KTO on single responses labelled desirable or undesirable (or preference pairs, split into one of
 each): the loss is :mod:`lmforge.objectives.kto`, the data :mod:`lmforge.data.unpaired_data`; the
 reference is the run's starting model, frozen, and everything else is every preference recipe's
-(:mod:`lmforge.training.preference`)."""
+(:mod:`lmforge.recipes.jobs.preference`)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from lmforge.data.unpaired_data import build_unpaired_dataset
 from lmforge.objectives.kto import KTOObjective
 from lmforge.recipes.base import Recipe, register
 from lmforge.training.loop import Job
-from lmforge.training.preference import BetaSection, check_preference_data, preference_datasets, preference_job
-from lmforge.training.reference import FrozenReference
-from lmforge.training.runtime import Runtime
+from lmforge.recipes.jobs.preference import BetaSection, check_preference_data, preference_datasets, preference_job
+from lmforge.objectives.reference import FrozenReference
+from lmforge.runtime import Runtime
 
 
 class KTOSection(BetaSection):
@@ -56,6 +56,6 @@ class KTO(Recipe):
         k = cfg.kto
         train_set, val_set = preference_datasets(rt, k, "kto", build_unpaired_dataset)
         reference = FrozenReference.for_run(rt)
-        objective = self.objective(cfg, rt.model, reference, rt.autocast)
+        objective = self.objective(cfg, rt.model.module, reference, rt.model.autocast)
         # the reference point's pass: one forward of the policy and one of the reference, without grad
         return preference_job(rt, k, objective, train_set, val_set, reference, extra_forwards=2)

@@ -1,6 +1,6 @@
 """ORPO on ``prompt``/``chosen``/``rejected`` records: SFT on the chosen response plus an odds-ratio
 term, with no reference model (:mod:`lmforge.objectives.orpo`); data, step source and eval as every
-preference recipe (:mod:`lmforge.training.preference`)."""
+preference recipe (:mod:`lmforge.recipes.jobs.preference`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from lmforge.config import Config, RunSection, StartEvalSection, TasksSection
 from lmforge.objectives.orpo import ORPOObjective
 from lmforge.recipes.base import Recipe, register
 from lmforge.training.loop import Job
-from lmforge.training.preference import PreferenceSection, check_preference_data, preference_datasets, preference_job
-from lmforge.training.runtime import Runtime
+from lmforge.recipes.jobs.preference import PreferenceSection, check_preference_data, preference_datasets, preference_job
+from lmforge.runtime import Runtime
 
 
 class ORPOSection(PreferenceSection):

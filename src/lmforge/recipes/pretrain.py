@@ -7,8 +7,8 @@ from lmforge.config import Config
 from lmforge.data.corpora import Corpora, read_corpora
 from lmforge.recipes.base import Recipe, register
 from lmforge.training.loop import Job
-from lmforge.training.next_token import next_token_job
-from lmforge.training.runtime import Runtime
+from lmforge.recipes.jobs.next_token import next_token_job
+from lmforge.runtime import Runtime
 
 
 @register

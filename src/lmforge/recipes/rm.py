@@ -26,9 +26,9 @@ from lmforge.evaluation.loss import validation_eval
 from lmforge.objectives.reward import RewardObjective
 from lmforge.recipes.base import Recipe, register
 from lmforge.training.loop import Job
-from lmforge.training.next_token import LoaderSource
-from lmforge.training.preference import PairDataSection, check_preference_data
-from lmforge.training.runtime import RecipeServices, Runtime
+from lmforge.recipes.jobs.next_token import LoaderSource
+from lmforge.recipes.jobs.preference import PairDataSection, check_preference_data
+from lmforge.runtime import RecipeServices, Runtime
 
 
 class RMSection(PairDataSection):
@@ -81,10 +81,10 @@ class RM(Recipe):
         return RecipeServices(head="score")
 
     def build(self, rt: Runtime, cfg: RMConfig, inputs: RMInputs) -> Job:
-        chat = training_chat_format(rt.tokenizer, rt.model_args.vocab_size, cfg.rm.chat_template)
+        chat = training_chat_format(rt.model.tokenizer, rt.model.args.vocab_size, cfg.rm.chat_template)
 
         def build(records: list[Record], source: str, split: str) -> PreferenceDataset:
-            dataset, summary = build_reward_dataset(records, source, rt.tokenizer, chat, seq_len=cfg.data.seq_len,
+            dataset, summary = build_reward_dataset(records, source, rt.model.tokenizer, chat, seq_len=cfg.data.seq_len,
                                                     packing=cfg.rm.packing, overlong=cfg.data.overlong)
             rt.metrics.record_event("rm_data", 0, summary.line(), split=split, **summary.counts())
             return dataset

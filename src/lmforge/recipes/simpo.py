@@ -1,6 +1,6 @@
 """SimPO on ``prompt``/``chosen``/``rejected`` records: a reference-free, length-normalised margin
 (:mod:`lmforge.objectives.simpo`); data, step source and eval as every preference recipe
-(:mod:`lmforge.training.preference`)."""
+(:mod:`lmforge.recipes.jobs.preference`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from lmforge.config import Config, RunSection, StartEvalSection, TasksSection
 from lmforge.objectives.simpo import SimPOObjective
 from lmforge.recipes.base import Recipe, register
 from lmforge.training.loop import Job
-from lmforge.training.preference import PreferenceSection, check_preference_data, preference_datasets, preference_job
-from lmforge.training.runtime import Runtime
+from lmforge.recipes.jobs.preference import PreferenceSection, check_preference_data, preference_datasets, preference_job
+from lmforge.runtime import Runtime
 
 
 class SimPOSection(PreferenceSection):

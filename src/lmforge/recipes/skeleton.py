@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from lmforge.data.inputs import validation_spec
@@ -9,8 +10,9 @@ from lmforge.errors import UserError
 from lmforge.evaluation.downstream import with_downstream
 from lmforge.evaluation.tasks import record_task_summary
 from lmforge.recipes.base import Recipe, recipes
+from lmforge.objectives.router import router_setup_note
+from lmforge.runtime import RecipeServices, Runtime, build_runtime
 from lmforge.training.loop import Job, train
-from lmforge.training.runtime import Runtime, build_runtime
 
 
 def run_recipe(recipe: Recipe, cfg: Any) -> Runtime:
@@ -23,7 +25,7 @@ def run_recipe(recipe: Recipe, cfg: Any) -> Runtime:
     """
     check_recipe_layout(recipe, cfg)
     inputs = recipe.check(cfg)
-    rt = build_runtime(cfg, recipe.name, recipe.services(cfg, inputs))
+    rt = build_runtime(cfg, recipe.name, with_router_note(recipe.services(cfg, inputs), cfg, recipe.name))
     note = validation_spec(cfg.data)[1]
     if note:
         rt.metrics.record_event("no_validation", 0, f"note: {note}")
@@ -38,6 +40,18 @@ def run_recipe(recipe: Recipe, cfg: Any) -> Runtime:
             job.source.close()
         rt.metrics.close()
     return rt
+
+
+def with_router_note(services: RecipeServices, cfg: Any, trainer: str) -> RecipeServices:
+    """Adds the setup line's ``router_losses`` entry (MoE models only): which router terms this run
+    trains with."""
+    t = cfg.training
+
+    def notes(args: Any) -> dict[str, str]:
+        note = router_setup_note(trainer, t.router_aux_loss_coef, t.router_z_loss_coef, args)
+        return {**services.notes_for(args), **({} if note is None else {"router_losses": note})}
+
+    return replace(services, setup_notes=notes)
 
 
 def check_recipe_layout(recipe: Recipe, cfg: Any) -> None:

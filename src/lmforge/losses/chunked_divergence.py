@@ -20,7 +20,7 @@ Gradients w.r.t. the student's logits ``z`` (``u = z / T``), per row, derived fr
 * JSD: ``d/dq_j = (1 - beta) log(q_j / m_j)``, so ``(1 - beta) q (log q - log m - KL(q || m))``;
 
 each divided by ``T``; the cross-entropy adds ``ce_weight (softmax(z) - onehot(y))``. As in
-:class:`lmforge.training.chunked_loss._ChunkedLogprobSum` the loss is a *sum* over rows, so its
+:class:`lmforge.losses.chunked_loss._ChunkedLogprobSum` the loss is a *sum* over rows, so its
 gradient w.r.t. each chunk's logits is known in the forward pass up to one scalar: both input
 gradients are accumulated there while the chunk's distributions are at hand, and the backward only
 scales them. At most ``chunk`` rows of full-vocabulary logits of each model exist at any time.
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lmforge.training.chunked_loss import _compute_dtype
+from lmforge.losses.chunked_loss import _compute_dtype
 
 Divergence = Literal["forward_kl", "reverse_kl", "jsd"]
 

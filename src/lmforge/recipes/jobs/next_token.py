@@ -13,7 +13,7 @@ from lmforge.errors import UserError
 from lmforge.evaluation.loss import validation_eval
 from lmforge.objectives.next_token import NextTokenObjective
 from lmforge.training.loop import Job, StepBatch
-from lmforge.training.runtime import Runtime
+from lmforge.runtime import Runtime
 
 
 class LoaderSource:
@@ -24,11 +24,11 @@ class LoaderSource:
         self.fingerprint = dataset_fingerprint(dataset)
         self.on_data_change = rt.cfg.checkpoint.on_data_change
         self.warn = rt.metrics.console
-        self.flops = rt.training_flops
-        self.context_shard, self.cp = rt.context_shard, rt.dims.cp
-        self.loader = StepLoader(dataset, t.global_batch_size, t.micro_batch_size, rt.dist.data_rank, rt.dist.data_world,
+        self.flops = rt.model.training_flops
+        self.context_shard, self.cp = rt.world.shard_batch, rt.world.layout.cp
+        self.loader = StepLoader(dataset, t.global_batch_size, t.micro_batch_size, rt.world.dist.data_rank, rt.world.dist.data_world,
                                  seed=t.seed, shuffle=rt.cfg.data.shuffle, prefetch=rt.cfg.data.prefetch,
-                                 device=rt.dist.device)
+                                 device=rt.world.dist.device)
 
     def next_step(self, step: int) -> StepBatch:
         microbatches = self.loader.next_step()
@@ -59,14 +59,14 @@ def next_token_job(rt: Runtime, corpora: Corpora) -> Job:
     """Cross-entropy on the packed training corpus; eval loss on ``eval.steps`` fixed batches of the
     validation corpus (a validation set too small for one eval batch fails now, not after training)."""
     cfg = rt.cfg
-    train_set, val_set = build_datasets(cfg, rt.tokenizer, corpora)
-    e, rank, world = cfg.eval, rt.dist.data_rank, rt.dist.data_world
+    train_set, val_set = build_datasets(cfg, rt.model.tokenizer, corpora)
+    e, rank, world = cfg.eval, rt.world.dist.data_rank, rt.world.dist.data_world
     if val_set is not None and e.interval:
         try:
             eval_batches(val_set, e.batch_size, e.steps, rank, world)
         except UserError as err:
             raise UserError(f"data.validation={cfg.data.validation}: {err} (eval.batch_size)") from None
-    objective = NextTokenObjective.for_run(cfg.training, rt.model_args)
+    objective = NextTokenObjective.for_run(cfg.training, rt.model.args)
     evaluate = validation_eval(objective, val_set,
                                batches=lambda rt, ds: eval_batches(ds, e.batch_size, e.steps, rank, world))
     return Job(LoaderSource(rt, train_set), objective, evaluate)

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from lmforge.errors import UserError
-from lmforge.training.train_step import adamw_kernel, build_optimizer
+from lmforge.optim.adamw import adamw_kernel, build_optimizer
 
 if TYPE_CHECKING:  # pragma: no cover
     from lmforge.config import Config, OptimizerSection

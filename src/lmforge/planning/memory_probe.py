@@ -140,8 +140,9 @@ def measure_train_step(args: ModelArgs, *, seq_len: int, micro_batch: int, dtype
     from lmforge.models.spec import spec_for_args
     from lmforge.objectives.next_token import NextTokenObjective
     from lmforge.parallel.plans import apply_activation_checkpointing
-    from lmforge.training.optimizers import state_bytes
-    from lmforge.training.train_step import build_optimizer, gradient_computation, run_optimizer_step
+    from lmforge.optim.optimizers import state_bytes
+    from lmforge.optim.adamw import build_optimizer
+    from lmforge.training.train_step import gradient_computation, run_optimizer_step
 
     torch.manual_seed(seed)
     model = spec_for_args(args).build(args)

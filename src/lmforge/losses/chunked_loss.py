@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lmforge.training.loss_grads import add_weight_grad, precomputed_grads, save_precomputed_grads
-from lmforge.training.vocab_parallel_loss import (
+from lmforge.losses.loss_grads import add_weight_grad, precomputed_grads, save_precomputed_grads
+from lmforge.losses.vocab_parallel_loss import (
     gathered_hidden,
     is_vocab_sharded,
     vocab_parallel_logprob_sum,
@@ -216,7 +216,7 @@ class TargetLogprobSumHead:
         self.targets, self.mask, self.chunk_tokens = targets, mask.bool(), chunk_tokens
 
     def __call__(self, hidden: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
-        sharded = is_vocab_sharded(weight)  # tensor parallelism: see lmforge.training.vocab_parallel_loss
+        sharded = is_vocab_sharded(weight)  # tensor parallelism: see lmforge.losses.vocab_parallel_loss
         if sharded:
             hidden = gathered_hidden(hidden, weight)
         positions = self.mask.flatten().nonzero().squeeze(1)
@@ -241,7 +241,7 @@ class TargetLogprobHead:
         self.mask = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask.bool()
 
     def __call__(self, hidden: Tensor, weight: Tensor) -> TargetLogprobs:
-        sharded = is_vocab_sharded(weight)  # tensor parallelism: see lmforge.training.vocab_parallel_loss
+        sharded = is_vocab_sharded(weight)  # tensor parallelism: see lmforge.losses.vocab_parallel_loss
         if sharded:
             hidden = gathered_hidden(hidden, weight)
         positions = self.mask.flatten().nonzero().squeeze(1)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from lmforge.training.loss_grads import add_weight_grad, precomputed_grads, save_precomputed_grads
+from lmforge.losses.loss_grads import add_weight_grad, precomputed_grads, save_precomputed_grads
 
 __all__ = ["gathered_hidden", "is_vocab_sharded", "vocab_parallel_logprob_sum", "vocab_parallel_logprobs"]
 

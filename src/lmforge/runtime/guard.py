@@ -1,15 +1,12 @@
-"""Guards around each step: non-finite loss/grad-norm checks, the loss-spike warning, stop signals."""
+"""The guard around each step: non-finite loss/grad-norm checks and the loss-spike warning."""
 
 from __future__ import annotations
 
 import math
-import signal
 from typing import Any
 
 from lmforge.errors import UserError
-from lmforge.metrics import to_python
-from lmforge.training.runtime import Runtime
-from lmforge.training.state import TrainState
+from lmforge.metrics import MetricLogger, to_python
 
 
 class Guard:
@@ -21,11 +18,14 @@ class Guard:
     reports each skipped update.
     """
 
-    def __init__(self, rt: Runtime, spike_factor: float) -> None:
-        self.rt = rt
-        self.mode = rt.cfg.training.nonfinite
+    def __init__(self, metrics: MetricLogger, mode: str, spike_factor: float, device_type: str,
+                 checkpoints_enabled: bool) -> None:
+        self.metrics = metrics
+        self.mode = mode
         self.spike_factor = spike_factor
-        self.every_step = rt.dist.device.type == "cpu" or self.mode == "skip"
+        """0 turns the spike warning off (the loop does for objectives whose loss is not watched)."""
+        self.every_step = device_type == "cpu" or self.mode == "skip"
+        self.checkpoints_enabled = checkpoints_enabled
         self.mean: float | None = None
         self.skipped = 0
         self.latest: tuple[int, dict[str, Any], dict[str, Any] | None] | None = None
@@ -45,13 +45,13 @@ class Guard:
         self._checked = step
         if self.mode == "skip" and not math.isfinite(grad_norm):
             self.skipped += 1
-            self.rt.metrics.record_event("nonfinite_skip", step, f"warning: step {step}: non-finite grad norm, "
+            self.metrics.record_event("nonfinite_skip", step, f"warning: step {step}: non-finite grad norm, "
                                          f"update skipped ({self.skipped} so far)", skipped_updates=self.skipped)
         if self.mode == "stop" and not (math.isfinite(loss) and math.isfinite(grad_norm)):
             where = f"at step {step}" if self.every_step else f"at step {step} (checked on log steps and before saves)"
             self._stop(step, loss, grad_norm, where)
         if math.isfinite(loss) and self.spike_factor and self.mean is not None and loss > self.spike_factor * self.mean:
-            self.rt.metrics.record_event("loss_spike", step, f"warning: loss spike at step {step}: {loss:.4f} is "
+            self.metrics.record_event("loss_spike", step, f"warning: loss spike at step {step}: {loss:.4f} is "
                                          f"over {self.spike_factor:g}x the running mean {self.mean:.4f}", loss=loss)
         if math.isfinite(loss):
             self.mean = loss if self.mean is None else 0.9 * self.mean + 0.1 * loss
@@ -79,37 +79,12 @@ class Guard:
 
     def _stop(self, step: int, loss: float, grad_norm: float, where: str) -> None:
         what = f"loss ({loss})" if not math.isfinite(loss) else f"grad norm ({grad_norm})"
-        self.rt.metrics.record_event("nonfinite_stop", step, loss=loss, grad_norm=grad_norm)
+        self.metrics.record_event("nonfinite_stop", step, loss=loss, grad_norm=grad_norm)
         kept = (" Nothing was saved from this step on; every checkpoint written earlier was checked finite "
-                "before it was saved." if self.rt.cfg.checkpoint.enabled else "")
+                "before it was saved." if self.checkpoints_enabled else "")
         raise NonFiniteLoss(f"non-finite {what} {where}; stopping (set training.nonfinite=skip "
                             f"to skip such updates).{kept}")
 
 
 class NonFiniteLoss(UserError):
     """The run diverged; reported in one line like a user error (exit 2), checkpoints untouched."""
-
-
-class StopSignals:
-    """SIGTERM/SIGINT ask the loop to stop after the current step, save, and exit 0."""
-
-    def __init__(self, state: TrainState) -> None:
-        self.state = state
-        self.previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if (self.state.stop_signal or self.state.stop_requested) and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.state.stop_signal = signal.Signals(signum).name  # acted on once the ranks agree
-
-    def __enter__(self) -> "StopSignals":
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self.previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread
-                pass
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)

@@ -8,7 +8,7 @@ by :func:`~lmforge.parallel.plans.parallelize_decoder`, each data rank its share
 again by :func:`~lmforge.parallel.context_parallel.shard_batch` under cp), and the train-step pieces
 ``gradient_computation`` / ``run_optimizer_step``, which also drive a pipeline. Storages are counted
 below DTensor and with in-place resizes followed (FSDP2's gathers), see
-:class:`~lmforge.parallel.memory_probe.LiveTensorMemory`.
+:class:`~lmforge.planning.memory_probe.LiveTensorMemory`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from lmforge.models.args import ModelArgs
-from lmforge.parallel.planner import Layout
+from lmforge.planning.planner import Layout
 
 __all__ = ["RankPeak", "measure_layout_step"]
 
@@ -45,9 +45,10 @@ def measure_layout_step(args: ModelArgs, layout: Layout, *, seq_len: int, micro_
     from lmforge.models.spec import spec_for_args
     from lmforge.objectives.next_token import NextTokenObjective
     from lmforge.parallel.dims import ParallelDims, sub_mesh
-    from lmforge.parallel.memory_probe import LiveTensorMemory
+    from lmforge.planning.memory_probe import LiveTensorMemory
     from lmforge.parallel.plans import ParallelOptions, parallelize_decoder
-    from lmforge.training.train_step import build_optimizer, gradient_computation, run_optimizer_step
+    from lmforge.optim.adamw import build_optimizer
+    from lmforge.training.train_step import gradient_computation, run_optimizer_step
 
     rank, world = dist.get_rank(), dist.get_world_size()
     section = ParallelSection(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp,

@@ -16,7 +16,7 @@ from torch import nn
 
 from lmforge.models.load import ModelSource, load_model
 from lmforge.models.lora import BaseModelView, has_adapters
-from lmforge.training.runtime import Runtime
+from lmforge.runtime import Runtime
 
 
 class FrozenReference:
@@ -32,12 +32,12 @@ class FrozenReference:
     @classmethod
     def for_run(cls, rt: Runtime) -> "FrozenReference":
         def load(source: ModelSource) -> nn.Module | None:
-            if has_adapters(rt.raw_model):
+            if has_adapters(rt.model.raw):
                 return None
-            ref = load_model(source, args=rt.model_args, tokenizer=rt.model_description["tokenizer"]).model
-            return ref.to(rt.dist.device).eval().requires_grad_(False)
+            ref = load_model(source, args=rt.model.args, tokenizer=rt.model.description["tokenizer"]).model
+            return ref.to(rt.world.dist.device).eval().requires_grad_(False)
 
-        return cls(load(rt.model_source), rt.model_source, load,
+        return cls(load(rt.model.source), rt.model.source, load,
                    lambda line: rt.metrics.record_event("reference", 0, line))
 
     def model_for(self, policy: nn.Module) -> Any:

@@ -20,9 +20,9 @@ from lmforge.evaluation.loss import validation_eval
 from lmforge.evaluation.tasks import TaskEval, held_out_examples
 from lmforge.models.tokenizer import Tokenizer
 from lmforge.training.loop import EvalFn, Job, StepBatch
-from lmforge.training.next_token import LoaderSource
-from lmforge.training.reference import FrozenReference
-from lmforge.training.runtime import Runtime
+from lmforge.recipes.jobs.next_token import LoaderSource
+from lmforge.objectives.reference import FrozenReference
+from lmforge.runtime import Runtime
 
 
 class PairDataSection(Section):
@@ -80,7 +80,7 @@ class PreferenceSource(LoaderSource):
             # a forward pass is a third of full training FLOPs (2 of 6 per parameter and token, 4 of 12
             # for attention), whatever the policy's backward costs (LoRA's is cheaper)
             lengths = [n for mb in batch.microbatches for n in mb.real_document_lengths()]
-            batch.flops += self.extra_forwards * self.rt.spec.training_flops(self.rt.model_args, lengths) / 3
+            batch.flops += self.extra_forwards * self.rt.model.spec.training_flops(self.rt.model.args, lengths) / 3
         return batch
 
     def state_dict(self) -> dict[str, Any]:
@@ -96,10 +96,10 @@ def preference_datasets(rt: Runtime, section: PreferenceSection, method: str,
                         build: PairBuilder = preference_pairs) -> tuple[PreferenceDataset, PreferenceDataset | None]:
     """Train and validation rows of pairs; each summary (pairs kept, skipped) is logged as ``{method}_data``."""
     d = rt.cfg.data
-    chat = training_chat_format(rt.tokenizer, rt.model_args.vocab_size, section.chat_template)
+    chat = training_chat_format(rt.model.tokenizer, rt.model.args.vocab_size, section.chat_template)
 
     def one(spec: DataSpec, split: str) -> PreferenceDataset:
-        dataset, summary = build(spec.value, rt.tokenizer, chat, d.seq_len, section.packing, d.overlong)
+        dataset, summary = build(spec.value, rt.model.tokenizer, chat, d.seq_len, section.packing, d.overlong)
         summary.method = method
         rt.metrics.record_event(f"{method}_data", 0, summary.line(), split=split, **summary.counts())
         return dataset

@@ -17,7 +17,7 @@ from typing import Any
 
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
-from lmforge.parallel.planner import Layout, MemoryEstimate, candidate_layouts, estimate_memory
+from lmforge.planning.planner import Layout, MemoryEstimate, candidate_layouts, estimate_memory
 
 GB = 1e9
 
@@ -141,6 +141,6 @@ def main(argv: list[str]) -> int:
 
 
 def sum_params(args: ModelArgs) -> int:
-    from lmforge.parallel.planner import param_counts
+    from lmforge.planning.planner import param_counts
 
     return param_counts(args).total
