@@ -61,7 +61,7 @@ def test_packed_sft_step_flops_match_flop_counter(tiny):
     cfg = SimpleNamespace(training=SimpleNamespace(global_batch_size=len(dataset), micro_batch_size=1, seed=0),
                           data=SimpleNamespace(shuffle=False, prefetch=0),
                           checkpoint=SimpleNamespace(on_data_change="error"))
-    world = SimpleNamespace(dist=SimpleNamespace(rank=0, world_size=1, data_rank=0, data_world=1,
+    world = SimpleNamespace(dist=SimpleNamespace(rank=0, world_size=1, batch_share=0, batch_shares=1,
                                                  device=torch.device("cpu")),
                             layout=SimpleNamespace(cp=1), shard_batch=lambda batch: batch)
     rt = SimpleNamespace(cfg=cfg, metrics=SimpleNamespace(console=print), world=world,

@@ -18,9 +18,9 @@ from lmforge.training.train_step import LossFn, compute_global_loss, is_pipeline
 def validation_batches(rt: Runtime, dataset: SampleDataset) -> Iterable[Batch]:
     """This rank's share of ``eval.steps`` batches of ``eval.batch_size`` rows; a validation set smaller
     than one batch still gives one (smaller) batch, at least one row per rank."""
-    W = rt.world.dist.data_world
+    W = rt.world.dist.batch_shares
     size = max(min(rt.cfg.eval.batch_size, len(dataset)) // W * W, W)
-    return eval_batches(dataset, size, rt.cfg.eval.steps, rt.world.dist.data_rank, W)
+    return eval_batches(dataset, size, rt.cfg.eval.steps, rt.world.dist.batch_share, W)
 
 
 def evaluate_loss(rt: Runtime, batches: Iterable[Batch], loss_fn: LossFn) -> dict[str, torch.Tensor]:

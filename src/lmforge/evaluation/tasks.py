@@ -86,7 +86,7 @@ class TaskEval:
             return {}
         with dist_utils.full_parameters(rt.model.raw) as model:  # FSDP2: gathered once for the whole pass
             acc = task_accuracy(model, rt.model.tokenizer, self.examples, max_new_tokens=self.max_new_tokens,
-                                batch_size=self.batch_size, rank=rt.world.dist.data_rank, world_size=rt.world.dist.data_world)
+                                batch_size=self.batch_size, rank=rt.world.dist.batch_share, world_size=rt.world.dist.batch_shares)
         return {"exact_match": acc.pop("all")} | {f"exact_match_{task}": v for task, v in acc.items()}
 
 

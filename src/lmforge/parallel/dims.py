@@ -86,17 +86,17 @@ class ParallelDims:
         return out
 
     @property
-    def data_world(self) -> int:
+    def batch_shares(self) -> int:
         """How many shares each global batch is cut into (the data-parallel ranks)."""
         return self.dp_replicate * self.dp_shard
 
-    def data_rank(self, rank: int) -> int:
+    def batch_share(self, rank: int) -> int:
         """Which share of the global batch ``rank`` reads (tp, cp and pp neighbours read the same one)."""
         c = self.coords(rank)
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
     @property
-    def gradient_world(self) -> int:
+    def reduce_world(self) -> int:
         """Ranks whose gradients are averaged (the data ranks times the context shards)."""
         return self.dp_replicate * self.dp_shard * self.cp
 
@@ -162,7 +162,7 @@ class ParallelDims:
             names.append("dp_shard" if self.dp_shard > 1 else "cp")
         return tuple(names)
 
-    def gradient_group_name(self) -> str | None:
+    def reduce_group_name(self) -> str | None:
         """The mesh dimension (maybe flattened) spanning the gradient group; None when it is one rank."""
         grads = [n for n in GRADIENT_DIMS if getattr(self, n) > 1]
         if not grads:

@@ -35,7 +35,7 @@ def check_layout(dims: ParallelDims, args: ModelArgs, cfg: Any) -> None:
         from lmforge.parallel.pipeline import check_pp
 
         t, p = cfg.training, cfg.parallel
-        check_pp(args, dims.pp, p.pp_stages_per_rank, t.global_batch_size // (dims.data_world * t.micro_batch_size),
+        check_pp(args, dims.pp, p.pp_stages_per_rank, t.global_batch_size // (dims.batch_shares * t.micro_batch_size),
                  schedule=p.pp_schedule)
 
 

@@ -170,7 +170,7 @@ def wrap_stage(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.de
         experts = None
         if dims.ep > 1:  # experts: sharded over ep, FSDP over the ranks holding the same ones
             names = ("dp_replicate", "dp_shard_mod_ep") if dims.dp_replicate > 1 else ("dp_shard_mod_ep",)
-            experts = (sub_mesh(mesh, *names), dims.gradient_world)
+            experts = (sub_mesh(mesh, *names), dims.reduce_world)
         return apply_fsdp(model, data_mesh(mesh, dims), device, bf16=options.bf16, experts=experts)
     if dims.dp_replicate > 1:
         return apply_ddp(model, data_mesh(mesh, dims), device)

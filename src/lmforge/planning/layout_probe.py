@@ -56,8 +56,8 @@ def measure_layout_step(args: ModelArgs, layout: Layout, *, seq_len: int, micro_
     dims = ParallelDims.from_config(section, world)
     device = torch.device("cpu")
     mesh = dims.build_mesh(device.type)
-    group = dims.gradient_group_name()
-    dist_utils.set_data_group(sub_mesh(mesh, group).get_group() if group else None, dims.gradient_world)
+    group = dims.reduce_group_name()
+    dist_utils.set_reduce_group(sub_mesh(mesh, group).get_group() if group else None, dims.reduce_world)
     torch.manual_seed(seed)
     model = spec_for_args(args).build(args)
     model.init_weights(seed=seed)
@@ -66,16 +66,16 @@ def measure_layout_step(args: ModelArgs, layout: Layout, *, seq_len: int, micro_
     optimizer = build_optimizer(wrapped, 1e-3, 0.1, (0.9, 0.95), 1e-8)
     objective = NextTokenObjective(chunk_tokens)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16" else None
-    data_rank, cp_rank = dims.data_rank(rank), dims.coords(rank)["cp"]
+    batch_share, cp_rank = dims.batch_share(rank), dims.coords(rank)["cp"]
     g = torch.Generator().manual_seed(seed)  # every rank draws the same global batch, then takes its share
     tracker = LiveTensorMemory(watch_resizes=True)
     with tracker:
         tracker.track([list(wrapped.parameters()), list(wrapped.buffers())])
         params = tracker.current
         for _ in range(steps):
-            rows = dims.data_world * micro_batch * microbatches
+            rows = dims.batch_shares * micro_batch * microbatches
             ids = torch.randint(0, args.vocab_size, (rows, seq_len + 1), generator=g)
-            mine = ids[data_rank * micro_batch * microbatches:(data_rank + 1) * micro_batch * microbatches]
+            mine = ids[batch_share * micro_batch * microbatches:(batch_share + 1) * micro_batch * microbatches]
             mbs = [Batch(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in mine.split(micro_batch)]
             if dims.cp > 1:
                 from lmforge.parallel.context_parallel import shard_batch
@@ -87,5 +87,5 @@ def measure_layout_step(args: ModelArgs, layout: Layout, *, seq_len: int, micro_
             stats = gradient_computation(wrapped, mbs, objective.loss_fn, objective.normalizer(mbs), autocast)
             run_optimizer_step(wrapped, optimizer, 1e-3, 1.0)
             del stats, mbs
-    dist_utils.set_data_group(None, 0)
+    dist_utils.set_reduce_group(None, 0)
     return RankPeak(rank, tracker.peak, params)

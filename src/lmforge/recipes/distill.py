@@ -163,7 +163,7 @@ class DistillSource(LoaderSource):
         sampled, lengths = [], []
         with dist_utils.full_parameters(rt.model.raw) as policy:
             for j, mb in enumerate(micro):
-                index = (step * rt.world.dist.data_world + rt.world.dist.data_rank) * len(micro) + j
+                index = (step * rt.world.dist.batch_shares + rt.world.dist.batch_share) * len(micro) + j
                 gen = torch.Generator(device=rt.world.dist.device).manual_seed(self.seed * 1_000_003 + 7919 * index + 1)
                 sb, n = sample_on_policy(policy, mb, max_new_tokens=self.d.max_new_tokens,
                                          temperature=self.d.sampling_temperature, stop_ids=self.stop_ids,

@@ -162,7 +162,7 @@ def adapt_micro_batch(cfg: ElasticConfig, world: int) -> dict[str, Any]:
     same share, so under ``tp=2`` on 2 workers each reads the whole global batch."""
     t = cfg.training
     G, m = t.global_batch_size, t.micro_batch_size
-    data = ParallelDims.from_config(cfg.parallel, world).data_world
+    data = ParallelDims.from_config(cfg.parallel, world).batch_shares
     if G % data:
         ranks = f"{world} workers" + ("" if data == world else f" ({data} data ranks)")
         raise UserError(f"training.global_batch_size ({G}) cannot be split over {ranks}; "

@@ -222,7 +222,7 @@ class GRPO(Recipe):
 
     def build(self, rt: Runtime, cfg: GRPOConfig, inputs: GRPOInputs) -> Job:
         g = cfg.grpo
-        check_batch_shape(cfg, rt.world.dist.data_world)
+        check_batch_shape(cfg, rt.world.dist.batch_shares)
         objective = self.objective(cfg)
         tasks = TaskEval([TaskExample(r.get("task", "file"), r[g.prompt_field], str(r["answer"]))
                           for r in inputs.eval if r.get("answer") is not None and isinstance(r[g.prompt_field], str)],

@@ -252,7 +252,7 @@ def build_rollout(
         keys = sorted(groups.metrics)
         sums = dist_utils.all_reduce_sum(torch.tensor([groups.metrics[k] for k in keys], dtype=torch.float64,
                                                       device=device)).tolist()
-        metrics |= {k: v / dist_utils.data_world_size() for k, v in zip(keys, sums)}
+        metrics |= {k: v / dist_utils.reduce_world_size() for k, v in zip(keys, sums)}
     return Rollout(batches, groups.prompts, groups.completions, groups.total, groups.per_function,
                    metrics | (extra_metrics or {}), tokens=sum(b.input_ids.numel() for b in batches),
                    sequence_lengths=[len(p) + len(c) - 1 for p, c in zip(rows, groups.completion_ids)])

@@ -62,8 +62,8 @@ class RolloutSource:
     def __init__(self, rt: Runtime, g: Any, rewards: list[WeightedReward], prompts: list[dict[str, Any]]) -> None:
         t = rt.cfg.training
         self.rt, self.g, self.rewards, self.prompts = rt, g, rewards, prompts
-        self.sampler = PromptSampler(len(prompts), t.global_batch_size // g.num_generations, rt.world.dist.data_rank,
-                                     rt.world.dist.data_world, t.seed)
+        self.sampler = PromptSampler(len(prompts), t.global_batch_size // g.num_generations, rt.world.dist.batch_share,
+                                     rt.world.dist.batch_shares, t.seed)
         self.settings = rollout_settings(g, t)
         self.chat = chat_format_for(rt.model.tokenizer)  # built once: a Jinja template compiles slowly
         self.stop_ids = stop_token_ids(rt.model.tokenizer)

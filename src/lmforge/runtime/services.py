@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
@@ -21,11 +21,9 @@ from lmforge.runtime.guard import Guard
 from lmforge.runtime.model_bundle import ModelBundle
 from lmforge.runtime.world import World
 
-if TYPE_CHECKING:
-    from lmforge.runtime.build import Runtime
-
-StepHook = Callable[["Runtime", Any, Any], None]
-"""``hook(rt, state, source)``, called at the very end of every step of the loop."""
+StepHook = Callable[[Any, Any, Any], None]
+"""``hook(rt, state, source)`` (the :class:`~lmforge.runtime.build.Runtime`, the loop's state and step
+source), called at the very end of every step of the loop."""
 SnapshotRoot = Callable[[Config, RunDir, dist_utils.DistInfo], "tuple[Path | None, str]"]
 """Where a fast checkpoint tier lives for this run, or (None, why not)."""
 

@@ -3,7 +3,7 @@ gradients together, and the run directory they share, held by one :class:`World`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +48,11 @@ def start_world(device: str, threads: int, layout: ParallelDims, parallel: Any, 
         torch.set_num_threads(threads)
     info = dist_utils.init_distributed(device)
     check_same_layout_on_every_rank(parallel)
-    info.data_rank, info.data_world = layout.data_rank(info.rank), layout.data_world
+    info = replace(info, batch_share=layout.batch_share(info.rank), batch_shares=layout.batch_shares)
     claim_run_dir(run_dir, info.is_main)
     mesh = layout.build_mesh(info.device.type)
-    group = layout.gradient_group_name()
-    dist_utils.set_data_group(sub_mesh(mesh, group).get_group() if group else None, layout.gradient_world)
+    group = layout.reduce_group_name()
+    dist_utils.set_reduce_group(sub_mesh(mesh, group).get_group() if group else None, layout.reduce_world)
     return World(info, layout, mesh, run_dir)
 
 

@@ -57,8 +57,8 @@ def gradient_computation(
         from lmforge.parallel.pipeline_step import pipeline_gradient_computation
 
         return pipeline_gradient_computation(model, microbatches, loss_fn, normalizer, autocast,  # type: ignore[arg-type]
-                                             dist_utils.data_world_size())
-    scale = dist_utils.data_world_size() / normalizer.clamp(min=1)
+                                             dist_utils.reduce_world_size())
+    scale = dist_utils.reduce_world_size() / normalizer.clamp(min=1)
     totals: LossStats | None = None
     for i, mb in enumerate(microbatches):
         last = i == len(microbatches) - 1

@@ -26,7 +26,7 @@ class LoaderSource:
         self.warn = rt.metrics.console
         self.flops = rt.model.training_flops
         self.context_shard, self.cp = rt.world.shard_batch, rt.world.layout.cp
-        self.loader = StepLoader(dataset, t.global_batch_size, t.micro_batch_size, rt.world.dist.data_rank, rt.world.dist.data_world,
+        self.loader = StepLoader(dataset, t.global_batch_size, t.micro_batch_size, rt.world.dist.batch_share, rt.world.dist.batch_shares,
                                  seed=t.seed, shuffle=rt.cfg.data.shuffle, prefetch=rt.cfg.data.prefetch,
                                  device=rt.world.dist.device)
 
@@ -60,7 +60,7 @@ def next_token_job(rt: Runtime, corpora: Corpora) -> Job:
     validation corpus (a validation set too small for one eval batch fails now, not after training)."""
     cfg = rt.cfg
     train_set, val_set = build_datasets(cfg, rt.model.tokenizer, corpora)
-    e, rank, world = cfg.eval, rt.world.dist.data_rank, rt.world.dist.data_world
+    e, rank, world = cfg.eval, rt.world.dist.batch_share, rt.world.dist.batch_shares
     if val_set is not None and e.interval:
         try:
             eval_batches(val_set, e.batch_size, e.steps, rank, world)
