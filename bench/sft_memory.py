@@ -61,19 +61,19 @@ def worker(old_log_softmax: bool, argv: list[str]) -> None:
     from lmforge import cli
     from lmforge.planning.memory_probe import LiveTensorMemory
     from lmforge.losses import chunked_loss
-    from lmforge.runtime import runtime
+    from lmforge.runtime import model_bundle
 
     if old_log_softmax:
         chunked_loss._log_softmax_ = lambda z: F.log_softmax(z, dim=-1)
     tracker = LiveTensorMemory()
-    build_model = runtime.build_model
+    build_model = model_bundle.build_model
 
-    def tracked_build_model(cfg):  # noqa: ANN001, ANN202 - weights made from numpy pass no torch op
-        loaded = build_model(cfg)
+    def tracked_build_model(cfg, source):  # noqa: ANN001, ANN202 - weights made from numpy pass no torch op
+        loaded = build_model(cfg, source)
         tracker.track([list(loaded.model.parameters()), list(loaded.model.buffers())])
         return loaded
 
-    runtime.build_model = tracked_build_model
+    model_bundle.build_model = tracked_build_model
     with tracker:
         rc = cli.main(argv)
     usage = resource.getrusage(resource.RUSAGE_SELF)

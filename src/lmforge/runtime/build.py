@@ -60,10 +60,10 @@ class Runtime:
 
 def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeServices()) -> Runtime:
     """Check, then the world, then the model, then the services (see the module's docstring)."""
-    layout = check_run(cfg)
+    plan = check_run(cfg)
     t = cfg.training
-    world = start_world(t.device, t.threads, layout, cfg.parallel, RunDir(cfg.run.dir).root)
-    model = build_model_bundle(cfg, world, trainer, services.head)
+    world = start_world(t.device, t.threads, plan.layout, cfg.parallel, RunDir(cfg.run.dir).root)
+    model = build_model_bundle(cfg, world, plan.source, trainer, services.head)
     return with_services(cfg, world, model, trainer, services)
 
 

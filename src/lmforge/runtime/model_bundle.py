@@ -6,13 +6,12 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from lmforge.checkpoint import STATE_FILE, RunDir, list_checkpoints, resolve_checkpoint
+from lmforge.checkpoint import RunDir
 from lmforge.config import Config
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
@@ -70,41 +69,27 @@ class ModelBundle:
         return nullcontext()
 
 
-def model_source(cfg: Config) -> ModelSource:
-    """Where a run's starting weights come from: a Hugging Face directory or Hub model (pinned to its
-    commit), an lmforge checkpoint, or a fresh initialization with the run's seed."""
-    m = cfg.model
-    if m.from_hf:  # a Hugging Face directory, a llama.cpp .gguf file (lmforge.models.gguf) or a Hub name
-        return ModelSource.from_hf(m.from_hf)
-    if m.from_checkpoint:
-        p = Path(m.from_checkpoint)
-        if not (p / STATE_FILE).is_file() and not list_checkpoints(RunDir(p).checkpoints):
-            raise UserError(f"model.from_checkpoint={p}: no checkpoint there; train the starting model first "
-                            f"(e.g. lmforge pretrain --config configs/debug.toml --run.dir={p})")
-        return ModelSource("checkpoint", str(resolve_checkpoint(p).resolve()))
-    return ModelSource("init", str(cfg.training.seed))
-
-
-def build_model(cfg: Config) -> LoadedModel:
-    """The run's starting model (see :func:`model_source`), checked against the data's sequence length."""
+def build_model(cfg: Config, source: ModelSource) -> LoadedModel:
+    """The run's starting model, checked against the data's sequence length."""
     m = cfg.model
     overrides = {k: v for k, v in {
         "dim": m.dim, "n_layers": m.n_layers, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads,
         "ffn_hidden_dim": m.ffn_hidden_dim, "max_seq_len": m.max_seq_len, "tie_embeddings": m.tie_embeddings,
     }.items() if v is not None}
-    loaded = load_model(model_source(cfg), tokenizer=m.tokenizer, size=m.size, overrides=overrides)
+    loaded = load_model(source, tokenizer=m.tokenizer, size=m.size, overrides=overrides)
     if cfg.data.seq_len > loaded.args.max_seq_len:
         raise UserError(f"data.seq_len={cfg.data.seq_len} is longer than the model allows "
                         f"(max_seq_len={loaded.args.max_seq_len})")
     return loaded
 
 
-def build_model_bundle(cfg: Config, world: World, trainer: str, head: str | None) -> ModelBundle:
-    """The model of the run, ready to train over ``world``."""
+def build_model_bundle(cfg: Config, world: World, source: ModelSource, trainer: str,
+                       head: str | None) -> ModelBundle:
+    """The model of the run, from ``source``, ready to train over ``world``."""
     info = world.dist
     torch.manual_seed(cfg.training.seed)
     host_memory = map_large_buffers() if cfg.training.release_host_memory else "off"
-    loaded = build_model(cfg)
+    loaded = build_model(cfg, source)
     if cfg.training.release_host_memory:
         trim()  # what loading freed (a GGUF's dequantization buffers, a state dict's renamed copies)
     model, args = loaded.model, loaded.args
