@@ -25,10 +25,10 @@ LAYOUTS = ["dp_shard=2", "dp_shard=4", "tp=2", "tp=2,dp_shard=2", "cp=2", "pp=2"
 
 
 def parse_layout(text: str):  # type: ignore[no-untyped-def]
-    from lmforge.planning.planner import Layout
+    from lmforge.parallel.dims import ParallelDims
 
     degrees = dict(part.split("=") for part in text.split(",") if part)
-    return Layout(**{k: int(v) for k, v in degrees.items()})
+    return ParallelDims.of(**{k: int(v) for k, v in degrees.items()})
 
 
 def configs(a: argparse.Namespace, pp: int) -> list[dict]:

@@ -89,9 +89,9 @@ class DataSection(Section):
     ``~/.cache/lmforge/prepared``)."""
     validation: str = "embedded"
     text_field: str = "text"
-    format: Literal["auto", "messages", "prompt_completion", "alpaca", "sharegpt", "text"] = "auto"
+    format: str = "auto"
     """Record format of SFT files: ``auto`` detects it from each record's keys, a file's first record
-    settling records that fit several (see ``lmforge.data.record_formats``)."""
+    settling records that fit several; or a registered format's name (``lmforge.data.record_formats``)."""
     seq_len: int = Field(256, gt=1)
     overlong: Literal["skip", "truncate"] = "truncate"
     """Records longer than a row (SFT and distillation: ``seq_len + 1`` tokens; a preference pair: both
@@ -333,6 +333,29 @@ class ParallelSection(Section):
     """Virtual stages per pipeline rank (2 or more for ``interleaved_1f1b``)."""
 
 
+class ElasticSection(Section):
+    """Elastic, fault-tolerant training (:mod:`lmforge.modes.elastic`), a mode of any trainer run under
+    torchrun's elastic agent: fast snapshots, the global batch kept at another world size, faults to test
+    recovery with."""
+
+    enabled: bool = False
+    snapshot_interval: int = Field(5, ge=0)
+    """Fast snapshot every this many steps (0: durable checkpoints only)."""
+    snapshot_dir: str = ""
+    """Where snapshots go ('' : /dev/shm/lmforge-<run id> when all ranks share one machine)."""
+    snapshot_keep: int = Field(1, ge=1)
+    adapt_micro_batch: bool = True
+    """If the global batch does not split over the new world size, lower micro_batch_size until it does."""
+    fault_rank: int = Field(0, ge=0)
+    fault_step: int = Field(0, ge=0)
+    """Inject a fault at the end of this step (0: none); ``LMFORGE_FAULT`` overrides (lmforge.modes.faults)."""
+    fault_mode: Literal["kill", "raise"] = "kill"
+    fault_attempt: int = Field(0, ge=0)
+    """Fire only on this attempt (torchrun restart count), so the restarted group survives."""
+    fault_when: Literal["end", "mid"] = "end"
+    """At the end of the step, or in its middle (its first forward pass)."""
+
+
 class Config(Section):
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
@@ -345,6 +368,7 @@ class Config(Section):
     run: RunSection = RunSection()
     parallel: ParallelSection = ParallelSection()
     lora: LoraSection = LoraSection()
+    elastic: ElasticSection = ElasticSection()
 
     def to_dict(self) -> dict[str, Any]:
         return json.loads(self.model_dump_json())

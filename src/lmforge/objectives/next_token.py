@@ -1,4 +1,4 @@
-"""Next-token cross-entropy: the objective of pretraining, SFT and elastic runs."""
+"""Next-token cross-entropy: the objective of pretraining and SFT."""
 
 from __future__ import annotations
 

@@ -73,6 +73,26 @@ class ParallelDims:
                             f"with FSDP2 (parallel.dp_shard) or HSDP (dp_replicate and dp_shard > 1), not with DDP")
         return dims
 
+    @classmethod
+    def of(cls, **degrees: int) -> "ParallelDims":
+        """A layout given by its degrees alone (``lmforge plan``'s candidates): the world size is the
+        product of the mesh's degrees (``ep`` borrows its ranks from ``dp_shard``)."""
+        dims = cls(1, **degrees)
+        return cls(dims.dp_replicate * dims.dp_shard * dims.tp * dims.cp * dims.pp, **degrees)
+
+    @property
+    def fsdp_shards(self) -> int:
+        """Ranks over which FSDP shards parameters, gradients and optimizer state: the data-shard ranks
+        and, as torchtitan does, the context-parallel ranks (which hold the same parameters; see
+        :meth:`fsdp_mesh_names`)."""
+        return self.dp_shard * self.cp
+
+    def describe(self) -> str:
+        """The degrees above 1, e.g. ``dp_shard=4 tp=2`` (``single`` for one rank)."""
+        parts = [f"{n}={getattr(self, n)}" for n in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep")
+                 if getattr(self, n) > 1]
+        return " ".join(parts) or "single"
+
     # --- where a rank sits --------------------------------------------------------------------------
 
     def coords(self, rank: int) -> dict[str, int]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from lmforge.models.args import ModelArgs
-from lmforge.planning.planner import Layout
+from lmforge.parallel.dims import ParallelDims
 
 __all__ = ["RankPeak", "measure_layout_step"]
 
@@ -32,7 +32,7 @@ class RankPeak:
     params: int
 
 
-def measure_layout_step(args: ModelArgs, layout: Layout, *, seq_len: int, micro_batch: int,
+def measure_layout_step(args: ModelArgs, layout: ParallelDims, *, seq_len: int, micro_batch: int,
                         microbatches: int = 1, dtype: str = "float32", checkpointing: bool = False,
                         steps: int = 2, chunk_tokens: int = 1024, seed: int = 0) -> RankPeak:
     """Peak live tensor memory (bytes) of train step ``steps`` on this rank, ``args`` laid out as

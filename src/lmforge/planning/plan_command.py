@@ -17,7 +17,8 @@ from typing import Any
 
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
-from lmforge.planning.planner import Layout, MemoryEstimate, candidate_layouts, estimate_memory
+from lmforge.parallel.dims import ParallelDims
+from lmforge.planning.planner import MemoryEstimate, candidate_layouts, estimate_memory
 
 GB = 1e9
 
@@ -57,7 +58,7 @@ def _rank_key(row: dict[str, Any]) -> tuple:
     """Best first: fits without checkpointing, then with it; then the least model parallelism (pipeline
     bubbles and per-layer tensor/context collectives cost more than FSDP's overlapped gathers), then
     the smallest peak."""
-    lay: Layout = row["layout"]
+    lay: ParallelDims = row["layout"]
     fits = 0 if row["fits"] else 1 if row["fits_checkpointed"] else 2
     return (fits, lay.tp * lay.cp * lay.pp, lay.pp, lay.cp, lay.tp, lay.dp_shard, row["total"].total)
 
@@ -67,7 +68,7 @@ def plan_rows(args: ModelArgs, devices: int, seq_len: int, micro_batch: int, glo
     """One row per candidate layout, with and without activation checkpointing, best first."""
     rows = []
     for lay in candidate_layouts(args, devices, seq_len):
-        micro = max(1, global_batch // (lay.data_parallel * micro_batch))
+        micro = max(1, global_batch // (lay.batch_shares * micro_batch))
         kw = dict(microbatches=micro, optimizer=optimizer, loss_chunk_tokens=chunk)
         plain: MemoryEstimate = estimate_memory(args, lay, seq_len, micro_batch, dtype, False, **kw)
         ckpt: MemoryEstimate = estimate_memory(args, lay, seq_len, micro_batch, dtype, True, **kw)

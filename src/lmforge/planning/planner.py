@@ -1,7 +1,7 @@
 """How much memory a training layout needs per device, and which layouts of a mesh fit.
 
 Pure functions of the model's shape (:class:`~lmforge.models.args.ModelArgs`), the batch and a
-:class:`Layout` of mesh degrees; nothing is built or allocated. The numbers count what lmforge's own
+:class:`ParallelDims` of mesh degrees; nothing is built or allocated. The numbers count what lmforge's own
 train step keeps, measured on it (``bench/plan_memory.py``, ``tests/test_planner.py``), not a
 paper's formula:
 
@@ -35,47 +35,14 @@ from lmforge.models.args import ModelArgs
 from lmforge.models.layers.causal_attention import EXPLICIT_MAX_LEN
 from lmforge.models.memory import ParamCounts, block_activation_bytes, mlp_transient, param_counts
 from lmforge.models.model import tp_problem, tp_sizes
+from lmforge.parallel.dims import ParallelDims
 
-__all__ = ["Layout", "MemoryEstimate", "ParamCounts", "param_counts", "block_activation_bytes", "estimate_memory",
+__all__ = ["MemoryEstimate", "ParamCounts", "param_counts", "block_activation_bytes", "estimate_memory",
            "candidate_layouts", "OPTIMIZERS"]
 
 OPTIMIZERS = ("adamw", "adamw8bit", "muon")
 INDEX_BYTES_PER_TOKEN = 40
 """Labels, target positions and their index copies in the loss (int64 and bool per token)."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Mesh degrees: ``pp x dp_replicate x dp_shard x cp x tp`` ranks; ``ep`` splits the experts over
-    ranks borrowed from ``dp_shard`` (so it is not a factor of the device count)."""
-
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
-    ep: int = 1
-
-    @property
-    def devices(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.cp * self.pp
-
-    @property
-    def data_parallel(self) -> int:
-        """Ranks that see different samples (cp ranks share a sample's tokens, tp and pp its layers)."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def fsdp_shards(self) -> int:
-        """Ranks over which FSDP shards parameters, gradients and optimizer state: the data-shard ranks
-        and, as torchtitan does, the context-parallel ranks (which hold the same parameters; cp alone
-        is FSDP over cp, see ParallelDims.fsdp_mesh_names)."""
-        return self.dp_shard * self.cp
-
-    def describe(self) -> str:
-        parts = [f"{n}={getattr(self, n)}" for n in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep")
-                 if getattr(self, n) > 1]
-        return " ".join(parts) or "single"
 
 
 @dataclass(frozen=True)
@@ -110,7 +77,7 @@ def _optimizer_bytes(args: ModelArgs, counts: ParamCounts, name: str) -> float:
     return 4.0 * muon + 8.0 * (total - muon)
 
 
-def estimate_memory(args: ModelArgs, layout: Layout, seq_len: int, micro_batch: int, dtype: str = "float32",
+def estimate_memory(args: ModelArgs, layout: ParallelDims, seq_len: int, micro_batch: int, dtype: str = "float32",
                     checkpointing: bool = False, *, microbatches: int = 1, optimizer: str = "adamw",
                     loss_chunk_tokens: int = 1024, device: str = "cuda") -> MemoryEstimate:
     """Peak bytes per device of one train step of ``args`` laid out as ``layout``: the larger of the
@@ -128,7 +95,7 @@ def estimate_memory(args: ModelArgs, layout: Layout, seq_len: int, micro_batch: 
                key=lambda e: e.total)
 
 
-def _stage_estimate(args: ModelArgs, layout: Layout, stage: int, seq_len: int, micro_batch: int, dtype: str,
+def _stage_estimate(args: ModelArgs, layout: ParallelDims, stage: int, seq_len: int, micro_batch: int, dtype: str,
                     checkpointing: bool, microbatches: int, optimizer: str, chunk: int,
                     device: str = "cuda", explicit_len: int = 0) -> MemoryEstimate:
     counts = param_counts(args)
@@ -226,7 +193,7 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def layout_problem(args: ModelArgs, layout: Layout, seq_len: int) -> str | None:
+def layout_problem(args: ModelArgs, layout: ParallelDims, seq_len: int) -> str | None:
     """Why the model cannot take ``layout`` (None: it can): the runtime's own checks (mesh rules such as
     no tp beside DDP, tp dividing the heads and vocabulary, what pp and ep refuse), then the shape rules
     below."""
@@ -257,7 +224,7 @@ def layout_problem(args: ModelArgs, layout: Layout, seq_len: int) -> str | None:
     return None
 
 
-def candidate_layouts(args: ModelArgs, devices: int, seq_len: int) -> Iterator[Layout]:
+def candidate_layouts(args: ModelArgs, devices: int, seq_len: int) -> Iterator[ParallelDims]:
     """Every layout whose degrees multiply to ``devices`` and that the model can take (see
     :func:`layout_problem`); ``ep`` > 1 only for a mixture of experts."""
     divs = _divisors(devices)
@@ -266,6 +233,6 @@ def candidate_layouts(args: ModelArgs, devices: int, seq_len: int) -> Iterator[L
             continue
         shard = devices // (pp * tp * cp * rep)
         for ep in (_divisors(shard) if args.n_experts else [1]):
-            layout = Layout(dp_replicate=rep, dp_shard=shard, tp=tp, cp=cp, pp=pp, ep=ep)
+            layout = ParallelDims.of(dp_replicate=rep, dp_shard=shard, tp=tp, cp=cp, pp=pp, ep=ep)
             if layout_problem(args, layout, seq_len) is None:
                 yield layout

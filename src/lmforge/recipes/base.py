@@ -45,7 +45,7 @@ class Recipe:
         raise NotImplementedError
 
     def finish(self, rt: Runtime, cfg: Any, inputs: Any, state: TrainState) -> None:
-        """After the run's final save (e.g. the elastic recipe removes its snapshots)."""
+        """After the run's final save (e.g. a recipe removes files only its run needed)."""
 
 
 _REGISTRY: dict[str, Recipe] = {}

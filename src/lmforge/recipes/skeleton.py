@@ -9,6 +9,7 @@ from lmforge.data.inputs import validation_spec
 from lmforge.errors import UserError
 from lmforge.evaluation.downstream import with_downstream
 from lmforge.evaluation.tasks import record_task_summary
+from lmforge.modes.elastic import ElasticMode
 from lmforge.recipes.base import Recipe, recipes
 from lmforge.objectives.router import router_setup_note
 from lmforge.runtime import RecipeServices, Runtime, build_runtime
@@ -21,20 +22,27 @@ def run_recipe(recipe: Recipe, cfg: Any) -> Runtime:
     Inputs are checked before the runtime touches the run directory; the step source and the metrics
     are closed however the run ends. A ``data.validation=embedded`` that means no validation set (see
     :mod:`lmforge.data.inputs`) is said once. ``eval.tasks`` (harness tasks) join every recipe's eval, and a run
-    scored on held-out tasks ends with its before/after summary.
+    scored on held-out tasks ends with its before/after summary. ``elastic.enabled`` runs the recipe in
+    the elastic mode (:mod:`lmforge.modes.elastic`).
     """
     check_recipe_layout(recipe, cfg)
+    elastic = ElasticMode(cfg) if cfg.elastic.enabled else None
     inputs = recipe.check(cfg)
-    rt = build_runtime(cfg, recipe.name, with_router_note(recipe.services(cfg, inputs), cfg, recipe.name))
+    services = with_router_note(recipe.services(cfg, inputs), cfg, recipe.name)
+    rt = build_runtime(cfg, recipe.name, elastic.services(services) if elastic else services)
     note = validation_spec(cfg.data)[1]
     if note:
         rt.metrics.record_event("no_validation", 0, f"note: {note}")
     job: Job | None = None
     try:
         job = recipe.build(rt, cfg, inputs)
+        if elastic:
+            job = elastic.job(rt, job)
         state = train(rt, job.source, job.objective, with_downstream(job.evaluate, cfg))
         record_task_summary(rt, state.step)
         recipe.finish(rt, cfg, inputs, state)
+        if elastic:
+            elastic.finish(rt)
     finally:
         if job is not None:
             job.source.close()

@@ -30,7 +30,7 @@ SnapshotRoot = Callable[[Config, RunDir, dist_utils.DistInfo], "tuple[Path | Non
 
 @dataclass(frozen=True)
 class RecipeServices:
-    """What a recipe adds to the shared runtime (the elastic mode uses the first four)."""
+    """What a recipe adds to the shared runtime (the elastic mode adds the first four to any recipe's)."""
 
     step_hooks: tuple[StepHook, ...] = ()
     snapshot_root: SnapshotRoot | None = None

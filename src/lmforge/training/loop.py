@@ -1,9 +1,9 @@
-"""The training loop: the only one, run by every recipe (pretraining, SFT, DPO, GRPO, elastic).
+"""The training loop: the only one, run by every recipe (pretraining, SFT, preference methods, GRPO, distillation, reward models).
 
 A trainer hands :func:`train` two things and nothing else:
 
 * a **step source** (:class:`StepSource`): what yields each step's microbatches. The packed data
-  loader for pretraining, SFT and elastic runs; for GRPO a rollout buffer that samples a new rollout
+  loader for pretraining and SFT; for GRPO a rollout buffer that samples a new rollout
   every ``num_iterations`` steps (its sampling time is its own goodput category, ``rollout``).
 * an **objective** (:class:`Objective`): the loss function, its global normalizer, and how the
   summed statistics become logged values.
@@ -134,7 +134,7 @@ def end_of_step(rt: Runtime, state: TrainState, source: StepSource, total_weight
         stop = dist_utils.all_reduce_max(1.0 if state.stop_signal else 0.0)
         if stop and not state.stop_requested:
             state.stop_requested = state.stop_signal or "another rank received a stop signal"
-    for hook in rt.step_hooks:  # given at construction, e.g. the elastic trainer's snapshots
+    for hook in rt.step_hooks:  # given at construction, e.g. the elastic mode's snapshots
         hook(rt, state, source)
 
 

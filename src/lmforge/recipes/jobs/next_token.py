@@ -1,5 +1,5 @@
-"""Next-token training's step source (packed data, shared by pretraining, SFT, DPO and elastic runs)
-and the next-token job over checked corpora that the pretraining and elastic recipes both run."""
+"""Next-token training's step source (packed data, shared by pretraining, SFT and DPO) and the
+next-token job over checked corpora that pretraining runs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Elastic pretraining: the pretraining job under torchrun's elastic agent.
+"""The elastic mode: any trainer under torchrun's elastic agent (``elastic.enabled = true``).
 
 When a worker dies, torchrun stops the group and starts it again (possibly with fewer workers); each
 new attempt resumes from the newest complete state and continues with the same global batch. State
@@ -21,28 +21,23 @@ import os
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import Field
+from typing import Any
 
 from lmforge import distributed as dist_utils
 from lmforge.checkpoint import RunDir
 from lmforge.checkpoint.layout import write_text
-from lmforge.config import Config, Section
-from lmforge.data.corpora import Corpora, read_corpora
+from lmforge.config import Config, ElasticSection
 from lmforge.distributed import DistInfo
 from lmforge.errors import UserError
 from lmforge.metrics import PROCESS_START
 from lmforge.metrics.records import last_record_time
+from lmforge.modes import faults
 from lmforge.parallel.dims import ParallelDims
-from lmforge.recipes.base import Recipe, register
-from lmforge.training import faults
+from lmforge.runtime import RecipeServices, Runtime
 from lmforge.training.checkpointing import save
 from lmforge.training.loop import Job, StepSource
-from lmforge.recipes.jobs.next_token import next_token_job
-from lmforge.runtime import RecipeServices, Runtime
 from lmforge.training.state import TrainState
 from lmforge.training.train_step import is_pipeline
 
@@ -50,30 +45,8 @@ RUN_ID_FILE = "elastic_run_id"
 SHM_ROOT = Path("/dev/shm")
 
 
-class ElasticSection(Section):
-    snapshot_interval: int = Field(5, ge=0)
-    """Fast snapshot every this many steps (0: durable checkpoints only)."""
-    snapshot_dir: str = ""
-    """Where snapshots go ('' : /dev/shm/lmforge-<run id> when all ranks share one machine)."""
-    snapshot_keep: int = Field(1, ge=1)
-    adapt_micro_batch: bool = True
-    """If the global batch does not split over the new world size, lower micro_batch_size until it does."""
-    fault_rank: int = Field(0, ge=0)
-    fault_step: int = Field(0, ge=0)
-    """Inject a fault at the end of this step (0: none); ``LMFORGE_FAULT`` overrides (see lmforge.training.faults)."""
-    fault_mode: Literal["kill", "raise"] = "kill"
-    fault_attempt: int = Field(0, ge=0)
-    """Fire only on this attempt (torchrun restart count), so the restarted group survives."""
-    fault_when: Literal["end", "mid"] = "end"
-    """At the end of the step, or in its middle (its first forward pass; see lmforge.training.faults)."""
-
-
-class ElasticConfig(Config):
-    elastic: ElasticSection = ElasticSection()
-
-
 class ElasticHooks:
-    """Per-step additions of the elastic trainer: the elastic event, fault injection, snapshots.
+    """Per-step additions of the elastic mode: the elastic event, fault injection, snapshots.
 
     ``recovery_seconds`` of a restarted attempt is the wall time from the failure to the moment the
     new attempt starts its first training step. The failure time is taken as the time of the last
@@ -155,7 +128,7 @@ class ElasticHooks:
         rt.metrics.record_event("elastic", first_step - 1, msg, **fields)
 
 
-def adapt_micro_batch(cfg: ElasticConfig, world: int) -> dict[str, Any]:
+def adapt_micro_batch(cfg: Config, world: int) -> dict[str, Any]:
     """Keep the global batch when the world size changed: lower micro_batch_size if it must.
 
     The batch is split over the data ranks only: tensor, context and pipeline neighbours read the
@@ -184,7 +157,7 @@ def _run_token(run: RunDir, info: DistInfo) -> str:
     return str(dist_utils.broadcast_object(token))
 
 
-def snapshot_root(cfg: ElasticConfig, run: RunDir, info: DistInfo) -> tuple[Path | None, str]:
+def snapshot_root(cfg: Config, run: RunDir, info: DistInfo) -> tuple[Path | None, str]:
     """Where this run's fast snapshots live, or None (and why) when the fast tier is off."""
     e = cfg.elastic
     token = _run_token(run, info)  # collective: every rank calls it
@@ -217,43 +190,33 @@ class MidStepFaults:
         return getattr(self.source, name)
 
 
-@dataclass
-class ElasticInputs:
-    corpora: Corpora
-    hooks: ElasticHooks
-    process_start: float | None
+class ElasticMode:
+    """What the elastic mode adds to any recipe's run: checked before the runtime, applied to its
+    services, its job and its end (:func:`lmforge.recipes.skeleton.run_recipe` calls these)."""
 
-
-@register
-class Elastic(Recipe):
-    name = "elastic"
-    config = ElasticConfig
-    summary = "pretraining that survives losing workers (torchrun's elastic agent)"
-    splits_model = True
-
-    def check(self, cfg: ElasticConfig) -> ElasticInputs:
+    def __init__(self, cfg: Config) -> None:
         attempt = faults.current_attempt()
         # Read before this attempt appends its own setup record: the failed attempt's last sign of life.
         failure_time = last_record_time(RunDir(cfg.run.dir).metrics) if attempt > 0 else None
         notes = adapt_micro_batch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         e = cfg.elastic
         plans = faults.fault_plans(e.fault_rank, e.fault_step, e.fault_mode, e.fault_attempt, e.fault_when)
+        self.hooks = ElasticHooks(e, failure_time, plans, notes)
         # Goodput of a restarted attempt starts at the failure; the gap before this process is recovery.
-        starts_at = failure_time if failure_time is not None and failure_time < PROCESS_START else None
-        return ElasticInputs(read_corpora(cfg), ElasticHooks(e, failure_time, plans, notes), starts_at)
+        self.process_start = failure_time if failure_time is not None and failure_time < PROCESS_START else None
+        self.keep = e.snapshot_keep
 
-    def services(self, cfg: ElasticConfig, inputs: ElasticInputs) -> RecipeServices:
-        return RecipeServices(step_hooks=(inputs.hooks,), snapshot_root=snapshot_root,
-                              snapshot_keep=cfg.elastic.snapshot_keep, process_start=inputs.process_start)
+    def services(self, services: RecipeServices) -> RecipeServices:
+        return replace(services, step_hooks=(*services.step_hooks, self.hooks), snapshot_root=snapshot_root,
+                       snapshot_keep=self.keep, process_start=self.process_start)
 
-    def build(self, rt: Runtime, cfg: ElasticConfig, inputs: ElasticInputs) -> Job:
-        inputs.hooks.notes["snapshot_dir"] = str(rt.checkpoints.fast.root.parent) if rt.checkpoints.fast else ""
-        job = next_token_job(rt, inputs.corpora)
-        if any(p.when == "mid" for p in inputs.hooks.plans):
-            job.source = MidStepFaults(job.source, rt, inputs.hooks)
+    def job(self, rt: Runtime, job: Job) -> Job:
+        self.hooks.notes["snapshot_dir"] = str(rt.checkpoints.fast.root.parent) if rt.checkpoints.fast else ""
+        if any(p.when == "mid" for p in self.hooks.plans):
+            job.source = MidStepFaults(job.source, rt, self.hooks)
         return job
 
-    def finish(self, rt: Runtime, cfg: ElasticConfig, inputs: ElasticInputs, state: TrainState) -> None:
+    def finish(self, rt: Runtime) -> None:
         dist_utils.barrier()
         fast = rt.checkpoints.fast
         if fast is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
