@@ -13,9 +13,8 @@ from pydantic import Field, model_validator
 
 from lmforge.config import Config, RunSection, StartEvalSection, TasksSection
 from lmforge.objectives.dpo import DPOObjective, LossType
-from lmforge.recipes.base import Recipe, register
-from lmforge.training.loop import Job
-from lmforge.recipes.jobs.preference import BetaSection, check_preference_data, preference_datasets, preference_job
+from lmforge.recipes.base import register
+from lmforge.recipes.jobs.preference import BetaSection, PreferenceRecipe
 from lmforge.objectives.reference import FrozenReference
 from lmforge.runtime import Runtime
 
@@ -47,13 +46,11 @@ class DPOConfig(Config):
 
 
 @register
-class DPO(Recipe):
+class DPO(PreferenceRecipe):
     name = "dpo"
     config = DPOConfig
     summary = "direct preference optimization (sigmoid, cDPO, IPO; RPO's NLL term) on preference pairs"
-
-    def check(self, cfg: DPOConfig) -> None:
-        check_preference_data(cfg, "DPO")
+    method, uses_reference, extra_forwards = "DPO", True, 1
 
     @staticmethod
     def objective(cfg: DPOConfig, reference: FrozenReference) -> DPOObjective:
@@ -63,9 +60,6 @@ class DPO(Recipe):
                             nll_weight=d.nll_weight, ipo_per_token=d.ipo_per_token,
                             chunk_tokens=cfg.training.loss_chunk_tokens)
 
-    def build(self, rt: Runtime, cfg: DPOConfig, inputs: None) -> Job:
-        train_set, val_set = preference_datasets(rt, cfg.dpo, "dpo")
-        d = cfg.dpo
-        reference = FrozenReference.for_run(rt)
-        objective = self.objective(cfg, reference)
-        return preference_job(rt, d, objective, train_set, val_set, reference, extra_forwards=1)
+    def make_objective(self, rt: Runtime, cfg: DPOConfig, reference: FrozenReference | None) -> DPOObjective:
+        assert reference is not None
+        return self.objective(cfg, reference)

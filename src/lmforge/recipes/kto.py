@@ -12,9 +12,8 @@ from pydantic import Field
 from lmforge.config import Config, RunSection, StartEvalSection, TasksSection
 from lmforge.data.unpaired_data import build_unpaired_dataset
 from lmforge.objectives.kto import KTOObjective
-from lmforge.recipes.base import Recipe, register
-from lmforge.training.loop import Job
-from lmforge.recipes.jobs.preference import BetaSection, check_preference_data, preference_datasets, preference_job
+from lmforge.recipes.base import register
+from lmforge.recipes.jobs.preference import BetaSection, PreferenceRecipe
 from lmforge.objectives.reference import FrozenReference
 from lmforge.runtime import Runtime
 
@@ -36,13 +35,13 @@ class KTOConfig(Config):
 
 
 @register
-class KTO(Recipe):
+class KTO(PreferenceRecipe):
     name = "kto"
     config = KTOConfig
     summary = "KTO on responses labelled desirable/undesirable (or preference pairs, split)"
-
-    def check(self, cfg: KTOConfig) -> None:
-        check_preference_data(cfg, "KTO", "prompt, completion, label; or prompt, chosen, rejected")
+    method, records = "KTO", "prompt, completion, label; or prompt, chosen, rejected"
+    # the reference point's pass: one forward of the policy and one of the reference, without grad
+    uses_reference, extra_forwards, pairs = True, 2, build_unpaired_dataset
 
     @staticmethod
     def objective(cfg: KTOConfig, policy: Any, reference: FrozenReference, autocast: Any = None) -> KTOObjective:
@@ -52,10 +51,6 @@ class KTO(Recipe):
                             undesirable_weight=k.undesirable_weight, chunk_tokens=cfg.training.loss_chunk_tokens,
                             **({} if autocast is None else {"autocast": autocast}))
 
-    def build(self, rt: Runtime, cfg: KTOConfig, inputs: None) -> Job:
-        k = cfg.kto
-        train_set, val_set = preference_datasets(rt, k, "kto", build_unpaired_dataset)
-        reference = FrozenReference.for_run(rt)
-        objective = self.objective(cfg, rt.model.module, reference, rt.model.autocast)
-        # the reference point's pass: one forward of the policy and one of the reference, without grad
-        return preference_job(rt, k, objective, train_set, val_set, reference, extra_forwards=2)
+    def make_objective(self, rt: Runtime, cfg: KTOConfig, reference: FrozenReference | None) -> KTOObjective:
+        assert reference is not None
+        return self.objective(cfg, rt.model.module, reference, rt.model.autocast)

@@ -10,9 +10,8 @@ from pydantic import Field
 
 from lmforge.config import Config, RunSection, StartEvalSection, TasksSection
 from lmforge.objectives.orpo import ORPOObjective
-from lmforge.recipes.base import Recipe, register
-from lmforge.training.loop import Job
-from lmforge.recipes.jobs.preference import PreferenceSection, check_preference_data, preference_datasets, preference_job
+from lmforge.recipes.base import register
+from lmforge.recipes.jobs.preference import PreferenceRecipe, PreferenceSection
 from lmforge.runtime import Runtime
 
 
@@ -32,21 +31,16 @@ class ORPOConfig(Config):
 
 
 @register
-class ORPO(Recipe):
+class ORPO(PreferenceRecipe):
     name = "orpo"
     config = ORPOConfig
     summary = "ORPO: SFT plus an odds-ratio preference term, no reference model"
-
-    def check(self, cfg: ORPOConfig) -> None:
-        check_preference_data(cfg, "ORPO")
+    method = "ORPO"
 
     @staticmethod
     def objective(cfg: ORPOConfig) -> ORPOObjective:
         """The run's objective from its config alone (what tests check each key against)."""
         return ORPOObjective(beta=cfg.orpo.beta, nll=cfg.orpo.nll, chunk_tokens=cfg.training.loss_chunk_tokens)
 
-    def build(self, rt: Runtime, cfg: ORPOConfig, inputs: None) -> Job:
-        o = cfg.orpo
-        train_set, val_set = preference_datasets(rt, o, "orpo")
-        objective = self.objective(cfg)
-        return preference_job(rt, o, objective, train_set, val_set, None, extra_forwards=0)
+    def make_objective(self, rt: Runtime, cfg: ORPOConfig, reference: None) -> ORPOObjective:
+        return self.objective(cfg)

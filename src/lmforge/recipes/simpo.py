@@ -8,9 +8,8 @@ from pydantic import Field
 
 from lmforge.config import Config, RunSection, StartEvalSection, TasksSection
 from lmforge.objectives.simpo import SimPOObjective
-from lmforge.recipes.base import Recipe, register
-from lmforge.training.loop import Job
-from lmforge.recipes.jobs.preference import PreferenceSection, check_preference_data, preference_datasets, preference_job
+from lmforge.recipes.base import register
+from lmforge.recipes.jobs.preference import PreferenceRecipe, PreferenceSection
 from lmforge.runtime import Runtime
 
 
@@ -32,13 +31,11 @@ class SimPOConfig(Config):
 
 
 @register
-class SimPO(Recipe):
+class SimPO(PreferenceRecipe):
     name = "simpo"
     config = SimPOConfig
     summary = "SimPO: reference-free preference optimization on length-normalised rewards with a margin"
-
-    def check(self, cfg: SimPOConfig) -> None:
-        check_preference_data(cfg, "SimPO")
+    method = "SimPO"
 
     @staticmethod
     def objective(cfg: SimPOConfig) -> SimPOObjective:
@@ -47,8 +44,5 @@ class SimPO(Recipe):
         return SimPOObjective(beta=s.beta, gamma=s.gamma, label_smoothing=s.label_smoothing,
                               nll_weight=s.nll_weight, chunk_tokens=cfg.training.loss_chunk_tokens)
 
-    def build(self, rt: Runtime, cfg: SimPOConfig, inputs: None) -> Job:
-        s = cfg.simpo
-        train_set, val_set = preference_datasets(rt, s, "simpo")
-        objective = self.objective(cfg)
-        return preference_job(rt, s, objective, train_set, val_set, None, extra_forwards=0)
+    def make_objective(self, rt: Runtime, cfg: SimPOConfig, reference: None) -> SimPOObjective:
+        return self.objective(cfg)

@@ -12,6 +12,7 @@ import torch
 from lmforge import distributed as dist_utils
 from lmforge.checkpoint.runlock import hold_run_lock
 from lmforge.errors import UserError
+from lmforge.parallel.dimensions import used
 from lmforge.parallel.dims import ParallelDims, sub_mesh
 from lmforge.parallel.layout_checks import check_same_layout_on_every_rank
 
@@ -28,13 +29,11 @@ class World:
     run_dir: Path
 
     def shard_batch(self, batch: Any) -> Any:
-        """This rank's share of every sequence of ``batch`` under context parallelism (``parallel.cp``:
-        load-balanced chunks, see lmforge.parallel.context_parallel); the batch itself otherwise."""
-        if self.layout.cp == 1:
-            return batch
-        from lmforge.parallel.context_parallel import shard_batch
-
-        return shard_batch(batch, self.layout.coords(self.dist.rank)["cp"], self.layout.cp)
+        """This rank's share of ``batch`` after the data dimensions picked its rows: each model-splitting
+        dimension in use cuts it further (context parallelism: load-balanced chunks of every sequence)."""
+        for dimension in used(self.layout):
+            batch = dimension.shard_batch(batch, self.layout, self.dist.rank)
+        return batch
 
 
 def start_world(device: str, threads: int, layout: ParallelDims, parallel: Any, run_dir: Path) -> World:

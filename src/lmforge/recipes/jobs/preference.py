@@ -1,12 +1,13 @@
 """What the preference recipes (DPO, ORPO, SimPO, KTO) share: their config options, the check of
-their data, the step source over rows of pairs, and the job around a method's objective.
+their data, the step source over rows of pairs, the job around a method's objective, and
+:class:`PreferenceRecipe`, their base.
 
 A recipe of this kind is then only its own section, its objective and (KTO) how records become pairs.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from pydantic import Field
 
@@ -22,6 +23,7 @@ from lmforge.models.tokenizer import Tokenizer
 from lmforge.training.loop import EvalFn, Job, StepBatch
 from lmforge.recipes.jobs.next_token import LoaderSource
 from lmforge.objectives.reference import FrozenReference
+from lmforge.recipes.base import Recipe
 from lmforge.runtime import Runtime
 
 
@@ -115,3 +117,33 @@ def preference_job(rt: Runtime, section: PreferenceSection, objective: Any, trai
     tasks = TaskEval(held_out_examples(rt.cfg.tasks) if section.task_eval else [], rt.cfg.tasks.eval_max_new_tokens)
     return Job(PreferenceSource(rt, train_set, reference, extra_forwards), objective,
                evaluate(objective, val_set, tasks))
+
+
+class PreferenceRecipe(Recipe):
+    """A preference method: its section (named as the recipe), its objective and the facts below; the
+    data check, the datasets, the frozen reference, the step source and the eval are built here."""
+
+    method: ClassVar[str]
+    """The method's name in messages (``DPO``)."""
+    records: ClassVar[str] = "prompt, chosen, rejected"
+    """The record fields it trains on, as the data check names them."""
+    uses_reference: ClassVar[bool] = False
+    """Trains against the run's starting model, frozen."""
+    extra_forwards: ClassVar[int] = 0
+    """Forward passes per step besides the policy's (counted in the step's FLOPs)."""
+    pairs: ClassVar[PairBuilder] = preference_pairs
+    """How the records become rows of pairs."""
+
+    def check(self, cfg: Any) -> None:
+        check_preference_data(cfg, self.method, self.records)
+
+    def make_objective(self, rt: Runtime, cfg: Any, reference: FrozenReference | None) -> Any:
+        """The objective of the run (the recipe's own ``objective(cfg, ...)`` with what it needs)."""
+        raise NotImplementedError
+
+    def build(self, rt: Runtime, cfg: Any, inputs: None) -> Job:
+        section = getattr(cfg, self.name)
+        train_set, val_set = preference_datasets(rt, section, self.name, type(self).pairs)
+        reference = FrozenReference.for_run(rt) if self.uses_reference else None
+        return preference_job(rt, section, self.make_objective(rt, cfg, reference), train_set, val_set, reference,
+                              extra_forwards=self.extra_forwards)
