@@ -1,0 +1,349 @@
+"""Third-party environments in GRPO: ``verifiers:ID`` (a verifiers taskset) and ``openenv:module:Class`` (an
+OpenEnv environment, in-process), with the toy packages of tests/fixtures/envs; what needs the network, a
+judge, a runtime or another shape is refused in one line before the run starts."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import socket
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import lmforge.rl.rollout_source as source_module
+from _helpers import lmforge_in_process, read_records, tiny_run_args
+from lmforge.data.chat import ByteChatFormat
+from lmforge.errors import UserError
+from lmforge.models.tokenizer import ByteTokenizer
+from lmforge.rl.engines.base import Completion
+from lmforge.rl.environments.offline import NetworkUse, no_network
+
+pytest.importorskip("verifiers.v1", reason="the verifiers package (pip install 'lmforge[envs]')")
+pytest.importorskip("openenv.core", reason="the openenv-core package (pip install 'lmforge[envs]')")
+
+from lmforge.rl.environments.openenv_env import action_field, observation_text  # noqa: E402
+from lmforge.rl.environments.verifiers_env import load_tasks, score_reply  # noqa: E402
+from lmforge.rl.episode_groups import environment_class, load_environment  # noqa: E402
+
+ENVS = Path(__file__).resolve().parent / "fixtures" / "envs"
+TOY = "verifiers:lmforge-toy-env"
+GUESS = "openenv:lmforge_toy_openenv:GuessEnv"
+
+
+@pytest.fixture(autouse=True)
+def fixture_envs_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(ENVS))
+
+
+def _grpo_args(tmp_path, **overrides):
+    values = dict(data_seq_len=None, training_steps=1, training_global_batch_size=8, training_micro_batch_size=8,
+                  grpo_num_generations=2, checkpoint_enabled=False, schedule_kind="constant",
+                  schedule_warmup_steps=0, tasks_eval_examples=0, model_max_seq_len=1024)
+    return [*tiny_run_args(None, **(values | overrides)), f"--run.dir={tmp_path / 'run'}"]
+
+
+def _one_error(capsys) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1, err
+    return err[0]
+
+
+# ---------------------------------------------------------------------------------------------- the guard
+def test_the_network_guard_refuses_connections_and_lookups_and_restores_them():
+    real = socket.getaddrinfo
+    with no_network() as net:
+        with pytest.raises(NetworkUse):
+            socket.create_connection(("192.0.2.1", 80), timeout=1)
+        try:
+            socket.getaddrinfo("example.com", 443)
+        except Exception:  # noqa: BLE001 - a library's broad except must not hide the attempt
+            raise AssertionError("NetworkUse must not be an Exception")
+        except NetworkUse:
+            pass
+    assert net.first == "192.0.2.1:80"
+    assert socket.getaddrinfo is real
+    with no_network() as net:
+        a, b = socket.socketpair()  # a Unix socket is not the network
+        a.close(), b.close()
+    assert net.first is None
+
+
+# ---------------------------------------------------------------------------------------------- verifiers
+def test_the_toy_rubric_scores_known_completions_with_its_weights():
+    tasks = load_tasks("lmforge-toy-env")
+    assert len(tasks) == 8 and tasks[1].data.answer == "blue"
+    # correct (weight 1) + brief (weight 0.5), both async reward functions, awaited
+    assert score_reply(tasks[1], "blue") == 1.5
+    assert score_reply(tasks[1], " Blue ") == 1.5
+    assert score_reply(tasks[1], "red") == 0.5
+    assert score_reply(tasks[1], "the answer is blue") == 0.0
+
+
+def test_a_verifiers_episode_is_the_tasks_prompt_and_one_answer():
+    env = load_environment(TOY, ByteChatFormat(ByteTokenizer()), max_turns=3, prompt_field="prompt",
+                           answer_field="answer")
+    records = type(env).embedded_records("train")
+    assert len(records) == 8 and type(env).embedded_records("test") == []
+    conv = env.start(records[2])
+    assert conv.messages == [{"role": "system", "content": "Answer with one word."},
+                             {"role": "user", "content": "Reply with the word green."}]
+    assert env.step(records[2], conv.messages, "green").done
+    assert env.reward(records[2], "green") == 1.5
+    assert env.reward(records[2], "GREEN!") == 0.5
+    assert env.reward(records[2], None) == 0.0  # no answer: cut off by a limit
+
+
+def _taskset(tmp_path: Path, name: str, body: str) -> str:
+    """A taskset package ``name`` in tmp_path (on the path): Data has ``answer``; ``body`` defines ``T`` (the
+    task class) and may add to the module."""
+    pkg = tmp_path / name
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(textwrap.dedent('''
+        import verifiers.v1 as vf
+
+        class Data(vf.TaskData):
+            answer: str = "x"
+        ''') + textwrap.dedent(body) + textwrap.dedent('''
+        class TS(vf.Taskset[T]):
+            def load(self):
+                yield from (T(Data(prompt=f"say {i}"), self.config.task) for i in range(LOAD))
+        LOAD = globals().get("LOAD", 2)
+        __all__ = ["TS"]
+        '''))
+    importlib.invalidate_caches()
+    return name
+
+
+OK_TASK = '''
+class T(vf.Task[Data]):
+    @vf.reward
+    async def r(self, trace) -> float:
+        return 1.0
+'''
+
+
+@pytest.mark.parametrize("name, body, says", [
+    ("vf_downloads", '''
+        import urllib.request
+        class T(vf.Task[Data]):
+            @vf.reward
+            async def r(self, trace) -> float:
+                return 1.0
+        urllib.request.urlopen("http://192.0.2.7:8080/data.json", timeout=2)  # a dataset download at import
+        ''', "needs the network (it connected to 192.0.2.7:8080"),
+    ("vf_api_judge", '''
+        import socket
+        class T(vf.Task[Data]):
+            @vf.reward
+            async def r(self, trace) -> float:  # a judge behind an API, asked while scoring
+                socket.create_connection(("api.judge.example", 443), timeout=2)
+                return 1.0
+        ''', "needs the network (it connected to api.judge.example:443"),
+    ("vf_runtime", '''
+        class T(vf.Task[Data]):
+            @vf.reward
+            async def r(self, trace, runtime) -> float:
+                return 1.0
+        ''', "reward functions (r) read the task's runtime"),
+    ("vf_container", '''
+        class T(vf.Task[Data]):
+            NEEDS_CONTAINER = True
+            @vf.reward
+            async def r(self, trace) -> float:
+                return 1.0
+        ''', "need a container runtime"),
+    ("vf_no_reward", '''
+        class T(vf.Task[Data]):
+            pass
+        ''', "have no @vf.reward function"),
+    ("vf_empty", OK_TASK + "LOAD = 0\n", "yielded no tasks"),
+    ("vf_raises", '''
+        class T(vf.Task[Data]):
+            @vf.reward
+            async def r(self, trace) -> float:
+                raise KeyError("OPENAI_API_KEY")
+        ''', "cannot load it (TaskError"),
+])
+def test_what_lmforge_cannot_run_is_one_line_before_the_run(tmp_path, monkeypatch, capsys, name, body, says):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _taskset(tmp_path, name, body)
+    rc = lmforge_in_process("grpo", *_grpo_args(tmp_path), f"--grpo.environment=verifiers:{name}", cwd=tmp_path)
+    line = _one_error(capsys)
+    assert rc == 2 and f"grpo.environment=verifiers:{name}" in line and says in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_missing_taskset_and_a_prompt_file_are_one_line(tmp_path, capsys):
+    with pytest.raises(UserError, match=r"verifiers:no-such-taskset: cannot load it \(ModuleNotFoundError"):
+        environment_class("verifiers:no-such-taskset")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "hi", "answer": "x"}\n')
+    rc = lmforge_in_process("grpo", *_grpo_args(tmp_path, data_train=data, data_validation=data),
+                            f"--grpo.environment={TOY}", cwd=tmp_path)
+    line = _one_error(capsys)
+    assert rc == 2 and "leave data.train = embedded" in line, line
+
+
+class WordEngine:
+    """Plays the policy on the toy taskset: even episodes of a group say the word asked for, odd ones "no"."""
+
+    name, version, sync_seconds = "scripted", -1, 0.0
+
+    def __init__(self, tok: ByteTokenizer) -> None:
+        self.tok, self.seen = tok, []
+
+    def generate(self, prompts, sampling, *, seed, logprobs=False):
+        out = []
+        for i, p in enumerate(prompts):
+            text = self.tok.decode(p, skip_special=False)
+            self.seen.append(text)
+            said = re.search(r"Reply with the word (\w+)\.", text).group(1) if i % 2 == 0 else "no"
+            ids = self.tok.encode(said) + [self.tok.eos_id]
+            out.append(Completion(ids, [-0.1] * len(ids) if logprobs else None))
+        return out
+
+    def load_weights(self, model, version):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_grpo_trains_on_a_verifiers_taskset_with_its_rubric_as_the_reward(tmp_path, monkeypatch):
+    engine = WordEngine(ByteTokenizer())
+    monkeypatch.setattr(source_module, "make_engine", lambda rt, g, **kw: engine)
+    rc = lmforge_in_process("grpo", *_grpo_args(tmp_path), f"--grpo.environment={TOY}", "--grpo.max_new_tokens=16",
+                            cwd=tmp_path)
+    assert rc == 0
+    train = [r for r in read_records(tmp_path / "run") if r["kind"] == "train"]
+    assert len(train) == 1
+    # the rubric's: the word scores 1.5 (correct + 0.5 brief), "no" 0.5 (brief only)
+    assert train[0]["reward/environment"] == pytest.approx(1.0)
+    assert train[0]["tools/turns"] == pytest.approx(1.0)
+    assert train[0]["grad_norm"] > 0
+    assert len(engine.seen) == 8 and all("Answer with one word." in s for s in engine.seen)
+
+
+# ---------------------------------------------------------------------------------------------- OpenEnv
+def test_openenv_observations_and_actions_map_to_text():
+    from lmforge_toy_openenv import GuessAction, GuessObservation
+
+    assert action_field(GuessAction) == "guess"
+    assert observation_text(GuessObservation(text="higher", reward=-0.1)) == "higher"
+    from openenv.core.env_server import Action, Observation
+
+    class Two(Action):
+        a: str
+        b: int
+
+    class Rich(Observation):
+        board: str = ""
+        moves: int = 0
+
+    assert action_field(Two) is None
+    assert observation_text(Rich(board="x.o", moves=2)) == '{"board": "x.o", "moves": 2}'
+
+
+def test_an_openenv_episode_steps_until_done_and_returns_the_sum_of_rewards():
+    env = load_environment(GUESS, ByteChatFormat(ByteTokenizer()), max_turns=4, prompt_field="prompt",
+                           answer_field="answer")
+    records = type(env).embedded_records("train")
+    assert len(records) == 64 and records[5]["openenv_seed"] == 5
+    record = records[1]  # secret 2
+    a, b = env.for_episode(), env.for_episode()  # one instance each: their state is their own
+    assert a.start(record).messages[0]["content"].startswith("Guess my number")
+    b.start(record)
+    out = a.step(record, [], "4")
+    assert not out.done and out.results == [{"role": "user", "content": "lower"}]
+    assert "not a number" in a.step(record, [], "two").results[0]["content"]
+    assert a.step(record, [], "2").done
+    assert b.step(record, [], "2").done
+    assert a.reward(record, "2") == pytest.approx(-0.1 - 0.5 + 1.0)
+    assert b.reward(record, "2") == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("name, says", [
+    ("openenv:lmforge_toy_openenv:GuessAction", "is not an OpenEnv Environment"),
+    ("openenv:http://localhost:8000", "OpenEnv servers (a URL) are not supported yet"),
+    ("openenv:no_such_module:Env", "cannot load it (ModuleNotFoundError"),
+    ("openenv:lmforge_toy_openenv", "expected openenv:module:Class"),
+])
+def test_openenv_refusals_are_one_line(name, says):
+    with pytest.raises(UserError, match=re.escape(says)):
+        environment_class(name)
+
+
+def test_an_openenv_env_with_a_two_field_action_or_the_network_is_refused(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "oe_bad.py").write_text(textwrap.dedent('''
+        import socket
+        from openenv.core.env_server import Action, Environment, Observation, State
+
+        class Move(Action):
+            row: int
+            col: int
+
+        class Say(Action):
+            text: str
+
+        class Board(Environment):
+            def reset(self, seed=None, episode_id=None, **kw): return Observation()
+            def step(self, action: Move, timeout_s=None, **kw): return Observation()
+            @property
+            def state(self): return State()
+
+        class Remote(Environment):
+            def reset(self, seed=None, episode_id=None, **kw):
+                socket.create_connection(("198.51.100.3", 9000), timeout=2)
+            def step(self, action: Say, timeout_s=None, **kw): return Observation()
+            @property
+            def state(self): return State()
+        '''))
+    importlib.invalidate_caches()
+    with pytest.raises(UserError, match=r"its action Move has the fields row, col"):
+        environment_class("openenv:oe_bad:Board")
+    with pytest.raises(UserError, match=r"needs the network \(it connected to 198\.51\.100\.3:9000"):
+        environment_class("openenv:oe_bad:Remote")
+
+
+class GuessEngine:
+    """Plays the guessing game: half the episodes reply "x" (not a number: -0.5 a turn), half "9" (wrong: -0.1 a
+    turn), every turn; from the second turn on it checks that the environment's answer came back."""
+
+    name, version, sync_seconds = "scripted", -1, 0.0
+
+    def __init__(self, tok: ByteTokenizer) -> None:
+        self.tok, self.turns = tok, 0
+
+    def generate(self, prompts, sampling, *, seed, logprobs=False):
+        self.turns += 1
+        out = []
+        for i, p in enumerate(prompts):
+            text = self.tok.decode(p, skip_special=False)
+            said = re.findall(r"<\|assistant\|>(\w)", text)
+            if said:  # a later turn: the environment's answer to the first came back; say the same again
+                assert ("That is not a number" if said[0] == "x" else "lower") in text, text
+            ids = self.tok.encode(said[0] if said else "x" if i % 2 == 0 else "9") + [self.tok.eos_id]
+            out.append(Completion(ids, [-0.1] * len(ids) if logprobs else None))
+        return out
+
+    def load_weights(self, model, version):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_grpo_trains_on_an_openenv_environment_turn_by_turn(tmp_path, monkeypatch):
+    engine = GuessEngine(ByteTokenizer())
+    monkeypatch.setattr(source_module, "make_engine", lambda rt, g, **kw: engine)
+    rc = lmforge_in_process("grpo", *_grpo_args(tmp_path), f"--grpo.environment={GUESS}", "--grpo.max_turns=2",
+                            "--grpo.max_new_tokens=8", "--grpo.max_total_tokens=200", cwd=tmp_path)
+    assert rc == 0 and engine.turns == 2
+    train = [r for r in read_records(tmp_path / "run") if r["kind"] == "train"]
+    # two steps each: "x" twice is -1.0, "9" twice -0.2; the mean -0.6 whatever the seeds
+    assert train[0]["reward/environment"] == pytest.approx(-0.6)
+    assert train[0]["tools/turns"] == pytest.approx(2.0)
+    assert train[0]["grad_norm"] > 0
