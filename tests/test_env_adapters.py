@@ -5,6 +5,7 @@ judge, a runtime or another shape is refused in one line before the run starts."
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import re
 import socket
 import textwrap
@@ -20,12 +21,14 @@ from lmforge.models.tokenizer import ByteTokenizer
 from lmforge.rl.engines.base import Completion
 from lmforge.rl.environments.offline import NetworkUse, no_network
 
-pytest.importorskip("verifiers.v1", reason="the verifiers package (pip install 'lmforge[envs]')")
-pytest.importorskip("openenv.core", reason="the openenv-core package (pip install 'lmforge[envs]')")
+from lmforge.rl.environments.openenv_env import action_field, observation_text
+from lmforge.rl.environments.verifiers_env import load_tasks, score_reply
+from lmforge.rl.episode_groups import environment_class, load_environment
 
-from lmforge.rl.environments.openenv_env import action_field, observation_text  # noqa: E402
-from lmforge.rl.environments.verifiers_env import load_tasks, score_reply  # noqa: E402
-from lmforge.rl.episode_groups import environment_class, load_environment  # noqa: E402
+needs_verifiers = pytest.mark.skipif(importlib.util.find_spec("verifiers") is None,
+                                     reason="the verifiers package (pip install 'lmforge[envs]')")
+needs_openenv = pytest.mark.skipif(importlib.util.find_spec("openenv") is None,
+                                   reason="the openenv-core package (pip install 'lmforge[envs]')")
 
 ENVS = Path(__file__).resolve().parent / "fixtures" / "envs"
 TOY = "verifiers:lmforge-toy-env"
@@ -71,6 +74,7 @@ def test_the_network_guard_refuses_connections_and_lookups_and_restores_them():
 
 
 # ---------------------------------------------------------------------------------------------- verifiers
+@needs_verifiers
 def test_the_toy_rubric_scores_known_completions_with_its_weights():
     tasks = load_tasks("lmforge-toy-env")
     assert len(tasks) == 8 and tasks[1].data.answer == "blue"
@@ -81,6 +85,7 @@ def test_the_toy_rubric_scores_known_completions_with_its_weights():
     assert score_reply(tasks[1], "the answer is blue") == 0.0
 
 
+@needs_verifiers
 def test_a_verifiers_episode_is_the_tasks_prompt_and_one_answer():
     env = load_environment(TOY, ByteChatFormat(ByteTokenizer()), max_turns=3, prompt_field="prompt",
                            answer_field="answer")
@@ -124,6 +129,7 @@ class T(vf.Task[Data]):
 '''
 
 
+@needs_verifiers
 @pytest.mark.parametrize("name, body, says", [
     ("vf_downloads", '''
         import urllib.request
@@ -175,6 +181,7 @@ def test_what_lmforge_cannot_run_is_one_line_before_the_run(tmp_path, monkeypatc
     assert not (tmp_path / "run").exists()
 
 
+@needs_verifiers
 def test_a_missing_taskset_and_a_prompt_file_are_one_line(tmp_path, capsys):
     with pytest.raises(UserError, match=r"verifiers:no-such-taskset: cannot load it \(ModuleNotFoundError"):
         environment_class("verifiers:no-such-taskset")
@@ -211,6 +218,7 @@ class WordEngine:
         pass
 
 
+@needs_verifiers
 def test_grpo_trains_on_a_verifiers_taskset_with_its_rubric_as_the_reward(tmp_path, monkeypatch):
     engine = WordEngine(ByteTokenizer())
     monkeypatch.setattr(source_module, "make_engine", lambda rt, g, **kw: engine)
@@ -227,6 +235,7 @@ def test_grpo_trains_on_a_verifiers_taskset_with_its_rubric_as_the_reward(tmp_pa
 
 
 # ---------------------------------------------------------------------------------------------- OpenEnv
+@needs_openenv
 def test_openenv_observations_and_actions_map_to_text():
     from lmforge_toy_openenv import GuessAction, GuessObservation
 
@@ -246,6 +255,7 @@ def test_openenv_observations_and_actions_map_to_text():
     assert observation_text(Rich(board="x.o", moves=2)) == '{"board": "x.o", "moves": 2}'
 
 
+@needs_openenv
 def test_an_openenv_episode_steps_until_done_and_returns_the_sum_of_rewards():
     env = load_environment(GUESS, ByteChatFormat(ByteTokenizer()), max_turns=4, prompt_field="prompt",
                            answer_field="answer")
@@ -264,6 +274,7 @@ def test_an_openenv_episode_steps_until_done_and_returns_the_sum_of_rewards():
     assert b.reward(record, "2") == pytest.approx(1.0)
 
 
+@needs_openenv
 @pytest.mark.parametrize("name, says", [
     ("openenv:lmforge_toy_openenv:GuessAction", "is not an OpenEnv Environment"),
     ("openenv:http://localhost:8000", "OpenEnv servers (a URL) are not supported yet"),
@@ -275,6 +286,7 @@ def test_openenv_refusals_are_one_line(name, says):
         environment_class(name)
 
 
+@needs_openenv
 def test_an_openenv_env_with_a_two_field_action_or_the_network_is_refused(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "oe_bad.py").write_text(textwrap.dedent('''
@@ -336,6 +348,7 @@ class GuessEngine:
         pass
 
 
+@needs_openenv
 def test_grpo_trains_on_an_openenv_environment_turn_by_turn(tmp_path, monkeypatch):
     engine = GuessEngine(ByteTokenizer())
     monkeypatch.setattr(source_module, "make_engine", lambda rt, g, **kw: engine)

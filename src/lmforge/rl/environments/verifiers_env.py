@@ -168,12 +168,18 @@ class VerifiersEnv:
 
     @classmethod
     def embedded_records(cls, split: str) -> list[dict[str, Any]]:
-        """Every task as a prompt record when training (``vf_task`` its position); verifiers tasksets have no
-        held-out split of their own, so none for evaluation."""
+        """Every task as a prompt record when training (``vf_task`` its position, ``answer`` the task data's
+        when it has one); verifiers tasksets have no held-out split of their own, so none for evaluation."""
         if split != "train":
             return []
-        return [{"prompt": [_as_dict(m) for m in task_messages(t)], "vf_task": i}
-                for i, t in enumerate(load_tasks(cls.taskset_id))]
+        records = []
+        for i, t in enumerate(load_tasks(cls.taskset_id)):
+            record: dict[str, Any] = {"prompt": [_as_dict(m) for m in task_messages(t)], "vf_task": i}
+            answer = getattr(t.data, "answer", None)
+            if isinstance(answer, (str, int, float)) and not isinstance(answer, bool):
+                record["answer"] = answer  # for rewards named in grpo.rewards as well
+            records.append(record)
+        return records
 
     @classmethod
     def check_records(cls, records: list[dict[str, Any]]) -> None:
