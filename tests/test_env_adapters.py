@@ -9,6 +9,8 @@ import importlib.util
 import re
 import socket
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -277,9 +279,9 @@ def test_an_openenv_episode_steps_until_done_and_returns_the_sum_of_rewards():
 @needs_openenv
 @pytest.mark.parametrize("name, says", [
     ("openenv:lmforge_toy_openenv:GuessAction", "is not an OpenEnv Environment"),
-    ("openenv:http://localhost:8000", "OpenEnv servers (a URL) are not supported yet"),
     ("openenv:no_such_module:Env", "cannot load it (ModuleNotFoundError"),
-    ("openenv:lmforge_toy_openenv", "expected openenv:module:Class"),
+    ("openenv:lmforge_toy_openenv", "expected openenv:module:Class (an OpenEnv Environment class, run in-process) "
+                                    "or openenv:http://HOST:PORT"),
 ])
 def test_openenv_refusals_are_one_line(name, says):
     with pytest.raises(UserError, match=re.escape(says)):
@@ -360,3 +362,51 @@ def test_grpo_trains_on_an_openenv_environment_turn_by_turn(tmp_path, monkeypatc
     assert train[0]["reward/environment"] == pytest.approx(-0.6)
     assert train[0]["tools/turns"] == pytest.approx(2.0)
     assert train[0]["grad_norm"] > 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def guess_server():
+    """The toy environment behind OpenEnv's own server (``create_app``, as its Docker images run it), in a thread."""
+    import sys
+
+    sys.path.insert(0, str(ENVS))
+    from openenv.core.env_server.http_server import create_app
+    import uvicorn
+    from lmforge_toy_openenv import GuessAction, GuessEnv, GuessObservation
+
+    app = create_app(GuessEnv, GuessAction, GuessObservation, max_concurrent_envs=32)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+@needs_openenv
+def test_grpo_trains_on_an_openenv_server_one_session_per_episode(tmp_path, monkeypatch, guess_server):
+    engine = GuessEngine(ByteTokenizer())
+    monkeypatch.setattr(source_module, "make_engine", lambda rt, g, **kw: engine)
+    rc = lmforge_in_process("grpo", *_grpo_args(tmp_path), f"--grpo.environment=openenv:{guess_server}",
+                            "--grpo.max_turns=2", "--grpo.max_new_tokens=8", "--grpo.max_total_tokens=200",
+                            cwd=tmp_path)
+    assert rc == 0 and engine.turns == 2
+    train = [r for r in read_records(tmp_path / "run") if r["kind"] == "train"]
+    assert train[0]["reward/environment"] == pytest.approx(-0.6)  # as in-process: the same game, served
+
+
+@needs_openenv
+def test_an_unreachable_openenv_server_is_one_line():
+    with pytest.raises(UserError, match=r"cannot read the server's /schema \(URLError"):
+        environment_class(f"openenv:http://127.0.0.1:{_free_port()}")
