@@ -124,7 +124,7 @@ def load_tasks(taskset_id: str) -> tuple[Any, ...]:
     vf = _vf()
     where = f"grpo.environment=verifiers:{taskset_id}"
     if not taskset_id:
-        raise UserError(f"{where}: name an installed taskset (verifiers:ID, e.g. verifiers:reverse-text)")
+        raise UserError(f"{where}: name an installed taskset (verifiers:ID, the id of its package)")
     with no_network() as net:
         try:
             env_cls = vf.environment_class(taskset_id)
