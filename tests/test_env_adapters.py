@@ -184,6 +184,27 @@ def test_what_lmforge_cannot_run_is_one_line_before_the_run(tmp_path, monkeypatc
 
 
 @needs_verifiers
+def test_a_judge_behind_the_openai_api_is_refused_for_its_key_or_its_network(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _taskset(tmp_path, "vf_openai_judge", '''
+        import openai
+        class T(vf.Task[Data]):
+            @vf.reward
+            async def judge(self, trace) -> float:
+                client = openai.AsyncOpenAI(max_retries=0)
+                r = await client.chat.completions.create(
+                    model="gpt-4o-mini", messages=[{"role": "user", "content": "Is this right? " + trace.last_reply}])
+                return float("yes" in r.choices[0].message.content.lower())
+        ''')
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(UserError, match=r"verifiers:vf_openai_judge: cannot load it \(TaskError: .*OPENAI_API_KEY"):
+        environment_class("verifiers:vf_openai_judge")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-not-a-key")
+    with pytest.raises(UserError, match=r"it needs the network \(it connected to api\.openai\.com:443"):
+        environment_class("verifiers:vf_openai_judge")
+
+
+@needs_verifiers
 def test_a_missing_taskset_and_a_prompt_file_are_one_line(tmp_path, capsys):
     with pytest.raises(UserError, match=r"verifiers:no-such-taskset: cannot load it \(ModuleNotFoundError"):
         environment_class("verifiers:no-such-taskset")

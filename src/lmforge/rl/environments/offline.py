@@ -38,7 +38,8 @@ _lock = threading.Lock()
 
 def _target(address: Any) -> str:
     if isinstance(address, tuple) and len(address) >= 2:
-        return f"{address[0]}:{address[1]}"
+        host = address[0].decode(errors="replace") if isinstance(address[0], bytes) else address[0]
+        return f"{host}:{address[1]}"
     return str(address)
 
 

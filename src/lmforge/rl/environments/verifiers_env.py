@@ -149,8 +149,8 @@ def load_tasks(taskset_id: str) -> tuple[Any, ...]:
                 raise UserError(f"{where}: cannot load it ({_one_line(e)})") from None
     if net.first is not None:
         raise UserError(f"{where}: it needs the network (it connected to {net.first} while loading its tasks or "
-                        "scoring one, e.g. a dataset download or a judge API), which lmforge does not give an "
-                        "environment; put its data on disk first")
+                        "scoring one: a dataset download, a judge or another API), which lmforge does not give "
+                        "an environment")
     return tasks
 
 
