@@ -21,6 +21,7 @@ from lmforge.data.chat import ByteChatFormat
 from lmforge.errors import UserError
 from lmforge.models.tokenizer import ByteTokenizer
 from lmforge.rl.engines.base import Completion
+from lmforge.rl.tools.tool_calls import ToolCall, format_tool_call
 from lmforge.rl.environments.offline import NetworkUse, no_network
 
 from lmforge.rl.environments.openenv_env import action_field, observation_text
@@ -34,6 +35,7 @@ needs_openenv = pytest.mark.skipif(importlib.util.find_spec("openenv") is None,
 
 ENVS = Path(__file__).resolve().parent / "fixtures" / "envs"
 TOY = "verifiers:lmforge-toy-env"
+TOOLS = "verifiers:lmforge-toy-tools-env"
 GUESS = "openenv:lmforge_toy_openenv:GuessEnv"
 
 
@@ -93,13 +95,33 @@ def test_a_verifiers_episode_is_the_tasks_prompt_and_one_answer():
                            answer_field="answer")
     records = type(env).embedded_records("train")
     assert len(records) == 8 and type(env).embedded_records("test") == []
-    conv = env.start(records[2])
+    episode = env.for_episode()
+    conv = episode.start(records[2])
     assert conv.messages == [{"role": "system", "content": "Answer with one word."},
                              {"role": "user", "content": "Reply with the word green."}]
-    assert env.step(records[2], conv.messages, "green").done
-    assert env.reward(records[2], "green") == 1.5
-    assert env.reward(records[2], "GREEN!") == 0.5
-    assert env.reward(records[2], None) == 0.0  # no answer: cut off by a limit
+    assert episode.step(records[2], conv.messages, "green").done
+    assert episode.reward(records[2], "green") == 1.5
+    assert episode.reward(records[2], "GREEN!") == 0.5
+    assert episode.reward(records[2], None) == 0.0  # no answer: cut off by a limit
+
+
+@needs_verifiers
+def test_a_task_with_a_toolset_plays_tool_turns_on_its_own_instances():
+    env = load_environment(TOOLS, ByteChatFormat(ByteTokenizer()), max_turns=3, prompt_field="prompt",
+                           answer_field="answer")
+    record = type(env).embedded_records("train")[0]  # 17 + 25
+    a, b = env.for_episode(), env.for_episode()
+    conv = a.start(record)
+    b.start(record)
+    assert '"name": "adder_add"' in conv.messages[0]["content"]  # the name verifiers gives the model
+    out = a.step(record, conv.messages, format_tool_call(ToolCall("adder_add", {"a": 17, "b": 25})))
+    assert not out.done and out.tool_calls == 1 and "<tool_response>\n42\n</tool_response>" in out.results[0]["content"]
+    bad = a.step(record, conv.messages, format_tool_call(ToolCall("adder_add", {"a": "x"})))
+    assert bad.tool_errors == 1 and "error:" in bad.results[0]["content"]
+    assert a.hosted.toolsets[0].calls == 1 and b.hosted.toolsets[0].calls == 0  # state per episode
+    assert a.step(record, conv.messages, "42").done
+    assert a.reward(record, "42") == 1.5  # correct + used_tool: the tool's result is in the trace
+    assert b.step(record, [], "42").done and b.reward(record, "42") == 1.0  # right, without the tool
 
 
 def _taskset(tmp_path: Path, name: str, body: str) -> str:
@@ -167,6 +189,17 @@ class T(vf.Task[Data]):
             pass
         ''', "have no @vf.reward function"),
     ("vf_empty", OK_TASK + "LOAD = 0\n", "yielded no tasks"),
+    ("vf_remote_tools", '''
+        class T(vf.Task[Data]):
+            @vf.reward
+            async def r(self, trace) -> float:
+                return 1.0
+        class Search(vf.Toolset):
+            @vf.tool
+            async def search(self, q: str) -> str:
+                return q
+        T.toolsets = classmethod(lambda cls, config: [Search(vf.ToolsetConfig(url="http://tools.example:9000"))])
+        ''', "its toolset Search is a remote server (http://tools.example:9000)"),
     ("vf_raises", '''
         class T(vf.Task[Data]):
             @vf.reward
@@ -255,6 +288,55 @@ def test_grpo_trains_on_a_verifiers_taskset_with_its_rubric_as_the_reward(tmp_pa
     assert train[0]["tools/turns"] == pytest.approx(1.0)
     assert train[0]["grad_norm"] > 0
     assert len(engine.seen) == 8 and all("Answer with one word." in s for s in engine.seen)
+
+
+class SumEngine:
+    """Plays the policy on the tool taskset: even episodes of a call use the tool, then answer what it said;
+    odd ones answer a wrong number at once."""
+
+    name, version, sync_seconds = "scripted", -1, 0.0
+
+    def __init__(self, tok: ByteTokenizer) -> None:
+        self.tok, self.results = tok, []
+
+    def generate(self, prompts, sampling, *, seed, logprobs=False):
+        out = []
+        for i, p in enumerate(prompts):
+            text = self.tok.decode(p, skip_special=False)
+            a, b = map(int, re.search(r"What is (\d+) \+ (\d+)\?", text).groups())
+            got = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text)
+            if got:
+                self.results.append(got[-1])
+                said = got[-1]
+            elif "<tool_call>" in text.split("<|user|>What is")[-1]:
+                raise AssertionError("the tool's result did not come back")
+            else:
+                said = format_tool_call(ToolCall("adder_add", {"a": a, "b": b})) if i % 2 == 0 else "7"
+            ids = self.tok.encode(said) + [self.tok.eos_id]
+            out.append(Completion(ids, [-0.1] * len(ids) if logprobs else None))
+        return out
+
+    def load_weights(self, model, version):
+        pass
+
+    def close(self):
+        pass
+
+
+@needs_verifiers
+def test_grpo_trains_on_a_verifiers_taskset_with_tools(tmp_path, monkeypatch):
+    engine = SumEngine(ByteTokenizer())
+    monkeypatch.setattr(source_module, "make_engine", lambda rt, g, **kw: engine)
+    rc = lmforge_in_process("grpo", *_grpo_args(tmp_path, model_max_seq_len=2048), f"--grpo.environment={TOOLS}",
+                            "--grpo.max_turns=3", "--grpo.max_new_tokens=64", "--grpo.max_total_tokens=400",
+                            cwd=tmp_path)
+    assert rc == 0
+    train = [r for r in read_records(tmp_path / "run") if r["kind"] == "train"]
+    # tool then the sum: 1.5 (correct + used_tool); "7" at once: 0.0
+    assert train[0]["reward/environment"] == pytest.approx(0.75)
+    assert train[0]["tools/calls"] == pytest.approx(0.5) and train[0]["tools/error_rate"] == 0.0
+    assert train[0]["tools/turns"] == pytest.approx(1.5)
+    assert len(engine.results) == 4 and all(r.isdigit() for r in engine.results)
 
 
 # ---------------------------------------------------------------------------------------------- OpenEnv
