@@ -176,7 +176,7 @@ class T(vf.Task[Data]):
             @vf.reward
             async def r(self, trace, runtime) -> float:
                 return 1.0
-        ''', "reward functions (r) read the task's runtime"),
+        ''', "reward or metric functions (r) read the task's runtime"),
     ("vf_container", '''
         class T(vf.Task[Data]):
             NEEDS_CONTAINER = True

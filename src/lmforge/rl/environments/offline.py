@@ -48,7 +48,8 @@ def no_network() -> Iterator[_Attempts]:
     """A block in which IP connections and name lookups raise :class:`NetworkUse`; the yielded object's
     ``first`` names the first attempt (``host:port``), None when there was none."""
     attempts = _Attempts()
-    real_connect, real_connect_ex, real_getaddrinfo = socket.socket.connect, socket.socket.connect_ex, socket.getaddrinfo
+    sock = socket.socket
+    real_connect, real_connect_ex, real_getaddrinfo = sock.connect, sock.connect_ex, socket.getaddrinfo
 
     def refuse(where: str) -> NetworkUse:
         attempts.note(where)
@@ -68,9 +69,8 @@ def no_network() -> Iterator[_Attempts]:
         raise refuse(_target((host, port)))
 
     with _lock:
-        socket.socket.connect, socket.socket.connect_ex, socket.getaddrinfo = connect, connect_ex, getaddrinfo  # type: ignore[method-assign]
+        sock.connect, sock.connect_ex, socket.getaddrinfo = connect, connect_ex, getaddrinfo  # type: ignore
         try:
             yield attempts
         finally:
-            socket.socket.connect, socket.socket.connect_ex, socket.getaddrinfo = (  # type: ignore[method-assign]
-                real_connect, real_connect_ex, real_getaddrinfo)
+            sock.connect, sock.connect_ex, socket.getaddrinfo = real_connect, real_connect_ex, real_getaddrinfo  # type: ignore

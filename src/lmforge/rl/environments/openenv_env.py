@@ -264,7 +264,8 @@ def _server_class(name: str, url: str) -> type[OpenEnvEnv]:
     try:
         import openenv.core.generic_client  # noqa: F401
     except ImportError as e:
-        raise UserError(f"grpo.environment={name}: needs the openenv-core package ({INSTALL}; import failed: {e})") from None
+        raise UserError(f"grpo.environment={name}: needs the openenv-core package ({INSTALL}; "
+                        f"import failed: {e})") from None
     field = _server_action_field(name, url)
     runner = asyncio.Runner()
 

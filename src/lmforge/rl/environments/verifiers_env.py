@@ -122,8 +122,8 @@ def _check_task(taskset_id: str, taskset: Any, task: Any) -> None:
         raise UserError(f"{where}: its tasks ({cls.__name__}) have no @vf.reward function, so no reward")
     runtime = [fn.__name__ for fn in [*rewards, *task.hooks("metric")] if _needs_runtime(fn)]
     if runtime:
-        raise UserError(f"{where}: its reward functions ({', '.join(runtime)}) read the task's runtime (a sandbox "
-                        "the harness runs in), which lmforge does not start")
+        raise UserError(f"{where}: its reward or metric functions ({', '.join(runtime)}) read the task's runtime "
+                        "(a sandbox the harness runs in), which lmforge does not start")
 
 
 @functools.lru_cache(maxsize=8)
