@@ -91,13 +91,13 @@ def test_an_unknown_environment_is_one_line_before_anything_is_written(tmp_path,
     args = tiny_run_args(data, data_seq_len=None, training_steps=1, training_global_batch_size=8,
                          grpo_num_generations=2, checkpoint_enabled=False, tasks_eval_examples=0)
     (tmp_path / "broken_env.py").write_text("raise RuntimeError('broken at import')\n")
-    for name, says in (("calculator_world", "not a built-in (gsm8k_calculator, code) nor module:Class"),
+    for name, says in (("calculator_world", "not a built-in (gsm8k_calculator, code), module:Class, verifiers:ID nor openenv:"),
                        ("no_such_module:Env", "cannot load it (ModuleNotFoundError"),
                        ("json:dumps", "a function, not an environment"),
                        ("os:sep", "a str, not an environment"),
                        ("json:JSONDecoder", "a class without start, step, reward, not an environment"),
                        ("broken_env:Env", "cannot load it (RuntimeError: broken at import)"),
-                       (":Env", "nor module:Class")):
+                       (":Env", "module:Class, verifiers:ID")):
         with pytest.MonkeyPatch.context() as mp:
             mp.syspath_prepend(str(tmp_path))
             rc = lmforge_in_process("grpo", *args, f"--grpo.environment={name}", f"--run.dir={tmp_path / 'run'}",
