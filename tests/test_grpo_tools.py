@@ -42,14 +42,14 @@ def test_tool_episodes_train_on_the_policys_tokens_only(tmp_path, monkeypatch):
     tok = ByteTokenizer()
     monkeypatch.setattr(source_module, "make_engine", lambda rt, g, **kw: TurnCountingEngine(tok, tok.eos_id))
     laid_out = []
-    real_layout = rollout_module.layout
+    real_layout = rollout_module.policy_rows
 
     def recording_layout(prompts, completions, keep, pad_id, advantages, device, masks=None):
         batch = real_layout(prompts, completions, keep, pad_id, advantages, device, masks)
         laid_out.append((prompts, completions, batch))
         return batch
 
-    monkeypatch.setattr(rollout_module, "layout", recording_layout)
+    monkeypatch.setattr(rollout_module, "policy_rows", recording_layout)
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     args = tiny_run_args(data, data_seq_len=None, training_steps=2, training_global_batch_size=8,
