@@ -1,7 +1,7 @@
 """Configuration: TOML files plus ``--section.key=value`` overrides, validated by pydantic.
 
-Every trainer has one config class (``Config`` here, extended by SFT/GRPO/elastic with their own
-section). Validation errors become one ``UserError`` line that names the key, the file and, for
+Every trainer has one config class (``Config`` here, extended by each recipe but pretraining with its
+own section). Validation errors become one ``UserError`` line that names the key, the file and, for
 unknown keys, the closest known key.
 """
 

@@ -1,7 +1,7 @@
 """Objectives: what a step optimizes. Each is a loss function, its global normalizer and how the summed
 statistics become logged values (:class:`lmforge.training.loop.Objective`).
 
-* :mod:`.next_token`: cross-entropy over target tokens (pretraining, SFT, elastic), with
+* :mod:`.next_token`: cross-entropy over target tokens (pretraining, SFT), with
   :mod:`.router`'s mixture-of-experts load-balancing terms.
 * :mod:`.grpo`: GRPO's objective with a k3 KL term, GRPO/DAPO/Dr.GRPO aggregation, TIS; its policy
   terms (PPO, GSPO, CISPO) in :mod:`.policy_losses`.
