@@ -1,7 +1,7 @@
 """Configuration: TOML files plus ``--section.key=value`` overrides, validated by pydantic.
 
-Every trainer has one config class (``Config`` here, extended by SFT/GRPO/elastic with their own
-section). Validation errors become one ``UserError`` line that names the key, the file and, for
+Every trainer has one config class (``Config`` here, extended by each recipe but pretraining with its
+own section). Validation errors become one ``UserError`` line that names the key, the file and, for
 unknown keys, the closest known key.
 """
 
@@ -215,7 +215,8 @@ class EvalSection(Section):
 
 
 class StartEvalSection(EvalSection):
-    """The eval section of fine-tuning trainers (SFT, GRPO): the starting model is scored too."""
+    """The eval section of the trainers that start from a trained model (every recipe but pretraining):
+    the starting model is scored too."""
 
     at_start: bool = True
 
@@ -227,7 +228,8 @@ when the config is read."""
 
 class TasksSection(Section):
     """The embedded tasks (add, reverse, sort) that SFT and GRPO train on when ``data.train`` is
-    ``embedded``, and their held-out greedy exact-match eval (run with every eval)."""
+    ``embedded``, and their held-out greedy exact-match eval (run with every eval of the recipes that
+    have this section: SFT, GRPO and the preference recipes)."""
 
     names: list[str] = list(TASK_NAMES)
     train_examples: int = Field(0, ge=0)

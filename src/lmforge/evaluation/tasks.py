@@ -1,7 +1,8 @@
 """Held-out exact match on tasks with known answers: greedy decoding, overall and per task.
 
-One evaluator for SFT and GRPO (``[tasks]`` config section): it runs with every eval, at the start
-too when ``eval.at_start`` is on; :func:`record_task_summary` states the run's "before -> after".
+One evaluator for every recipe with a ``[tasks]`` config section (SFT, GRPO, the preference recipes): it
+runs with every eval, at the start too when ``eval.at_start`` is on; :func:`record_task_summary` states
+the run's "before -> after".
 On several ranks (DDP or FSDP2) each rank decodes its share of the examples and the hits are summed,
 so every rank reports the scores of all of them.
 """

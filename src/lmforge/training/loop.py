@@ -3,7 +3,7 @@
 A trainer hands :func:`train` two things and nothing else:
 
 * a **step source** (:class:`StepSource`): what yields each step's microbatches. The packed data
-  loader for pretraining and SFT; for GRPO a rollout buffer that samples a new rollout
+  loader for every recipe but GRPO; for GRPO a rollout buffer that samples a new rollout
   every ``num_iterations`` steps (its sampling time is its own goodput category, ``rollout``).
 * an **objective** (:class:`Objective`): the loss function, its global normalizer, and how the
   summed statistics become logged values.

@@ -1,4 +1,4 @@
-"""Next-token training's step source (packed data, shared by pretraining, SFT and DPO) and the
+"""Next-token training's step source (packed data, shared by every recipe but GRPO) and the
 next-token job over checked corpora that pretraining runs."""
 
 from __future__ import annotations
