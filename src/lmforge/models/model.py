@@ -267,11 +267,14 @@ class Transformer(nn.Module):
 
     def hidden_states(
         self, tokens: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | None = None, embeds: Tensor | None = None,
     ) -> Tensor:
         """Final-normed hidden states [B, T, dim] (``forward`` minus the output projection).
 
         Exposed so callers can project only the positions they need (generation, chunked loss).
+        ``embeds`` [B, T, dim] replaces the embedding of ``tokens`` (a vision-language model's text
+        embeddings with image features in place of its image tokens); ``position_ids`` may then be a
+        multimodal RoPE's [3, B, T].
         """
         # a later pipeline stage under sequence parallelism gets 1/tp of the sequence: its positions say how long it is
         T = tokens.shape[1] if position_ids is None else position_ids.shape[-1]
@@ -287,7 +290,10 @@ class Transformer(nn.Module):
             position_ids = torch.arange(start, start + T, device=tokens.device).unsqueeze(0)
         # A pipeline stage without the embedding (lmforge.parallel.pipeline) gets hidden states [B, T, dim].
         embedded = self.tok_embeddings is not None
-        h = self.tok_embeddings(tokens) if embedded else tokens
+        if embeds is not None:
+            h, embedded = embeds, False
+        else:
+            h = self.tok_embeddings(tokens) if embedded else tokens
         if self.config.embed_scale and embedded:  # Gemma: the scale rounded to the activation dtype, as transformers does
             h = h * torch.tensor(self.config.dim ** 0.5, dtype=h.dtype)
         ropes = {name: rope(position_ids, h.dtype) for name, rope in self.ropes.items()}
