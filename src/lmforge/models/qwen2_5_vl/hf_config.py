@@ -64,7 +64,8 @@ def args_from_hf(cfg: Mapping[str, Any], where: str) -> Qwen2_5_VLArgs:
             vision_ffn_dim=int(vision["intermediate_size"]), vision_heads=int(vision["num_heads"]),
             vision_in_channels=int(vision["in_channels"]), patch_size=int(vision["patch_size"]),
             temporal_patch_size=int(vision["temporal_patch_size"]), spatial_merge_size=int(vision["spatial_merge_size"]),
-            window_size=int(vision["window_size"]), vision_full_attention_layers=list(vision["fullatt_block_indexes"]),
+            window_size=int(vision["window_size"]), vision_full_attention_layers=[  # transformers never reaches indices past the depth
+                int(i) for i in vision["fullatt_block_indexes"] if int(i) < int(vision["depth"])],
             vision_rope_theta=vision_theta, tokens_per_second=int(vision["tokens_per_second"]),
             **{k: int(cfg.get(k, v)) for k, v in TOKEN_IDS.items()},
         )
