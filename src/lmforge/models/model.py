@@ -268,13 +268,15 @@ class Transformer(nn.Module):
     def hidden_states(
         self, tokens: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None,
         kv_cache: KVCache | None = None, embeds: Tensor | None = None,
+        after_layer: Callable[[int, Tensor], Tensor] | None = None,
     ) -> Tensor:
         """Final-normed hidden states [B, T, dim] (``forward`` minus the output projection).
 
         Exposed so callers can project only the positions they need (generation, chunked loss).
         ``embeds`` [B, T, dim] replaces the embedding of ``tokens`` (a vision-language model's text
         embeddings with image features in place of its image tokens); ``position_ids`` may then be a
-        multimodal RoPE's [3, B, T].
+        multimodal RoPE's [3, B, T]. ``after_layer(i, h)`` replaces block ``i``'s output ``h`` (Qwen3-VL
+        adds image features to the first blocks' outputs at the image tokens).
         """
         # a later pipeline stage under sequence parallelism gets 1/tp of the sequence: its positions say how long it is
         T = tokens.shape[1] if position_ids is None else position_ids.shape[-1]
@@ -306,10 +308,12 @@ class Transformer(nn.Module):
         attention = {window: self._attention_pattern(T, window, tokens.device, kv_cache, layout)
                      for window in {w for w, _ in self.layer_plan}}
 
-        for layer, (window, rope) in zip(self.layers, self.layer_plan):
+        for i, (layer, (window, rope)) in enumerate(zip(self.layers, self.layer_plan)):
             if layer is None:  # owned by another pipeline stage
                 continue
             h = layer(h, *ropes[rope], *attention[window], kv_cache)
+            if after_layer is not None:
+                h = after_layer(i, h)
         if kv_cache is not None:
             kv_cache.advance(T)
         return self.norm(h) if self.norm is not None else h

@@ -1,74 +1,17 @@
-"""The Qwen2.5-VL model: lmforge's decoder (:class:`~lmforge.models.model.Transformer`, unchanged for
-text) with the vision tower as ``visual`` and a multimodal RoPE table.
-
-A forward with images runs the tower over all of the batch's images at once, puts its features in
-place of the image tokens (row by row, in order), numbers the tokens with three positions each
-(:func:`~lmforge.models.vision.mrope_position_ids`, documents of a packed row restarting at 0) and runs
-the decoder on those embeddings. A forward without images is the decoder's own, and its numbers are
-those of the text model.
-"""
+"""The Qwen2.5-VL model: the shared vision-language model (:class:`~lmforge.models.vision.model.
+VisionLanguageModel`: Qwen2's decoder, the tower as ``visual``) with Qwen2.5-VL's tower and its RoPE
+sections (contiguous: the first ``mrope_section[0]`` frequencies follow time, then height, then width)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-from torch import Tensor
-
-from lmforge.models.model import OutputHead, Transformer
 from lmforge.models.qwen2_5_vl.args import Qwen2_5_VLArgs
 from lmforge.models.qwen2_5_vl.vision import VisionTransformer
-from lmforge.models.vision import MultimodalRotaryEmbedding, mrope_position_ids, scatter_image_features
+from lmforge.models.vision.model import VisionLanguageModel
+from lmforge.models.vision.mrope import mrope_axes
 
 __all__ = ["Qwen2_5_VLModel"]
 
 
-class Qwen2_5_VLModel(Transformer):
-    """Vision tower (``visual``) + decoder; ``forward`` takes ``pixel_values`` and ``image_grid_thw``
-    as the image processor returns them."""
-
-    FIRST_STAGE_MODULES = ("tok_embeddings", "visual")
-
+class Qwen2_5_VLModel(VisionLanguageModel):
     def __init__(self, args: Qwen2_5_VLArgs) -> None:
-        super().__init__(args)
-        self.visual = VisionTransformer(args)
-        self.ropes["global"] = MultimodalRotaryEmbedding(self.config.ropes["global"], tuple(args.mrope_section))
-
-    @torch.no_grad()
-    def init_weights(self, seed: int | None = None) -> None:
-        super().init_weights(seed)
-        if self.visual is not None:
-            self.visual.init_weights()
-
-    def image_features(self, pixel_values: Tensor, image_grid_thw: Tensor) -> Tensor:
-        """The language-model inputs of every image [sum of t * h * w / merge**2, dim], images in order."""
-        return self.visual(pixel_values, image_grid_thw)
-
-    def position_ids(self, tokens: Tensor, image_grid_thw: Tensor | None,
-                     document_ids: Tensor | None = None) -> Tensor:
-        """The multimodal RoPE positions [3, B, T] of ``tokens`` (see :func:`mrope_position_ids`)."""
-        return mrope_position_ids(tokens, image_grid_thw, self.args.image_token_id, self.args.spatial_merge_size,
-                                  document_ids)
-
-    def forward(  # type: ignore[override]
-        self, tokens: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None,
-        kv_cache: Any = None, head: OutputHead | None = None, *, pixel_values: Tensor | None = None,
-        image_grid_thw: Tensor | None = None,
-    ) -> Any:
-        """Logits [B, T, vocab] (or ``head``'s result) as :meth:`Transformer.forward`, with the images of
-        ``pixel_values`` / ``image_grid_thw`` at the image tokens. ``position_ids``: [3, B, T] as
-        :meth:`position_ids` makes them (computed here when None and there are images), or [B, T] for text."""
-        embeds = None
-        if pixel_values is not None:
-            if image_grid_thw is None:
-                raise ValueError("pixel_values need image_grid_thw (the image processor returns both)")
-            embeds = scatter_image_features(self.tok_embeddings(tokens), tokens,
-                                            self.image_features(pixel_values, image_grid_thw), self.args.image_token_id)
-            if position_ids is None:
-                position_ids = self.position_ids(tokens, image_grid_thw, document_ids)
-        h = self.hidden_states(tokens, position_ids, document_ids, kv_cache, embeds=embeds)
-        if self.output is None:
-            return h
-        if head is not None:
-            return head(h, self.output.weight)
-        return self.output(h)
+        super().__init__(args, VisionTransformer(args), mrope_axes(args.mrope_section))

@@ -83,8 +83,9 @@ class PatchMerger(nn.Module):
 
 
 class VisionTransformer(nn.Module):
-    """pixel rows [n_patches, channels * temporal * patch**2] and ``grid_thw`` [n_images, 3] -> one
-    feature per merged token [n_patches / merge**2, dim of the language model], images in order."""
+    """pixel rows [n_patches, channels * temporal * patch**2] and ``grid_thw`` [n_images, 3] -> (one
+    feature per merged token [n_patches / merge**2, dim of the language model], images in order; no
+    DeepStack features)."""
 
     def __init__(self, args: Qwen2_5_VLArgs) -> None:
         super().__init__()
@@ -95,7 +96,7 @@ class VisionTransformer(nn.Module):
         self.merger = PatchMerger(args.vision_dim, args.dim, self.merge)
         self.full_attention = set(args.vision_full_attention_layers)
 
-    def forward(self, pixels: Tensor, grid_thw: Tensor) -> Tensor:
+    def forward(self, pixels: Tensor, grid_thw: Tensor) -> tuple[Tensor, list[Tensor]]:
         unit = self.merge * self.merge
         order, windows = window_order(grid_thw, self.merge, self.args.window_tokens)
         frames = segment_lengths(grid_thw)
@@ -110,7 +111,7 @@ class VisionTransformer(nn.Module):
                                                     self.args.vision_rope_theta))
         for i, block in enumerate(self.blocks):
             x = block(x, frames if i in self.full_attention else windows, cos, sin)
-        return self.merger(x)[torch.argsort(order)]
+        return self.merger(x)[torch.argsort(order)], []
 
     def init_weights(self, std: float = 0.02) -> None:
         """N(0, std) matrices, zero biases, unit norms (a tower trained from scratch; checkpoints overwrite it)."""

@@ -1,7 +1,7 @@
-"""Multimodal RoPE (Qwen2-VL, Qwen2.5-VL): every token has three positions (temporal, height, width)
-and each rotary frequency turns with one of them, chosen by ``mrope_section`` (how many of the
-``head_dim / 2`` frequencies follow each axis). Text tokens have three equal positions, so a text-only
-row rotates exactly as plain RoPE; an image's tokens (one per ``merge x merge`` block of patches) take
+"""Multimodal RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): every token has three positions (temporal, height,
+width) and each rotary frequency turns with one of them, chosen by ``mrope_section`` (how many of the
+``head_dim / 2`` frequencies follow each axis, in sections or interleaved). Text tokens have three equal
+positions, so a text-only row rotates exactly as plain RoPE; an image's tokens (one per ``merge x merge`` block of patches) take
 its block row and column, offset to follow the text before it, and the text after an image continues
 from ``start + max(rows, columns)``, as transformers' ``get_rope_index`` numbers them.
 
@@ -10,6 +10,8 @@ Also here: placing the vision tower's features at the image tokens of the embedd
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import Tensor
 
@@ -17,24 +19,40 @@ from lmforge.errors import UserError
 from lmforge.models.configs import RopeConfig
 from lmforge.models.layers.rope import RotaryEmbedding
 
-__all__ = ["MultimodalRotaryEmbedding", "mrope_position_ids", "scatter_image_features"]
+__all__ = ["MultimodalRotaryEmbedding", "mrope_axes", "mrope_position_ids", "scatter_image_features"]
+
+
+def mrope_axes(sections: Sequence[int], interleaved: bool = False) -> list[int]:
+    """The axis (0 temporal, 1 height, 2 width) each of the ``sum(sections)`` frequencies follows: in
+    contiguous sections (Qwen2-VL, Qwen2.5-VL), or interleaved T, H, W, T, H, W... while each axis has
+    frequencies left, the rest temporal (Qwen3-VL's ``mrope_interleaved``)."""
+    if len(sections) != 3:
+        raise UserError(f"mrope_section {list(sections)} must have three parts (temporal, height, width)")
+    if not interleaved:
+        return [axis for axis, n in enumerate(sections) for _ in range(n)]
+    axes = [0] * sum(sections)
+    for axis in (1, 2):
+        for j in range(axis, 3 * sections[axis], 3):
+            axes[j] = axis
+    return axes
 
 
 class MultimodalRotaryEmbedding(RotaryEmbedding):
     """The rotary table of :class:`RotaryEmbedding`, read per axis: ``position_ids`` [3, B, T] gather
-    each feature's angle from its axis's position; [B, T] (text only) read the plain table."""
+    each feature's angle from its axis's position (``axes``, one per frequency, see :func:`mrope_axes`);
+    [B, T] (text only) read the plain table."""
 
-    def __init__(self, cfg: RopeConfig, sections: tuple[int, ...]) -> None:
-        if len(sections) != 3 or 2 * sum(sections) != cfg.dim:
-            raise UserError(f"mrope_section {list(sections)} must have three parts summing to head_dim / 2 = "
+    def __init__(self, cfg: RopeConfig, axes: Sequence[int]) -> None:
+        if 2 * len(axes) != cfg.dim:
+            raise UserError(f"multimodal RoPE sections cover {len(axes)} frequencies; head_dim {cfg.dim} has "
                             f"{cfg.dim // 2}")
-        self.sections = tuple(sections)
+        self.axes = tuple(axes)
         super().__init__(cfg)
 
     def rebuild(self, device: torch.device | str | None = None) -> None:
         """The tables, and which axis each feature follows (rebuilt with them, e.g. after a meta-device build)."""
         super().rebuild(device)
-        half = torch.cat([torch.full((n,), axis, dtype=torch.long) for axis, n in enumerate(self.sections)])
+        half = torch.tensor(self.axes, dtype=torch.long)
         self.axis = torch.cat([half, half]).to(self.cos.device)
 
     def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

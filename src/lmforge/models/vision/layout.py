@@ -1,6 +1,6 @@
-"""Qwen2.5-VL's tensor names: the language model's are Qwen2's under ``model.language_model.`` (its
-head stays ``lm_head``), the vision tower's are lmforge's own under ``model.visual.`` (the tower's
-modules carry the checkpoint's names). Checkpoints in the layout the models were published in
+"""The tensor names of Qwen's vision-language models: the language model's are its text family's under
+``model.language_model.`` (its head stays ``lm_head``), the vision tower's are lmforge's own under
+``model.visual.`` (the towers' modules carry the checkpoints' names). Checkpoints in the layout the models were published in
 (``model.layers.*``, ``visual.*``) read too; writing gives transformers' current layout.
 """
 
@@ -12,10 +12,9 @@ from typing import Mapping
 from torch import Tensor
 
 from lmforge.models.args import ModelArgs
-from lmforge.models.qwen import QWEN2_LAYOUT
 from lmforge.models.state_dict_adapter import StateDictAdapter, strip_wrapper_prefixes
 
-__all__ = ["QWEN2_5_VL_LAYOUT", "VisionLanguageAdapter"]
+__all__ = ["VisionLanguageAdapter"]
 
 LANGUAGE, VISION = "model.language_model.", "model.visual."
 
@@ -47,6 +46,3 @@ class VisionLanguageAdapter(StateDictAdapter):
 
     def hf_module_name(self, name: str) -> str:
         return LANGUAGE + super().hf_module_name(name)[len("model."):]
-
-
-QWEN2_5_VL_LAYOUT = VisionLanguageAdapter(QWEN2_LAYOUT.layer_names, QWEN2_LAYOUT.global_names)
