@@ -19,31 +19,47 @@ from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs, model_args_for
 from lmforge.models.hf import load_hf_config, load_hf_model, lmforge_state_dict_from_hf, hf_state_dict_from_lmforge
 from lmforge.models.hf_config import args_from_hf_config, hf_config_from_args
-from lmforge.models.qwen2_5_vl import QWEN2_5_VL, Qwen2_5_VLArgs, Qwen2_5_VLModel, vision_flops
+from lmforge.models.qwen2_5_vl import QWEN2_5_VL, Qwen2_5_VLArgs, Qwen2_5_VLModel
+from lmforge.models.qwen2_5_vl import vision_flops as qwen2_5_vl_flops
+from lmforge.models.qwen3_vl import QWEN3_VL, Qwen3VLArgs, Qwen3VLModel
+from lmforge.models.qwen3_vl import vision_flops as qwen3_vl_flops
 from lmforge.models.spec import lora_targets_for, parameters_of
 
 transformers = pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")
 
 VOCAB, IMAGE, START, END = 300, 290, 292, 293
-SIZES = [(56, 84), (112, 56)]  # pixels: grids 1x4x6 and 1x8x4 patches -> 6 and 8 image tokens
+TOKENS = dict(image_token_id=IMAGE, video_token_id=291, vision_start_token_id=START, vision_end_token_id=END)
+TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None)
+VISION = dict(hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64)
+FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
+PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16}
+SPECS = {"qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL}
+FLOPS = {"qwen2_5_vl": qwen2_5_vl_flops, "qwen3_vl": qwen3_vl_flops}
 
 
-def hf_config(**text) -> "transformers.Qwen2_5_VLConfig":
-    return transformers.Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
-                         rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[2, 3, 3]),
-                         bos_token_id=None, eos_token_id=None, **text),
-        # window_size 56: windows of 2x2 merged tokens, so window and full attention differ on both images
-        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
-                           fullatt_block_indexes=[1], window_size=56),
-        image_token_id=IMAGE, video_token_id=291, vision_start_token_id=START, vision_end_token_id=END)
+def hf_config(family: str = "qwen2_5_vl", **text) -> "transformers.PretrainedConfig":
+    if family == "qwen2_5_vl":
+        return transformers.Qwen2_5_VLConfig(
+            text_config=dict(**TEXT, num_hidden_layers=2, **text,
+                             rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[2, 3, 3])),
+            # window_size 56: windows of 2x2 merged tokens, so window and full attention differ on both images
+            vision_config=dict(**VISION, depth=3, fullatt_block_indexes=[1], window_size=56), **TOKENS)
+    # head_dim 16 (8 frequencies: T H W T H W T T), a 4x4 position table resampled to every image, DeepStack
+    # features from tower blocks 0 and 1 into decoder blocks 0 and 1 of 3
+    return transformers.Qwen3VLConfig(
+        text_config=dict(**TEXT, num_hidden_layers=3, head_dim=16, **text, rope_parameters=dict(
+            rope_type="default", rope_theta=1e4, mrope_section=[4, 2, 2], mrope_interleaved=True)),
+        vision_config=dict(**VISION, depth=3, patch_size=16, num_position_embeddings=16,
+                           deepstack_visual_indexes=[0, 1]), **TOKENS)
 
 
-def tiny_hf(seed: int = 0, **text) -> "transformers.PreTrainedModel":
+def tiny_hf(family: str = "qwen2_5_vl", seed: int = 0, **text) -> "transformers.PreTrainedModel":
     torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(hf_config(**text)).eval()
+    cls = {"qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+           "qwen3_vl": transformers.Qwen3VLForConditionalGeneration}[family]
+    model = cls(hf_config(family, **text)).eval()
     with torch.no_grad():  # non-trivial norms and biases
         for name, p in model.named_parameters():
             if "norm" in name or "ln_q" in name:
@@ -53,12 +69,14 @@ def tiny_hf(seed: int = 0, **text) -> "transformers.PreTrainedModel":
     return model
 
 
-def images() -> dict[str, torch.Tensor]:
+def images(family: str = "qwen2_5_vl") -> dict[str, torch.Tensor]:
+    """Two random images of 4x6 and 8x4 patches (6 and 8 image tokens)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     rng = np.random.default_rng(0)
-    pics = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in SIZES]
-    out = Qwen2VLImageProcessorPil()(images=pics, return_tensors="pt")
+    p = PATCH[family]
+    pics = [Image.fromarray(rng.integers(0, 255, (h * p, w * p, 3), dtype=np.uint8)) for h, w in ((4, 6), (8, 4))]
+    out = Qwen2VLImageProcessorPil(patch_size=p)(images=pics, return_tensors="pt")
     return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
 
@@ -83,13 +101,20 @@ def batch(grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """(transformers model, its directory, lmforge's model loaded from it)."""
-    hf = tiny_hf()
-    path = tmp_path_factory.mktemp("qwen2_5_vl")
+@pytest.fixture(scope="module", params=FAMILIES)
+def pair(request, tmp_path_factory):
+    """(transformers model, its directory, lmforge's model loaded from it); ``pair.family`` names the family."""
+    hf = tiny_hf(request.param)
+    path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
-    return hf, path, load_hf_model(path).eval()
+    return Pair(hf, path, load_hf_model(path).eval(), request.param)
+
+
+class Pair(tuple):
+    def __new__(cls, hf, path, model, family):
+        pair = super().__new__(cls, (hf, path, model))
+        pair.family = family
+        return pair
 
 
 def hf_logits(hf, ids, mask, pix=None) -> torch.Tensor:
@@ -100,14 +125,18 @@ def hf_logits(hf, ids, mask, pix=None) -> torch.Tensor:
 
 def test_loads_as_the_family(pair):
     _, path, model = pair
-    assert isinstance(model, Qwen2_5_VLModel) and isinstance(model.args, Qwen2_5_VLArgs)
-    assert model.args.vision_full_attention_layers == [1] and model.args.window_tokens == 2
-    assert model.args.mrope_section == [2, 3, 3]
+    assert model.args.mrope_section == ([2, 3, 3] if pair.family == "qwen2_5_vl" else [4, 2, 2])
+    if pair.family == "qwen2_5_vl":
+        assert isinstance(model, Qwen2_5_VLModel) and isinstance(model.args, Qwen2_5_VLArgs)
+        assert model.args.vision_full_attention_layers == [1] and model.args.window_tokens == 2
+    else:
+        assert isinstance(model, Qwen3VLModel) and isinstance(model.args, Qwen3VLArgs)
+        assert model.args.deepstack_layers == [0, 1] and model.args.head_dim == 16
 
 
 def test_logits_with_images_equal_transformers(pair):
     hf, _, model = pair
-    pix = images()
+    pix = images(pair.family)
     assert pix["image_grid_thw"].tolist() == [[1, 4, 6], [1, 8, 4]]
     ids, mask = batch(pix["image_grid_thw"])
     ref = hf_logits(hf, ids, mask, pix)
@@ -132,17 +161,20 @@ def test_text_only_logits_equal_transformers(pair):
 
 def test_vision_tower_equals_transformers(pair):
     hf, _, model = pair
-    pix = images()
+    pix = images(pair.family)
     with torch.no_grad():
-        ref = hf.model.visual(pix["pixel_values"], grid_thw=pix["image_grid_thw"]).pooler_output
-        got = model.image_features(**pix)
+        ref = hf.model.visual(pix["pixel_values"], grid_thw=pix["image_grid_thw"])
+        got, deepstack = model.visual(pix["pixel_values"], pix["image_grid_thw"])
     assert got.shape == (14, 64)
-    assert (got - ref).abs().max() < 1e-5
+    assert (got - ref.pooler_output).abs().max() < 1e-5
+    refs = getattr(ref, "deepstack_features", None) or []
+    assert len(deepstack) == len(refs) == (2 if pair.family == "qwen3_vl" else 0)
+    assert all((a - b).abs().max() < 1e-5 for a, b in zip(deepstack, refs))
 
 
 def test_positions_equal_get_rope_index(pair):
     hf, _, model = pair
-    pix = images()
+    pix = images(pair.family)
     ids, mask = batch(pix["image_grid_thw"])
     ref, _ = hf.model.get_rope_index(ids, (ids == IMAGE).int(), pix["image_grid_thw"], attention_mask=mask)
     got = model.position_ids(ids, pix["image_grid_thw"])
@@ -160,7 +192,7 @@ def test_positions_equal_get_rope_index(pair):
 
 def test_packed_row_with_an_image_equals_separate_rows(pair):
     hf, _, model = pair
-    pix = images()
+    pix = images(pair.family)
     n0, n1 = (int(g.prod()) // 4 for g in pix["image_grid_thw"])
     docs = [text(2, 11) + with_image(n0) + text(3, 12), text(6, 13), with_image(n1) + text(4, 14)]
     ids = torch.tensor([sum(docs, [])])
@@ -171,7 +203,7 @@ def test_packed_row_with_an_image_equals_separate_rows(pair):
     for i, d in enumerate(docs):
         row = torch.tensor([d])
         has = IMAGE in d
-        one = {"pixel_values": pix["pixel_values"][:24] if i == 0 else pix["pixel_values"][24:],
+        one = {"pixel_values": pix["pixel_values"][:24] if i == 0 else pix["pixel_values"][24:],  # 4x6 patches
                "image_grid_thw": pix["image_grid_thw"][[0 if i == 0 else 1]]} if has else None
         refs.append(hf_logits(hf, row, torch.ones_like(row), one)[0])
     assert (got - torch.cat(refs)).abs().max() < 1e-5
@@ -191,8 +223,9 @@ def test_state_dict_round_trip_gives_transformers_tensors(pair):
     assert set(state) == set(model.state_dict())
 
 
-def test_tied_embeddings_round_trip(tmp_path):
-    hf = tiny_hf(seed=1)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tied_embeddings_round_trip(tmp_path, family):
+    hf = tiny_hf(family, seed=1)
     hf.config.tie_word_embeddings = True
     hf.tie_weights()
     hf.save_pretrained(tmp_path)
@@ -207,7 +240,7 @@ def test_config_round_trip_builds_the_same_transformers_model(pair, tmp_path):
     hf, path, model = pair
     cfg = hf_config_from_args(model.args, torch_dtype="float32")
     assert args_from_hf_config(json.loads(json.dumps(cfg)), "config.json") == model.args
-    rebuilt = transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(**cfg))
+    rebuilt = type(hf)(type(hf.config)(**cfg))
     assert {k: v.shape for k, v in rebuilt.state_dict().items()} == {k: v.shape for k, v in hf.state_dict().items()}
     assert ModelArgs.from_dict(model.args.to_dict()) == model.args  # checkpoints rebuild the family's args
 
@@ -223,15 +256,16 @@ def test_published_flat_config_reads():
     assert args.vision_full_attention_layers == []  # the default [7, 15, 23, 31] is past a depth of 2
 
 
-@pytest.mark.parametrize("change, named", [
-    ({"text_config": {"use_sliding_window": True}}, "use_sliding_window"),
-    ({"vision_config": {"out_hidden_size": 32}}, "out_hidden_size"),
-    ({"vision_config": {"hidden_act": "gelu"}}, "vision_config.hidden_act"),
-    ({"text_config": {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}}, "rope type"),
+@pytest.mark.parametrize("family, change, named", [
+    ("qwen2_5_vl", {"text_config": {"use_sliding_window": True}}, "use_sliding_window"),
+    ("qwen2_5_vl", {"vision_config": {"hidden_act": "gelu"}}, "vision_config.hidden_act"),
+    ("qwen3_vl", {"text_config": {"attention_bias": True}}, "attention_bias"),
+    ("qwen3_vl", {"vision_config": {"hidden_act": "silu"}}, "vision_config.hidden_act"),
+    *[(f, {"vision_config": {"out_hidden_size": 32}}, "out_hidden_size") for f in FAMILIES],
+    *[(f, {"text_config": {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}}, "rope type") for f in FAMILIES],
 ])
-def test_unsupported_configs_are_refused_in_one_line(pair, change, named):
-    _, path, _ = pair
-    cfg = json.loads((path / "config.json").read_text())
+def test_unsupported_configs_are_refused_in_one_line(family, change, named):
+    cfg = json.loads(hf_config(family).to_json_string())
     for section, keys in change.items():
         cfg[section].update(keys)
     with pytest.raises(UserError, match=named) as e:
@@ -244,22 +278,24 @@ def test_vision_flops_equal_torch_counter(pair):
     from torch.utils.flop_counter import FlopCounterMode
 
     _, _, model = pair
-    pix = images()
+    pix = images(pair.family)
     # the math kernel: its matmuls are counted (the CPU's fused attention kernel is not)
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        model.image_features(**pix)
+        model.visual(pix["pixel_values"], pix["image_grid_thw"])
+    vision_flops = FLOPS[pair.family]
     assert vision_flops(model.args, pix["image_grid_thw"], training=False) == counter.get_total_flops()
     assert vision_flops(model.args, pix["image_grid_thw"]) == 3 * counter.get_total_flops()
 
 
 def test_parameter_groups_cover_the_model_once(pair):
     _, _, model = pair
-    groups = {g: {n for n, _ in parameters_of(model, QWEN2_5_VL, g)} for g in QWEN2_5_VL.parameter_groups}
+    spec = SPECS[pair.family]
+    groups = {g: {n for n, _ in parameters_of(model, spec, g)} for g in spec.parameter_groups}
     assert all(groups.values())
     assert sum(len(v) for v in groups.values()) == len(dict(model.named_parameters()))
-    assert all(n.startswith("visual.merger.") for n in groups["projector"])
+    assert all(n.startswith(("visual.merger.", "visual.deepstack_merger_list.")) for n in groups["projector"])
     with pytest.raises(UserError, match="vision_tower, projector, language_model"):
-        parameters_of(model, QWEN2_5_VL, "vision")
+        parameters_of(model, spec, "vision")
 
 
 def test_lora_targets_only_the_language_model(pair):
@@ -267,13 +303,14 @@ def test_lora_targets_only_the_language_model(pair):
     from lmforge.models.lora import apply_lora
 
     _, _, model = pair
-    hf_module = QWEN2_5_VL.state_dict_adapter.hf_module_name("layers.1.attention.wq")
+    spec = SPECS[pair.family]
+    hf_module = spec.state_dict_adapter.hf_module_name("layers.1.attention.wq")
     assert hf_module == "model.language_model.layers.1.self_attn.q_proj"
     section = type("Lora", (), dict(rank=2, alpha=4, dropout=0.0, target_modules=None, quantize=None))()
-    adapted = apply_lora(Qwen2_5_VLModel(model.args), section)
+    adapted = apply_lora(spec.build(model.args), section)
     trained = [n for n, p in adapted.named_parameters() if p.requires_grad]
     assert trained and all(n.startswith("layers.") and "lora_" in n for n in trained)
-    assert lora_targets_for(model.args, None) == dict(QWEN2_5_VL.lora_targets)
+    assert lora_targets_for(model.args, None) == dict(spec.lora_targets)
     _ = peft
 
 
@@ -284,3 +321,5 @@ def test_named_sizes_build_the_family():
         model = Qwen2_5_VLModel(args)
     # Qwen/Qwen2.5-VL-3B-Instruct: 3.75B parameters (tied embeddings counted once)
     assert abs(model.num_params() / 1e9 - 3.75) < 0.01
+    args = model_args_for("qwen3-vl-8b", vocab_size=151936)
+    assert isinstance(args, Qwen3VLArgs) and args.deepstack_layers == [8, 16, 24]

@@ -14,25 +14,15 @@ from typing import Any, Mapping
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
 from lmforge.models.qwen2_5_vl.args import Qwen2_5_VLArgs
+from lmforge.models.vision.config_json import mrope_settings, token_ids
 
 __all__ = ["ARCHITECTURE", "MODEL_TYPE", "args_from_hf", "check_exportable", "hf_config"]
 
 MODEL_TYPE = "qwen2_5_vl"
 ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
-TOKEN_IDS = {"image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
-             "vision_end_token_id": 151653}
 VISION_DEFAULTS = {"depth": 32, "hidden_size": 3584, "intermediate_size": 3420, "num_heads": 16, "in_channels": 3,
                    "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "tokens_per_second": 4,
                    "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]}
-
-
-def _rope(text: Mapping[str, Any], where: str) -> tuple[float, list[int]]:
-    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", "mrope"):
-        raise UserError(f"{where}: rope type {kind!r} is not supported for {MODEL_TYPE} (only mrope)")
-    theta = float(rope.get("rope_theta", text.get("rope_theta", 1000000.0)))
-    return theta, list(rope.get("mrope_section", [16, 24, 24]))
 
 
 def args_from_hf(cfg: Mapping[str, Any], where: str) -> Qwen2_5_VLArgs:
@@ -47,7 +37,7 @@ def args_from_hf(cfg: Mapping[str, Any], where: str) -> Qwen2_5_VLArgs:
         act = section.get(key.rpartition(".")[2], "silu")
         if act != "silu":
             raise UserError(f"{where}: {key} {act!r} is not supported for model_type {MODEL_TYPE!r} (need silu)")
-    theta, sections = _rope(text, where)
+    theta, sections = mrope_settings(text, where, MODEL_TYPE, 1000000.0, [16, 24, 24])
     vision_theta = float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     try:
         dim = int(text["hidden_size"])
@@ -67,7 +57,7 @@ def args_from_hf(cfg: Mapping[str, Any], where: str) -> Qwen2_5_VLArgs:
             window_size=int(vision["window_size"]), vision_full_attention_layers=[  # transformers never reaches indices past the depth
                 int(i) for i in vision["fullatt_block_indexes"] if int(i) < int(vision["depth"])],
             vision_rope_theta=vision_theta, tokens_per_second=int(vision["tokens_per_second"]),
-            **{k: int(cfg.get(k, v)) for k, v in TOKEN_IDS.items()},
+            **token_ids(cfg),
         )
     except KeyError as e:
         raise UserError(f"{where}: missing field {e.args[0]!r}") from None

@@ -32,7 +32,7 @@ def mrope_axes(sections: Sequence[int], interleaved: bool = False) -> list[int]:
         return [axis for axis, n in enumerate(sections) for _ in range(n)]
     axes = [0] * sum(sections)
     for axis in (1, 2):
-        for j in range(axis, 3 * sections[axis], 3):
+        for j in range(axis, min(3 * sections[axis], len(axes)), 3):  # past the end: dropped, as transformers
             axes[j] = axis
     return axes
 
