@@ -17,7 +17,7 @@ import torch
 
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs, model_args_for
-from lmforge.models.hf import load_hf_config, load_hf_model, lmforge_state_dict_from_hf, hf_state_dict_from_lmforge
+from lmforge.models.hf import hf_state_dict_from_lmforge, lmforge_state_dict_from_hf, load_hf_model, save_hf_model
 from lmforge.models.hf_config import args_from_hf_config, hf_config_from_args
 from lmforge.models.qwen2_5_vl import QWEN2_5_VL, Qwen2_5_VLArgs, Qwen2_5_VLModel
 from lmforge.models.qwen2_5_vl import vision_flops as qwen2_5_vl_flops
@@ -221,6 +221,15 @@ def test_state_dict_round_trip_gives_transformers_tensors(pair):
            for k, t in ref.items()}
     state = lmforge_state_dict_from_hf(old, model.args)
     assert set(state) == set(model.state_dict())
+
+
+def test_saved_directory_loads_in_transformers_with_the_same_logits(pair, tmp_path):
+    hf, _, model = pair
+    save_hf_model(model.state_dict(), model.args, tmp_path)
+    back = type(hf).from_pretrained(tmp_path).eval()
+    pix = images(pair.family)
+    ids, mask = batch(pix["image_grid_thw"])
+    assert (hf_logits(back, ids, mask, pix) - hf_logits(hf, ids, mask, pix)).abs().max() == 0
 
 
 @pytest.mark.parametrize("family", FAMILIES)

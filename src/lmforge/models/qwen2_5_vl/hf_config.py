@@ -53,8 +53,10 @@ def args_from_hf(cfg: Mapping[str, Any], where: str) -> Qwen2_5_VLArgs:
             mrope_section=sections, vision_depth=int(vision["depth"]), vision_dim=int(vision["hidden_size"]),
             vision_ffn_dim=int(vision["intermediate_size"]), vision_heads=int(vision["num_heads"]),
             vision_in_channels=int(vision["in_channels"]), patch_size=int(vision["patch_size"]),
-            temporal_patch_size=int(vision["temporal_patch_size"]), spatial_merge_size=int(vision["spatial_merge_size"]),
-            window_size=int(vision["window_size"]), vision_full_attention_layers=[  # transformers never reaches indices past the depth
+            temporal_patch_size=int(vision["temporal_patch_size"]),
+            spatial_merge_size=int(vision["spatial_merge_size"]),
+            window_size=int(vision["window_size"]),
+            vision_full_attention_layers=[  # transformers never reaches indices past the depth
                 int(i) for i in vision["fullatt_block_indexes"] if int(i) < int(vision["depth"])],
             vision_rope_theta=vision_theta, tokens_per_second=int(vision["tokens_per_second"]),
             **token_ids(cfg),
@@ -76,7 +78,8 @@ def check_exportable(args: ModelArgs) -> None:
         ("Gemma's norms", args.norm_unit_offset or args.embed_scale or args.sandwich_norm),
     ) if bad]
     if problems:
-        raise UserError(f"cannot export as Hugging Face model_type {MODEL_TYPE!r}: it cannot have {', '.join(problems)}")
+        raise UserError(f"cannot export as Hugging Face model_type {MODEL_TYPE!r}: it cannot have "
+                        f"{', '.join(problems)}")
 
 
 def hf_config(args: ModelArgs, *, torch_dtype: str, bos_token_id: int | None = None,
@@ -87,16 +90,19 @@ def hf_config(args: ModelArgs, *, torch_dtype: str, bos_token_id: int | None = N
     text = {
         "model_type": "qwen2_5_vl_text", "hidden_size": args.dim, "intermediate_size": args.ffn_dim,
         "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads, "vocab_size": args.vocab_size, "max_position_embeddings": args.max_seq_len,
+        "num_key_value_heads": args.kv_heads, "vocab_size": args.vocab_size,
+        "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps, "hidden_act": "silu", "use_sliding_window": False, "sliding_window": None,
         "max_window_layers": args.n_layers, "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta, "mrope_section": list(args.mrope_section)},
+        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta,
+                            "mrope_section": list(args.mrope_section)},
         "tie_word_embeddings": args.tie_embeddings, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
         "pad_token_id": pad_token_id, "dtype": torch_dtype,
     }
     vision = {
         "model_type": "qwen2_5_vl_vision", "depth": args.vision_depth, "hidden_size": args.vision_dim,
-        "intermediate_size": args.vision_ffn_dim, "num_heads": args.vision_heads, "in_channels": args.vision_in_channels,
+        "intermediate_size": args.vision_ffn_dim, "num_heads": args.vision_heads,
+        "in_channels": args.vision_in_channels,
         "patch_size": args.patch_size, "temporal_patch_size": args.temporal_patch_size,
         "spatial_merge_size": args.spatial_merge_size, "window_size": args.window_size, "out_hidden_size": args.dim,
         "fullatt_block_indexes": list(args.vision_full_attention_layers), "tokens_per_second": args.tokens_per_second,

@@ -91,7 +91,8 @@ class VisionTransformer(nn.Module):
         super().__init__()
         self.args = args
         self.merge = args.spatial_merge_size
-        self.patch_embed = PatchEmbed(args.patch_size, args.temporal_patch_size, args.vision_in_channels, args.vision_dim)
+        self.patch_embed = PatchEmbed(args.patch_size, args.temporal_patch_size, args.vision_in_channels,
+                                      args.vision_dim)
         self.blocks = nn.ModuleList(VisionBlock(args) for _ in range(args.vision_depth))
         self.merger = PatchMerger(args.vision_dim, args.dim, self.merge)
         self.full_attention = set(args.vision_full_attention_layers)

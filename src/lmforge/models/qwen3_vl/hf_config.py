@@ -74,7 +74,8 @@ def check_exportable(args: ModelArgs) -> None:
         ("Gemma's norms", args.norm_unit_offset or args.embed_scale or args.sandwich_norm),
     ) if bad]
     if problems:
-        raise UserError(f"cannot export as Hugging Face model_type {MODEL_TYPE!r}: it cannot have {', '.join(problems)}")
+        raise UserError(f"cannot export as Hugging Face model_type {MODEL_TYPE!r}: it cannot have "
+                        f"{', '.join(problems)}")
 
 
 def hf_config(args: ModelArgs, *, torch_dtype: str, bos_token_id: int | None = None,

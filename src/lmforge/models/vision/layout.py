@@ -1,6 +1,7 @@
 """The tensor names of Qwen's vision-language models: the language model's are its text family's under
 ``model.language_model.`` (its head stays ``lm_head``), the vision tower's are lmforge's own under
-``model.visual.`` (the towers' modules carry the checkpoints' names). Checkpoints in the layout the models were published in
+``model.visual.`` (the towers' modules carry the checkpoints' names). Checkpoints in the layout the
+models were published in
 (``model.layers.*``, ``visual.*``) read too; writing gives transformers' current layout.
 """
 

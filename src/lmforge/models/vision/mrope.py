@@ -1,7 +1,8 @@
 """Multimodal RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): every token has three positions (temporal, height,
 width) and each rotary frequency turns with one of them, chosen by ``mrope_section`` (how many of the
 ``head_dim / 2`` frequencies follow each axis, in sections or interleaved). Text tokens have three equal
-positions, so a text-only row rotates exactly as plain RoPE; an image's tokens (one per ``merge x merge`` block of patches) take
+positions, so a text-only row rotates exactly as plain RoPE; an image's tokens (one per ``merge x merge``
+block of patches) take
 its block row and column, offset to follow the text before it, and the text after an image continues
 from ``start + max(rows, columns)``, as transformers' ``get_rope_index`` numbers them.
 

@@ -12,7 +12,8 @@ __all__ = ["PatchEmbed"]
 class PatchEmbed(nn.Module):
     """[n_patches, channels * temporal * patch * patch] pixel rows -> [n_patches, dim]."""
 
-    def __init__(self, patch_size: int, temporal_patch_size: int, in_channels: int, dim: int, bias: bool = False) -> None:
+    def __init__(self, patch_size: int, temporal_patch_size: int, in_channels: int, dim: int,
+                 bias: bool = False) -> None:
         super().__init__()
         self.shape = (in_channels, temporal_patch_size, patch_size, patch_size)
         self.dim = dim
