@@ -20,7 +20,8 @@ from lmforge.models.spec import (
     ModelSpec, get_spec, register_spec, registered_model_types, registered_specs, spec_for_args, spec_for_hf_config,
 )
 
-VISION_LANGUAGE = {"qwen2_5_vl": "test_qwen_vl", "qwen3_vl": "test_qwen_vl"}
+VISION_LANGUAGE = {"qwen2_5_vl": ("test_qwen_vl", ("qwen2_5_vl",)), "qwen3_vl": ("test_qwen_vl", ("qwen3_vl",)),
+                   "gemma3": ("test_gemma3_vl", ())}
 """Vision-language families, compared to transformers (images in the batch, config and names both ways) in
 their own test files; the text-decoder checks here do not describe their configs."""
 SPECS = tuple(s for s in registered_specs() if s.name not in VISION_LANGUAGE)
@@ -66,8 +67,8 @@ def test_registry_holds_exactly_the_families_test_families_covers():
     import test_families
 
     tested = {test_families.hf_config(f).model_type for f in test_families.FAMILIES}
-    for family, module in VISION_LANGUAGE.items():  # each one's own file builds it with transformers
-        assert __import__(module).hf_config(family).model_type == family
+    for family, (module, args) in VISION_LANGUAGE.items():  # each one's own file builds it with transformers
+        assert __import__(module).hf_config(*args).model_type == family
     assert set(registered_model_types()) == tested | set(VISION_LANGUAGE)
     assert len(registered_model_types()) == len(SPECS) + len(VISION_LANGUAGE)
     assert {s.name for s in SPECS} == tested  # built-in specs are named after their model_type

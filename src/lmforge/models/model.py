@@ -269,6 +269,7 @@ class Transformer(nn.Module):
         self, tokens: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None,
         kv_cache: KVCache | None = None, embeds: Tensor | None = None,
         after_layer: Callable[[int, Tensor], Tensor] | None = None,
+        mask: Callable[[int | None], Tensor] | None = None,
     ) -> Tensor:
         """Final-normed hidden states [B, T, dim] (``forward`` minus the output projection).
 
@@ -276,7 +277,9 @@ class Transformer(nn.Module):
         ``embeds`` [B, T, dim] replaces the embedding of ``tokens`` (a vision-language model's text
         embeddings with image features in place of its image tokens); ``position_ids`` may then be a
         multimodal RoPE's [3, B, T]. ``after_layer(i, h)`` replaces block ``i``'s output ``h`` (Qwen3-VL
-        adds image features to the first blocks' outputs at the image tokens).
+        adds image features to the first blocks' outputs at the image tokens). ``mask(window)`` gives the
+        boolean SDPA mask [B, 1, T, T] of the layers with that sliding window (None: full attention) in place
+        of causal attention (Gemma 3 attends bidirectionally within each image).
         """
         # a later pipeline stage under sequence parallelism gets 1/tp of the sequence: its positions say how long it is
         T = tokens.shape[1] if position_ids is None else position_ids.shape[-1]
@@ -305,7 +308,10 @@ class Transformer(nn.Module):
             layout = cp.layout(document_ids, tokens.shape[0], T, tokens.device)
         else:
             layout = packed_layout(document_ids) if document_ids is not None and kv_cache is None else None
-        attention = {window: self._attention_pattern(T, window, tokens.device, kv_cache, layout)
+        if mask is not None and (kv_cache is not None or layout is not None):
+            raise ValueError("an attention mask cannot be combined with a kv_cache, document_ids or context parallelism")
+        attention = {window: (mask(window), False) if mask is not None else
+                     self._attention_pattern(T, window, tokens.device, kv_cache, layout)
                      for window in {w for w, _ in self.layer_plan}}
 
         for i, (layer, (window, rope)) in enumerate(zip(self.layers, self.layer_plan)):

@@ -31,10 +31,14 @@ class VisionLanguageModel(Transformer):
 
     FIRST_STAGE_MODULES = ("tok_embeddings", "visual")
 
-    def __init__(self, args: ModelArgs, visual: nn.Module, rope_axes: Sequence[int]) -> None:
+    def __init__(self, args: ModelArgs, visual: nn.Module, rope_axes: Sequence[int] | None) -> None:
+        """``rope_axes``: the frequencies' axes of a multimodal RoPE (:func:`~lmforge.models.vision.mrope_axes`);
+        None keeps the decoder's RoPE and one position per token (Gemma 3)."""
         super().__init__(args)
         self.visual = visual
-        self.ropes["global"] = MultimodalRotaryEmbedding(self.config.ropes["global"], rope_axes)
+        self.multimodal_rope = rope_axes is not None
+        if rope_axes is not None:
+            self.ropes["global"] = MultimodalRotaryEmbedding(self.config.ropes["global"], rope_axes)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -42,7 +46,16 @@ class VisionLanguageModel(Transformer):
         if self.visual is not None:
             self.visual.init_weights()
 
-    def image_features(self, pixel_values: Tensor, image_grid_thw: Tensor) -> Tensor:
+    def embed(self, tokens: Tensor) -> Tensor:
+        """The text embeddings the image features are placed among (the family may scale them)."""
+        return self.tok_embeddings(tokens)
+
+    def attention_mask(self, tokens: Tensor, document_ids: Tensor | None) -> Callable[[int | None], Tensor] | None:
+        """The attention of a batch with images, per sliding window (see ``Transformer.hidden_states``); None:
+        the decoder's causal attention (per document)."""
+        return None
+
+    def image_features(self, pixel_values: Tensor, image_grid_thw: Tensor | None = None) -> Tensor:
         """The language-model inputs of every image [sum of t * h * w / merge**2, dim], images in order."""
         return self.visual(pixel_values, image_grid_thw)[0]
 
@@ -60,18 +73,22 @@ class VisionLanguageModel(Transformer):
         """Logits [B, T, vocab] (or ``head``'s result) as :meth:`Transformer.forward`, with the images of
         ``pixel_values`` / ``image_grid_thw`` at the image tokens. ``position_ids``: [3, B, T] as
         :meth:`position_ids` makes them (computed here when None and there are images), or [B, T] for text."""
-        embeds, after_layer = None, None
+        embeds, after_layer, mask = None, None, None
         if pixel_values is not None:
-            if image_grid_thw is None:
+            if image_grid_thw is None and self.multimodal_rope:
                 raise ValueError("pixel_values need image_grid_thw (the image processor returns both)")
             image_token = self.args.image_token_id  # type: ignore[attr-defined]
             features, deepstack = self.visual(pixel_values, image_grid_thw)
-            embeds = scatter_image_features(self.tok_embeddings(tokens), tokens, features, image_token)
+            embeds = scatter_image_features(self.embed(tokens), tokens, features, image_token)
             if deepstack:
                 after_layer = _deepstack(tokens == image_token, deepstack)
-            if position_ids is None:
+            if position_ids is None and self.multimodal_rope:
                 position_ids = self.position_ids(tokens, image_grid_thw, document_ids)
-        h = self.hidden_states(tokens, position_ids, document_ids, kv_cache, embeds=embeds, after_layer=after_layer)
+            mask = self.attention_mask(tokens, document_ids)
+            if mask is not None:  # the documents are in the mask
+                document_ids = None
+        h = self.hidden_states(tokens, position_ids, document_ids, kv_cache, embeds=embeds, after_layer=after_layer,
+                               mask=mask)
         if self.output is None:
             return h
         if head is not None:
