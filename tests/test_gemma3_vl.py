@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lmforge.errors import UserError
-from lmforge.models.gemma3_vl import GEMMA3_VL, Gemma3VLArgs, Gemma3VLModel
+from lmforge.models.gemma3_vl import GEMMA3_VL, Gemma3VLArgs, Gemma3VLModel, vision_flops
 from lmforge.models.hf import hf_state_dict_from_lmforge, load_hf_model, save_hf_model
 from lmforge.models.hf_config import args_from_hf_config, hf_config_from_args
 from lmforge.models.spec import parameters_of
@@ -192,3 +192,15 @@ def test_parameter_groups_and_lora_targets(pair):
     adapted = apply_lora(GEMMA3_VL.build(model.args), section)
     trained = [n for n, p in adapted.named_parameters() if p.requires_grad]
     assert trained and all(n.startswith("layers.") and "lora_" in n for n in trained)
+
+
+def test_vision_flops_equal_torch_counter(pair):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    _, _, model = pair
+    # the math kernel: its matmuls are counted (the CPU's fused attention kernel is not)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model.image_features(pixels())
+    assert vision_flops(model.args, 2, training=False) == counter.get_total_flops()
+    assert vision_flops(model.args, 2) == 3 * counter.get_total_flops()

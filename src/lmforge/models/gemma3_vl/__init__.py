@@ -4,7 +4,8 @@
 - :mod:`.vision`: the SigLIP tower and the projector;
 - :mod:`.model`: :class:`Gemma3VLModel` (:class:`lmforge.models.vision.model.VisionLanguageModel` with
   scaled text embeddings and bidirectional attention within each image);
-- :mod:`.hf_config`: config.json both ways (the text part through the ``gemma3_text`` family).
+- :mod:`.hf_config`: config.json both ways (the text part through the ``gemma3_text`` family);
+- :mod:`.flops`: the tower's and projector's FLOPs for a number of images.
 
 LoRA targets the language model's projections; the parameter groups name the tower, the projector
 and the language model. Importing this package registers the spec. Pan-and-scan crops (several
@@ -16,10 +17,11 @@ from __future__ import annotations
 from lmforge.models.gemma3 import GEMMA3_LAYOUT
 from lmforge.models.gemma3_vl import hf_config as _hf
 from lmforge.models.gemma3_vl.args import Gemma3VLArgs
+from lmforge.models.gemma3_vl.flops import vision_flops
 from lmforge.models.gemma3_vl.model import Gemma3VLModel
 from lmforge.models.vision.layout import VisionLanguageAdapter
 
-__all__ = ["GEMMA3_VL", "GEMMA3_VL_LAYOUT", "Gemma3VLArgs", "Gemma3VLModel", "PARAMETER_GROUPS"]
+__all__ = ["GEMMA3_VL", "GEMMA3_VL_LAYOUT", "Gemma3VLArgs", "Gemma3VLModel", "PARAMETER_GROUPS", "vision_flops"]
 
 GEMMA3_VL_LAYOUT = VisionLanguageAdapter(
     GEMMA3_LAYOUT.layer_names, GEMMA3_LAYOUT.global_names,

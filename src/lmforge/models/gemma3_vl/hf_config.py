@@ -28,6 +28,8 @@ def args_from_hf(cfg: Mapping[str, Any], where: str) -> Gemma3VLArgs:
     """``Gemma3VLArgs`` of a parsed config.json; ``where`` names the file in errors."""
     if cfg.get("model_type") != MODEL_TYPE:
         raise UserError(f"{where}: model_type {cfg.get('model_type')!r} is not {MODEL_TYPE!r}")
+    if not isinstance(cfg.get("text_config"), Mapping):
+        raise UserError(f"{where}: model_type {MODEL_TYPE!r} needs a text_config (the language model's settings)")
     vision = {**VISION_DEFAULTS, **(cfg.get("vision_config") or {})}
     if vision["hidden_act"] != "gelu_pytorch_tanh":
         raise UserError(f"{where}: vision_config.hidden_act {vision['hidden_act']!r} is not supported "
