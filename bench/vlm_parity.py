@@ -45,7 +45,8 @@ def main() -> None:
     ids, mask = gemma.batch()
     images = (model(ids, pixel_values=pix) - gemma.hf_logits(hf, ids, mask, pix))[mask.bool()].abs().max().item()
     plain = (model(text) - gemma.hf_logits(hf, text, torch.ones_like(text))).abs().max().item()
-    tower = (model.image_features(pix) - hf.model.get_image_features(pix).pooler_output.flatten(0, 1)).abs().max().item()
+    ref_features = hf.model.get_image_features(pix).pooler_output.flatten(0, 1)
+    tower = (model.image_features(pix) - ref_features).abs().max().item()
     print(f"gemma3: images batch {images:.3g}, text only {plain:.3g}, image features {tower:.3g}")
 
 

@@ -309,7 +309,8 @@ class Transformer(nn.Module):
         else:
             layout = packed_layout(document_ids) if document_ids is not None and kv_cache is None else None
         if mask is not None and (kv_cache is not None or layout is not None):
-            raise ValueError("an attention mask cannot be combined with a kv_cache, document_ids or context parallelism")
+            raise ValueError("an attention mask cannot be combined with a kv_cache, document_ids or "
+                             "context parallelism")
         attention = {window: (mask(window), False) if mask is not None else
                      self._attention_pattern(T, window, tokens.device, kv_cache, layout)
                      for window in {w for w, _ in self.layer_plan}}

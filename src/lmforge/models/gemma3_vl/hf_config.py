@@ -42,7 +42,8 @@ def args_from_hf(cfg: Mapping[str, Any], where: str) -> Gemma3VLArgs:
             vision_dim=int(vision["hidden_size"]), vision_ffn_dim=int(vision["intermediate_size"]),
             vision_heads=int(vision["num_attention_heads"]), vision_in_channels=int(vision["num_channels"]),
             image_size=int(vision["image_size"]), patch_size=int(vision["patch_size"]),
-            vision_norm_eps=float(vision["layer_norm_eps"]), mm_tokens_per_image=int(cfg.get("mm_tokens_per_image", 256)),
+            vision_norm_eps=float(vision["layer_norm_eps"]),
+            mm_tokens_per_image=int(cfg.get("mm_tokens_per_image", 256)),
             **{field: int(cfg.get(key, default)) for key, (field, default) in TOKENS.items()},
         )
     except UserError as e:

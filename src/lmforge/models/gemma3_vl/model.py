@@ -28,7 +28,8 @@ def image_block_mask(tokens: Tensor, image_token_id: int, window: int | None,
     start = image & ~F.pad(image, (1, 0))[:, :-1]
     block = torch.where(image, torch.cumsum(start.int(), 1) - 1, -1)
     pos = torch.arange(tokens.shape[1], device=tokens.device)
-    mask = (pos[None, :, None] >= pos[None, None, :]) | ((block[:, :, None] == block[:, None, :]) & (block[:, :, None] >= 0))
+    same_image = (block[:, :, None] == block[:, None, :]) & (block[:, :, None] >= 0)
+    mask = (pos[None, :, None] >= pos[None, None, :]) | same_image
     if window is not None:
         mask = mask & (pos[:, None] - pos[None, :] < window)
     if document_ids is not None:
