@@ -204,3 +204,20 @@ def test_vision_flops_equal_torch_counter(pair):
         model.image_features(pixels())
     assert vision_flops(model.args, 2, training=False) == counter.get_total_flops()
     assert vision_flops(model.args, 2) == 3 * counter.get_total_flops()
+
+
+def test_init_from_scratch_and_gradients_reach_the_tower(pair):
+    _, _, loaded = pair
+    with torch.device("meta"):
+        model = GEMMA3_VL.build(loaded.args)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives the tied output its own (uninitialised) tensor
+    model.init_weights(seed=0)
+    ids, _ = batch()
+    logits = model(ids, pixel_values=pixels())
+    assert torch.isfinite(logits).all()
+    logits.logsumexp(-1).mean().backward()
+    tower = {n: p.grad for n, p in model.named_parameters() if n.startswith("visual.")}
+    # every tower tensor gets a gradient; the key biases' is zero (a softmax ignores a shift of all its logits)
+    assert tower and all(g is not None for g in tower.values())
+    assert all(g.abs().sum() > 0 for n, g in tower.items() if not n.endswith("k_proj.bias"))

@@ -332,3 +332,21 @@ def test_named_sizes_build_the_family():
     assert abs(model.num_params() / 1e9 - 3.75) < 0.01
     args = model_args_for("qwen3-vl-8b", vocab_size=151936)
     assert isinstance(args, Qwen3VLArgs) and args.deepstack_layers == [8, 16, 24]
+
+
+def test_init_from_scratch_and_gradients_reach_the_tower(pair):
+    _, _, loaded = pair
+    spec = SPECS[pair.family]
+    with torch.device("meta"):
+        model = spec.build(loaded.args)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives the tied output its own (uninitialised) tensor
+    model.init_weights(seed=0)
+    pix = images(pair.family)
+    ids, _ = batch(pix["image_grid_thw"])
+    logits = model(ids, **pix)
+    assert torch.isfinite(logits).all()
+    logits.logsumexp(-1).mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is not None and g.abs().sum() > 0 for n, g in grads.items() if n.startswith("visual.blocks.0."))
+    assert grads["visual.patch_embed.proj.weight"].abs().sum() > 0
