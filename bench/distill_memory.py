@@ -30,7 +30,7 @@ from lmforge.data.packing import Batch  # noqa: E402
 from lmforge.models.load import ModelSource  # noqa: E402
 from lmforge.models.model import ModelArgs, Transformer  # noqa: E402
 from lmforge.objectives.distill import DistillLoss, DistillSettings  # noqa: E402
-from lmforge.training.reference import FrozenReference  # noqa: E402
+from lmforge.objectives.reference import FrozenReference  # noqa: E402
 
 
 def _full_forward_kl(student: Transformer, teacher: Transformer, batch: Batch) -> torch.Tensor:

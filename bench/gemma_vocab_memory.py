@@ -55,7 +55,7 @@ from lmforge.data.packing import IGNORE_INDEX, Batch  # noqa: E402
 from lmforge.models.args import ModelArgs  # noqa: E402
 from lmforge.models.spec import spec_for_args  # noqa: E402
 from lmforge.objectives.next_token import cross_entropy_loss  # noqa: E402
-from lmforge.training.train_step import build_optimizer  # noqa: E402
+from lmforge.optim.adamw import build_optimizer  # noqa: E402
 
 VOCAB = 262_144
 MODES = ("chunked", "full", "hf")

@@ -36,8 +36,8 @@ def one_point(a: argparse.Namespace) -> dict:
     from lmforge.models.lora import apply_lora, trainable_parameters
     from lmforge.models.model import Transformer, model_args_for
     from lmforge.objectives.next_token import cross_entropy_loss
-    from lmforge.training.train_step import (build_optimizer, global_target_count,
-                                             gradient_computation, run_optimizer_step)
+    from lmforge.optim.adamw import build_optimizer
+    from lmforge.training.train_step import global_target_count, gradient_computation, run_optimizer_step
 
     torch.set_num_threads(a.threads)
     args = model_args_for("125m", a.vocab, n_layers=a.layers)

@@ -53,7 +53,7 @@ def run(argv: list[str], run_dir: Path, threads: int) -> dict[str, float]:
 def state_bytes_of(size: str, name: str) -> int:
     """Optimizer state of the ``size`` model after one step with zero gradients."""
     from lmforge.models.load import ModelSource, load_model
-    from lmforge.training.optimizers import make_optimizer, state_bytes
+    from lmforge.optim.optimizers import make_optimizer, state_bytes
 
     model = load_model(ModelSource("init", "0"), tokenizer="byte", size=size, overrides={}).model
     opt = make_optimizer(model, OptimizerSection(name=name))

@@ -1,5 +1,5 @@
-"""The planner's estimate (lmforge.parallel.planner) against the measured peak of live tensor memory of a
-real train step in this process (lmforge.parallel.memory_probe), on the CPU.
+"""The planner's estimate (lmforge.planning.planner) against the measured peak of live tensor memory of a
+real train step in this process (lmforge.planning.memory_probe), on the CPU.
 
     PYTHONPATH=src python bench/plan_memory.py [--sizes debug small smollm2-135m] [--seq-len 256] [--micro-batch 8]
 """
@@ -12,8 +12,9 @@ import torch
 
 from lmforge.models.args import model_args_for
 from lmforge.models.tokenizer import ByteTokenizer
-from lmforge.parallel.memory_probe import measure_train_step
-from lmforge.parallel.planner import Layout, estimate_memory
+from lmforge.planning.memory_probe import measure_train_step
+from lmforge.parallel.dims import ParallelDims
+from lmforge.planning.planner import estimate_memory
 
 
 def main() -> None:
@@ -34,7 +35,7 @@ def main() -> None:
             for ckpt in (False, True):
                 m = measure_train_step(args, seq_len=a.seq_len, micro_batch=a.micro_batch, dtype=dtype,
                                        checkpointing=ckpt, microbatches=a.microbatches)
-                e = estimate_memory(args, Layout(), a.seq_len, a.micro_batch, dtype, ckpt,
+                e = estimate_memory(args, ParallelDims.of(), a.seq_len, a.micro_batch, dtype, ckpt,
                                     microbatches=a.microbatches, device="cpu")
                 print(f"{size:<14} {dtype:<9} {'on' if ckpt else 'off':<4} {m.peak / 1e6:>11.2f} "
                       f"{e.total / 1e6:>11.2f} {e.total / m.peak:>6.3f}  {e.phase}")

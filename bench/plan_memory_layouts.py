@@ -1,5 +1,5 @@
-"""The planner's per-device estimate (lmforge.parallel.planner) against each rank's measured peak of live
-tensor memory in a real train step laid out over a mesh (lmforge.parallel.layout_probe), on the CPU.
+"""The planner's per-device estimate (lmforge.planning.planner) against each rank's measured peak of live
+tensor memory in a real train step laid out over a mesh (lmforge.planning.layout_probe), on the CPU.
 
     PYTHONPATH=src python bench/plan_memory_layouts.py [--layouts dp_shard=2 tp=2 tp=2,dp_shard=2 ...]
         [--sizes debug small] [--dtypes float32 bfloat16] [--micro-batches 2 8] [--microbatches 1 2]
@@ -25,10 +25,10 @@ LAYOUTS = ["dp_shard=2", "dp_shard=4", "tp=2", "tp=2,dp_shard=2", "cp=2", "pp=2"
 
 
 def parse_layout(text: str):  # type: ignore[no-untyped-def]
-    from lmforge.parallel.planner import Layout
+    from lmforge.parallel.dims import ParallelDims
 
     degrees = dict(part.split("=") for part in text.split(",") if part)
-    return Layout(**{k: int(v) for k, v in degrees.items()})
+    return ParallelDims.of(**{k: int(v) for k, v in degrees.items()})
 
 
 def configs(a: argparse.Namespace, pp: int) -> list[dict]:
@@ -44,7 +44,7 @@ def worker(a: argparse.Namespace) -> None:
     from lmforge import distributed as dist_utils
     from lmforge.models.args import model_args_for
     from lmforge.models.tokenizer import ByteTokenizer
-    from lmforge.parallel.layout_probe import measure_layout_step
+    from lmforge.planning.layout_probe import measure_layout_step
 
     torch.set_num_threads(1)
     dist_utils.init_distributed("cpu")
@@ -65,7 +65,7 @@ def worker(a: argparse.Namespace) -> None:
 def driver(a: argparse.Namespace) -> None:
     from lmforge.models.args import model_args_for
     from lmforge.models.tokenizer import ByteTokenizer
-    from lmforge.parallel.planner import estimate_memory
+    from lmforge.planning.planner import estimate_memory
 
     vocab = ByteTokenizer().vocab_size
     env = {**os.environ, "OMP_NUM_THREADS": "1",

@@ -84,8 +84,8 @@ def one_point(a: argparse.Namespace) -> dict:
     else:
         from lmforge.models.model import Transformer
         from lmforge.objectives.next_token import cross_entropy_loss
-        from lmforge.training.train_step import (build_optimizer, global_target_count,
-                                                 gradient_computation, run_optimizer_step)
+        from lmforge.optim.adamw import build_optimizer
+        from lmforge.training.train_step import global_target_count, gradient_computation, run_optimizer_step
 
         model = Transformer(args)
         model.init_weights(seed=0)

@@ -12,10 +12,10 @@ AdamW, no eval, no checkpoint. Settings:
   the change);
 * ``after``: the defaults (the chunked loss log-softmaxes in place on a CPU);
 * ``after+release``: also ``--training.release_host_memory=true`` (large buffers mapped and returned
-  to the OS when freed, see ``lmforge.training.host_memory``).
+  to the OS when freed, see ``lmforge.runtime.host_memory``).
 
 Columns: the process's peak RSS (``ru_maxrss``); the peak of live tensor bytes over the whole run
-(``lmforge.parallel.memory_probe.LiveTensorMemory`` around the CLI, the loaded weights counted as
+(``lmforge.planning.memory_probe.LiveTensorMemory`` around the CLI, the loaded weights counted as
 they arrive); peak RSS minus that (the interpreter, libraries and what the allocator keeps);
 minor page faults and the process's system CPU seconds (what mapping buffers costs: fresh pages
 are zero-filled by the kernel; CPU time is less disturbed by other processes than wall time), user
@@ -59,20 +59,21 @@ def worker(old_log_softmax: bool, argv: list[str]) -> None:
     import torch.nn.functional as F
 
     from lmforge import cli
-    from lmforge.parallel.memory_probe import LiveTensorMemory
-    from lmforge.training import chunked_loss, runtime
+    from lmforge.planning.memory_probe import LiveTensorMemory
+    from lmforge.losses import chunked_loss
+    from lmforge.runtime import model_bundle
 
     if old_log_softmax:
         chunked_loss._log_softmax_ = lambda z: F.log_softmax(z, dim=-1)
     tracker = LiveTensorMemory()
-    build_model = runtime.build_model
+    build_model = model_bundle.build_model
 
-    def tracked_build_model(cfg):  # noqa: ANN001, ANN202 - weights made from numpy pass no torch op
-        loaded = build_model(cfg)
+    def tracked_build_model(cfg, source):  # noqa: ANN001, ANN202 - weights made from numpy pass no torch op
+        loaded = build_model(cfg, source)
         tracker.track([list(loaded.model.parameters()), list(loaded.model.buffers())])
         return loaded
 
-    runtime.build_model = tracked_build_model
+    model_bundle.build_model = tracked_build_model
     with tracker:
         rc = cli.main(argv)
     usage = resource.getrusage(resource.RUSAGE_SELF)

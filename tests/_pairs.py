@@ -15,7 +15,7 @@ from lmforge.data.packing import IGNORE_INDEX, Sample
 from lmforge.data.sources import Record
 from lmforge.models.load import ModelSource
 from lmforge.models.model import ModelArgs, Transformer
-from lmforge.training.reference import FrozenReference
+from lmforge.objectives.reference import FrozenReference
 from lmforge.training.train_step import compute_global_loss, gradient_computation
 
 

@@ -25,7 +25,7 @@ from lmforge.objectives.next_token import cross_entropy_loss
 from lmforge.parallel.pipeline import Pipeline, split_model
 from lmforge.parallel.pipeline_step import (pipeline_clip_grad_norm_, pipeline_eval_forward,
                                             pipeline_gradient_computation)
-from lmforge.training.stats import accumulate
+from lmforge.losses.stats import accumulate
 from lmforge.training.train_step import global_target_count, gradient_computation
 
 ARGS = ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32)

@@ -24,7 +24,7 @@ from lmforge.models.model import Transformer
 from lmforge.objectives.next_token import cross_entropy_loss
 from lmforge.parallel.plans import apply_activation_checkpointing
 from lmforge.parallel.tensor_parallel import apply_tp
-from lmforge.training.chunked_loss import TargetLogprobHead
+from lmforge.losses.chunked_loss import TargetLogprobHead
 
 BASE = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden_dim=64, max_seq_len=32)
 CONFIGS = {

@@ -14,9 +14,9 @@ from lmforge.config import TrainingSection
 from lmforge.data.packing import IGNORE_INDEX, Batch
 from lmforge.models.model import ModelArgs, Transformer
 from lmforge.objectives.grpo import GRPOLoss, PolicyBatch, token_logprobs
-from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobHead, TargetLogprobs
+from lmforge.losses.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobHead, TargetLogprobs
 from lmforge.objectives.next_token import cross_entropy_loss
-from lmforge.training.stats import LossStats
+from lmforge.losses.stats import LossStats
 
 V = 97  # a prime: no chunk size divides it, and it is told apart from every other dimension
 ARGS = ModelArgs(dim=24, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=V, max_seq_len=32)

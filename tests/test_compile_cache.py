@@ -9,7 +9,7 @@ import torch
 
 from lmforge.config import Config, validate_config
 from lmforge.errors import UserError
-from lmforge.training import compile_cache as cc
+from lmforge.runtime import compile_cache as cc
 
 
 @pytest.fixture

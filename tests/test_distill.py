@@ -22,9 +22,9 @@ from lmforge.models.load import ModelSource
 from lmforge.models.model import ModelArgs, Transformer
 from lmforge.models.tokenizer import ByteTokenizer
 from lmforge.objectives.distill import DistillObjective, DistillSettings
-from lmforge.training.chunked_divergence import chunked_divergence
-from lmforge.training.on_policy import batch_prompts, completion_batch
-from lmforge.training.reference import FrozenReference
+from lmforge.losses.chunked_divergence import chunked_divergence
+from lmforge.recipes.jobs.on_policy import batch_prompts, completion_batch
+from lmforge.objectives.reference import FrozenReference
 from lmforge.training.train_step import compute_global_loss, gradient_computation
 
 

@@ -25,7 +25,7 @@ from lmforge.metrics.records import read_records
 from lmforge.models.model import Transformer
 from lmforge.models.tokenizer import ByteTokenizer, load_tokenizer
 from lmforge.objectives.dpo import DPOObjective, dpo_losses, sequence_logprobs
-from lmforge.training.reference import FrozenReference
+from lmforge.objectives.reference import FrozenReference
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 

@@ -1,4 +1,4 @@
-"""The elastic trainer under torchrun's agent: injected faults, restarts, preemption.
+"""The elastic mode under torchrun's agent: injected faults, restarts, preemption.
 
 Faults run through the real launcher: ``torchrun --max-restarts`` restarts the worker group, the
 new attempt resumes from the newest snapshot in /dev/shm, and the losses stay those of an
@@ -22,9 +22,10 @@ from lmforge.metrics.records import iter_records, read_records
 from lmforge.checkpoint.checkpointer import Checkpointer
 from lmforge.config import validate_config
 from lmforge.errors import UserError
-from lmforge.training.faults import FaultPlan, InjectedFault, inject, parse_fault
+from lmforge.modes.faults import FaultPlan, InjectedFault, inject, parse_fault
 from lmforge.checkpoint.tiers import CheckpointTiers
-from lmforge.recipes.elastic import ElasticConfig, adapt_micro_batch
+from lmforge.config import Config
+from lmforge.modes.elastic import adapt_micro_batch
 
 
 def test_fault_specs_parse_and_fire_only_where_due():
@@ -59,9 +60,28 @@ def test_newest_complete_state_wins_across_tiers(tmp_path):
     assert CheckpointTiers(durable, None).latest() == durable.root / "step_00000004"
 
 
+def test_elastic_is_a_mode_of_any_recipe(tmp_path):
+    """SFT in the elastic mode on one process: the elastic event is recorded, snapshots are taken on
+    schedule in their own tier and removed when the run ends cleanly; without the mode, no event."""
+    run = tmp_path / "sft"
+    args = tiny_run_args(None, training_steps=3, elastic_snapshot_interval=1, elastic_snapshot_dir=str(tmp_path / "snaps"),
+                         data_train=None, data_validation=None)
+    proc = run_lmforge("sft", "--elastic.enabled=true", *args, "--tasks.train_examples=32", "--tasks.eval_examples=4",
+                       f"--run.dir={run}")
+    assert proc.returncode == 0, tail(proc)
+    event = read_records(run, "elastic")[0]
+    assert event["restart_count"] == 0 and event["world_size"] == 1
+    assert event["snapshot_dir"].startswith(str(tmp_path / "snaps"))
+    assert not Path(event["snapshot_dir"]).exists()  # removed once the durable tier held the final state
+    plain = tmp_path / "plain"
+    proc = run_lmforge("sft", *args, "--tasks.train_examples=32", "--tasks.eval_examples=4", f"--run.dir={plain}")
+    assert proc.returncode == 0, tail(proc)
+    assert read_records(plain, "elastic") == []
+
+
 def test_global_batch_survives_another_world_size():
     def cfg():
-        return validate_config(ElasticConfig, {"training": {"global_batch_size": 12, "micro_batch_size": 4}})
+        return validate_config(Config, {"training": {"global_batch_size": 12, "micro_batch_size": 4}})
 
     assert adapt_micro_batch(cfg(), 3) == {"micro_batch_size": 4, "grad_accum_steps": 1}
     assert adapt_micro_batch(cfg(), 2) == {"micro_batch_size": 3, "grad_accum_steps": 2}  # 4 does not split 6
@@ -70,7 +90,7 @@ def test_global_batch_survives_another_world_size():
         adapt_micro_batch(cfg(), 5)
 
     def split(tp: int):  # tensor-parallel neighbours read the same share: the batch splits over data ranks
-        return validate_config(ElasticConfig, {"training": {"global_batch_size": 6, "micro_batch_size": 6},
+        return validate_config(Config, {"training": {"global_batch_size": 6, "micro_batch_size": 6},
                                                "parallel": {"tp": tp}})
 
     assert adapt_micro_batch(split(2), 2) == {"micro_batch_size": 6, "grad_accum_steps": 1}
@@ -85,7 +105,7 @@ def faulted(tmp_path_factory, corpus):
     has rank 0 raise after step 6; torchrun restarts the group twice."""
     run = tmp_path_factory.mktemp("elastic") / "faulted"
     start = time.time()
-    proc = torchrun("elastic", *tiny_run_args(corpus, training_micro_batch_size=4, elastic_snapshot_interval=2),
+    proc = torchrun("pretrain", "--elastic.enabled=true", *tiny_run_args(corpus, training_micro_batch_size=4, elastic_snapshot_interval=2),
                     f"--run.dir={run}", max_restarts=2,
                     extra_env={"LMFORGE_FAULT": "rank=1,step=3,mode=kill;rank=0,step=6,mode=raise,attempt=1"})
     return run, proc, time.time() - start
@@ -132,7 +152,7 @@ def test_sigterm_makes_every_rank_save_and_exit_cleanly_then_resume(tmp_path, co
     ranks' agreement, both stop after the same step, save together and exit 0. A rank acting on its
     own signal alone would save while the other trained on, and both would wait forever."""
     run = tmp_path / "preempted"
-    cmd = torchrun_cmd("elastic", *tiny_run_args(corpus, training_micro_batch_size=4, training_steps=100000),
+    cmd = torchrun_cmd("pretrain", "--elastic.enabled=true", *tiny_run_args(corpus, training_micro_batch_size=4, training_steps=100000),
                        f"--run.dir={run}")
     agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env())
     try:
@@ -154,7 +174,7 @@ def test_sigterm_makes_every_rank_save_and_exit_cleanly_then_resume(tmp_path, co
     saved = stop["step"]
     assert (run / "checkpoints" / f"step_{saved:08d}").is_dir()
 
-    proc = run_lmforge("elastic", *tiny_run_args(corpus, training_micro_batch_size=4, training_steps=saved + 2),
+    proc = run_lmforge("pretrain", "--elastic.enabled=true", *tiny_run_args(corpus, training_micro_batch_size=4, training_steps=saved + 2),
                        f"--run.dir={run}")
     assert proc.returncode == 0, tail(proc)
     assert read_records(run, "resume")[-1]["step"] == saved
@@ -171,7 +191,7 @@ def test_rank_killed_mid_step_under_tensor_parallel_resumes_with_the_same_losses
     torchrun restarts the group, which resumes from the newest state of either tier (the durable
     checkpoint of step 4, newer than the snapshot of step 3) and ends with one process's losses."""
     run = tmp_path / "tp"
-    proc = torchrun("elastic", *tiny_run_args(corpus, training_micro_batch_size=8, parallel_tp=2, checkpoint_interval=4,
+    proc = torchrun("pretrain", "--elastic.enabled=true", *tiny_run_args(corpus, training_micro_batch_size=8, parallel_tp=2, checkpoint_interval=4,
                                               elastic_snapshot_interval=3), f"--run.dir={run}", max_restarts=1,
                     extra_env={"LMFORGE_FAULT": "rank=1,step=6,mode=kill,when=mid"})
     assert proc.returncode == 0, tail(proc)

@@ -224,7 +224,7 @@ BASE_LLAMA = {
     ("change", "named"),
     [
         ({"model_type": "gpt2"}, "model_type"),
-        ({"model_type": "gemma3"}, "gemma3"),  # the multimodal checkpoints (vision tower)
+        ({"model_type": "gemma3"}, "gemma3"),  # the multimodal family without its text_config
         ({"model_type": "qwen2_moe"}, "qwen2_moe"),
         ({"model_type": "qwen2", "num_experts": 8}, "num_experts"),
         ({"num_local_experts": 8}, "num_local_experts"),

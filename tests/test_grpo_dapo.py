@@ -108,7 +108,7 @@ def _source(path: Path, reward: str, **overrides):
 
     args = tiny_run_args("prompts.jsonl", data_seq_len=None, **(COMMON | overrides))
     cfg = load_config(GRPOConfig, None, [*args, f"--rewards={reward}", f"--run.dir={path / 'run'}"])
-    from lmforge.training.runtime import build_runtime
+    from lmforge.runtime import build_runtime
 
     rt = build_runtime(cfg, "grpo")
     return RolloutSource(rt, cfg.grpo, load_rewards(cfg.grpo.rewards), prompt_records(cfg.data, cfg.tasks, "train"))
@@ -138,7 +138,7 @@ def test_dynamic_sampling_drops_zero_spread_groups_and_respects_the_cap(dapo_tas
     plain = _source(dapo_task, "dapo_rewards:flat", grpo_top_p=0.9)
     assert "grpo/prompts_drawn" not in plain.next_step(1).metrics and plain.sampler.consumed == 4
     plain.rt.open_run_dir()
-    [warning] = [r for r in read_records(plain.rt.run_dir) if r["kind"] == "top_p"]  # said once, at start
+    [warning] = [r for r in read_records(plain.rt.world.run_dir) if r["kind"] == "top_p"]  # said once, at start
     assert "whole distribution" in warning["message"]
     plain.rt.metrics.close()
 
@@ -154,7 +154,7 @@ def test_tis_with_a_bfloat16_sampler_logs_the_gap(dapo_task):
     assert all(mb.rollout_logprobs is not None and mb.old_logprobs is None for mb in batch.microbatches)
     objective = GRPOObjective(eps_low=0.2, eps_high=0.2, beta=0.0, aggregation="dapo", max_new_tokens=6,
                               temperature=1.0, tis_cap=2.0)
-    stats = gradient_computation(source.rt.model, batch.microbatches, objective.loss_fn,
+    stats = gradient_computation(source.rt.model.module, batch.microbatches, objective.loss_fn,
                                  objective.normalizer(batch.microbatches))
     values = {k: float(v) for k, v in objective.log_values(compute_global_loss(stats)).items()}
     # by hand: pi_old is the float32 training forward (one update per rollout), pi_rollout the bfloat16 one
@@ -163,7 +163,7 @@ def test_tis_with_a_bfloat16_sampler_logs_the_gap(dapo_task):
     gap = weight = tokens = 0.0
     with torch.no_grad():
         for mb in batch.microbatches:
-            old = token_logprobs(source.rt.model, mb, 1.0)
+            old = token_logprobs(source.rt.model.module, mb, 1.0)
             gap += float(((old - mb.rollout_logprobs).abs() * mb.mask).sum())
             weight += float((tis_weights(old, mb.rollout_logprobs, 2.0) * mb.mask).sum())
             tokens += float(mb.mask.sum())

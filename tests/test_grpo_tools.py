@@ -42,14 +42,14 @@ def test_tool_episodes_train_on_the_policys_tokens_only(tmp_path, monkeypatch):
     tok = ByteTokenizer()
     monkeypatch.setattr(source_module, "make_engine", lambda rt, g, **kw: TurnCountingEngine(tok, tok.eos_id))
     laid_out = []
-    real_layout = rollout_module.layout
+    real_layout = rollout_module.policy_rows
 
     def recording_layout(prompts, completions, keep, pad_id, advantages, device, masks=None):
         batch = real_layout(prompts, completions, keep, pad_id, advantages, device, masks)
         laid_out.append((prompts, completions, batch))
         return batch
 
-    monkeypatch.setattr(rollout_module, "layout", recording_layout)
+    monkeypatch.setattr(rollout_module, "policy_rows", recording_layout)
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     args = tiny_run_args(data, data_seq_len=None, training_steps=2, training_global_batch_size=8,
@@ -91,13 +91,13 @@ def test_an_unknown_environment_is_one_line_before_anything_is_written(tmp_path,
     args = tiny_run_args(data, data_seq_len=None, training_steps=1, training_global_batch_size=8,
                          grpo_num_generations=2, checkpoint_enabled=False, tasks_eval_examples=0)
     (tmp_path / "broken_env.py").write_text("raise RuntimeError('broken at import')\n")
-    for name, says in (("calculator_world", "not a built-in (gsm8k_calculator, code) nor module:Class"),
+    for name, says in (("calculator_world", "not a built-in (gsm8k_calculator, code), module:Class, verifiers:ID nor openenv:"),
                        ("no_such_module:Env", "cannot load it (ModuleNotFoundError"),
                        ("json:dumps", "a function, not an environment"),
                        ("os:sep", "a str, not an environment"),
                        ("json:JSONDecoder", "a class without start, step, reward, not an environment"),
                        ("broken_env:Env", "cannot load it (RuntimeError: broken at import)"),
-                       (":Env", "nor module:Class")):
+                       (":Env", "module:Class, verifiers:ID")):
         with pytest.MonkeyPatch.context() as mp:
             mp.syspath_prepend(str(tmp_path))
             rc = lmforge_in_process("grpo", *args, f"--grpo.environment={name}", f"--run.dir={tmp_path / 'run'}",

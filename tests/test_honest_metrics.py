@@ -19,7 +19,7 @@ from lmforge.models.flops import flops_per_token, training_flops
 from lmforge.models.model import Transformer, model_args_for
 from lmforge.rl.rewards import WeightedReward
 from lmforge.rl.rollout import RolloutSettings, collect_rollout
-from lmforge.training.next_token import LoaderSource
+from lmforge.recipes.jobs.next_token import LoaderSource
 
 
 def reference_flops(model: Transformer, documents: list[torch.Tensor]) -> float:
@@ -61,10 +61,11 @@ def test_packed_sft_step_flops_match_flop_counter(tiny):
     cfg = SimpleNamespace(training=SimpleNamespace(global_batch_size=len(dataset), micro_batch_size=1, seed=0),
                           data=SimpleNamespace(shuffle=False, prefetch=0),
                           checkpoint=SimpleNamespace(on_data_change="error"))
-    rt = SimpleNamespace(cfg=cfg, metrics=SimpleNamespace(console=print), model_args=args,
-                         dist=SimpleNamespace(rank=0, world_size=1, data_rank=0, data_world=1, device=torch.device("cpu")),
-                         dims=SimpleNamespace(cp=1), context_shard=lambda batch: batch,
-                         training_flops=lambda lengths: training_flops(args, lengths))
+    world = SimpleNamespace(dist=SimpleNamespace(rank=0, world_size=1, batch_share=0, batch_shares=1,
+                                                 device=torch.device("cpu")),
+                            layout=SimpleNamespace(cp=1), shard_batch=lambda batch: batch)
+    rt = SimpleNamespace(cfg=cfg, metrics=SimpleNamespace(console=print), world=world,
+                         model=SimpleNamespace(args=args, training_flops=lambda lengths: training_flops(args, lengths)))
     step = LoaderSource(rt, dataset).next_step(1)
     documents = []
     for mb in step.microbatches:  # cut every row at its document boundaries; drop the padding tail
@@ -147,14 +148,15 @@ def test_tflops_from_step_flops_and_memory_field(tmp_path):
 def test_no_checkpoint_of_a_diverged_step_between_log_steps(tmp_path, monkeypatch):
     """On an accelerator the non-finite guard reads the loss on log steps only; a save on a step in
     between must still check first: the run stops without saving, and says nothing untrue."""
+    import lmforge.runtime.services as services
     import lmforge.training.loop as loop
     from lmforge.checkpoint import RunDir, list_checkpoints
     from lmforge.config import Config, validate_config
     from lmforge.data.corpus import embedded_corpus
     from lmforge.data.packing import PackedTokenDataset
-    from lmforge.training.guard import Guard, NonFiniteLoss
-    from lmforge.training.next_token import NextTokenObjective
-    from lmforge.training.runtime import build_runtime
+    from lmforge.runtime.guard import Guard, NonFiniteLoss
+    from lmforge.recipes.jobs.next_token import NextTokenObjective
+    from lmforge.runtime import build_runtime
     from lmforge.objectives.next_token import cross_entropy_loss
 
     class LogStepsOnly(Guard):  # what a GPU run does: no per-step read
@@ -162,7 +164,7 @@ def test_no_checkpoint_of_a_diverged_step_between_log_steps(tmp_path, monkeypatc
             super().__init__(*args, **kwargs)
             self.every_step = False
 
-    monkeypatch.setattr(loop, "Guard", LogStepsOnly)
+    monkeypatch.setattr(services, "Guard", LogStepsOnly)
     calls = {"n": 0}
 
     def nan_at_step_3(model, batch):
@@ -178,7 +180,7 @@ def test_no_checkpoint_of_a_diverged_step_between_log_steps(tmp_path, monkeypatc
         "metrics": {"log_every": 4, "tensorboard": False, "peak_tflops": 1.0, "progress": "off"},
         "run": {"dir": str(run)}})
     rt = build_runtime(cfg, "pretrain")
-    source = LoaderSource(rt, PackedTokenDataset(embedded_corpus("train", num_docs=200), rt.tokenizer, 32))
+    source = LoaderSource(rt, PackedTokenDataset(embedded_corpus("train", num_docs=200), rt.model.tokenizer, 32))
     objective = NextTokenObjective()
     objective.loss_fn = nan_at_step_3
     with pytest.raises(NonFiniteLoss) as error:
@@ -198,8 +200,8 @@ def _pretrain_in_process(run, steps: int, size: str, **training):
     from lmforge.data.packing import PackedTokenDataset
     from lmforge.metrics.records import read_records
     from lmforge.training.loop import train
-    from lmforge.training.next_token import NextTokenObjective
-    from lmforge.training.runtime import build_runtime
+    from lmforge.recipes.jobs.next_token import NextTokenObjective
+    from lmforge.runtime import build_runtime
 
     cfg = validate_config(Config, {
         "model": {"size": size}, "data": {"seq_len": 64, "prefetch": 0},
@@ -207,7 +209,7 @@ def _pretrain_in_process(run, steps: int, size: str, **training):
         "schedule": {"warmup_steps": 0}, "eval": {"interval": 0}, "checkpoint": {"enabled": False},
         "metrics": {"log_every": 1, "tensorboard": False, "progress": "off"}, "run": {"dir": str(run)}})
     rt = build_runtime(cfg, "pretrain")
-    source = LoaderSource(rt, PackedTokenDataset(embedded_corpus("train", num_docs=200), rt.tokenizer, 64))
+    source = LoaderSource(rt, PackedTokenDataset(embedded_corpus("train", num_docs=200), rt.model.tokenizer, 64))
     try:
         train(rt, source, NextTokenObjective(), None)
     finally:
@@ -229,7 +231,7 @@ def test_bf16_on_cpu_mfu_against_the_bf16_peak(tmp_path):
 
 
 def test_auto_dtype_rule(monkeypatch):
-    from lmforge.training import precision
+    from lmforge.runtime import precision
 
     cpu = torch.device("cpu")
     assert precision.choose_dtype("float32", cpu, 10**9) == ("float32", "training.dtype")
@@ -257,7 +259,7 @@ def test_auto_dtype_in_the_setup_record(tmp_path, monkeypatch):
     monkeypatch.setenv("LMFORGE_CACHE_DIR", str(tmp_path / "cache"))
     rt, records = _pretrain_in_process(tmp_path / "run", 1, "debug", compile="auto")
     setup = next(r for r in records if r["kind"] == "setup")
-    assert setup["dtype"] == rt.dtype == "float32"  # debug is far under the CPU threshold
+    assert setup["dtype"] == rt.model.dtype == "float32"  # debug is far under the CPU threshold
     assert setup["dtype_reason"].startswith("auto: ")
     # one step of debug cannot repay a compile: off, and the estimate is on the line
     assert setup["compile"] == "off" and setup["compile_reason"].startswith("auto: ~")

@@ -16,19 +16,19 @@ import torch.nn.functional as F
 from _helpers import cli_env
 from lmforge.models import gguf as gguf_module
 from lmforge.models.args import model_args_for
-from lmforge.models.gguf_write import write_gguf
+from lmforge.export.gguf_write import write_gguf
 from lmforge.models.hf import hf_state_dict_from_lmforge
 from lmforge.models.spec import spec_for_args
-from lmforge.parallel.memory_probe import LiveTensorMemory
-from lmforge.training.chunked_loss import _log_softmax_, chunked_target_logprob_sum
-from lmforge.training.host_memory import _glibc
+from lmforge.planning.memory_probe import LiveTensorMemory
+from lmforge.losses.chunked_loss import _log_softmax_, chunked_target_logprob_sum
+from lmforge.runtime.host_memory import _glibc
 
 # One process, three phases, RSS after each (MB): a 20 MB buffer freed under glibc's default (after a
 # 30 MB mapping was freed, which raised the dynamic threshold over 20 MB, so the buffer came from the
 # heap and stays resident), then malloc_trim, then the same buffer with large buffers mapped.
 _SCRIPT = textwrap.dedent("""
     import ctypes, json
-    from lmforge.training.host_memory import _glibc, map_large_buffers, trim
+    from lmforge.runtime.host_memory import _glibc, map_large_buffers, trim
     libc = _glibc()
     libc.malloc.argtypes, libc.malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
     libc.free.argtypes = [ctypes.c_void_p]

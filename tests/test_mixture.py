@@ -98,15 +98,15 @@ def test_a_killed_mixture_run_resumes_with_identical_losses(sources, tmp_path, c
     index: every loss equals the uninterrupted run's. The killed run is a real CLI process; the
     uninterrupted and the resumed runs go through the CLI's entry point in this process."""
     run = tmp_path / "killed"
-    killed = start_lmforge("elastic", *_mixture_args(sources), f"--run.dir={run}",
+    killed = start_lmforge("pretrain", "--elastic.enabled=true", *_mixture_args(sources), f"--run.dir={run}",
                            extra_env={"LMFORGE_FAULT": "rank=0,step=5,mode=kill"})
     try:  # the uninterrupted run meanwhile
-        assert lmforge_in_process("elastic", *_mixture_args(sources), f"--run.dir={tmp_path / 'straight'}") == 0
+        assert lmforge_in_process("pretrain", "--elastic.enabled=true", *_mixture_args(sources), f"--run.dir={tmp_path / 'straight'}") == 0
     finally:
         rc, _, err = finish(killed)
     assert rc == -9, err[-3000:]
     capfd.readouterr()
-    rc = lmforge_in_process("elastic", *_mixture_args(sources), f"--run.dir={run}")
+    rc = lmforge_in_process("pretrain", "--elastic.enabled=true", *_mixture_args(sources), f"--run.dir={run}")
     out, err = capfd.readouterr()
     assert rc == 0 and "resumed from" in out, err[-3000:]
     want = losses(tmp_path / "straight")

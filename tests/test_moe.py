@@ -17,7 +17,7 @@ from lmforge.models.hf import load_hf_model, save_hf_model
 from lmforge.models.layers.moe import GroupedExperts, MoEFeedForward, router_losses
 from lmforge.objectives.next_token import cross_entropy_loss
 from lmforge.objectives.router import RouterLossWeights, router_log_values
-from lmforge.training.stats import LossStats
+from lmforge.losses.stats import LossStats
 
 from _helpers import lmforge_in_process, tiny_run_args
 from test_families import MOE_FAMILIES, ids, tiny_hf

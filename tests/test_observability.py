@@ -134,8 +134,8 @@ def _in_process_run(run_dir: Path, loss_fn, progress: str = "off", metrics: dict
     from lmforge.data.corpus import embedded_corpus
     from lmforge.data.packing import PackedTokenDataset
     from lmforge.training.loop import train
-    from lmforge.training.runtime import build_runtime
-    from lmforge.training.next_token import LoaderSource, NextTokenObjective
+    from lmforge.runtime import build_runtime
+    from lmforge.recipes.jobs.next_token import LoaderSource, NextTokenObjective
 
     cfg = validate_config(Config, {
         "model": {"n_layers": 2, "dim": 64}, "data": {"seq_len": 32, "prefetch": 0},
@@ -146,7 +146,7 @@ def _in_process_run(run_dir: Path, loss_fn, progress: str = "off", metrics: dict
                     **(metrics or {})},
         "run": {"dir": str(run_dir)}})
     rt = build_runtime(cfg, "pretrain")
-    loader = LoaderSource(rt, PackedTokenDataset(embedded_corpus("train", num_docs=200), rt.tokenizer, 32))
+    loader = LoaderSource(rt, PackedTokenDataset(embedded_corpus("train", num_docs=200), rt.model.tokenizer, 32))
     objective = NextTokenObjective()
     objective.loss_fn = loss_fn
     error = None
@@ -187,7 +187,7 @@ def _loss_with(changes: dict[int, str | float]):
 @pytest.mark.parametrize("change, what", [(float("nan"), "loss (nan)"), ("nan_grad", "grad norm (nan)")])
 def test_nonfinite_stops_the_run_with_a_message_naming_the_step(tmp_path, change, what):
     from lmforge.errors import UserError
-    from lmforge.training.guard import NonFiniteLoss
+    from lmforge.runtime.guard import NonFiniteLoss
 
     _, error = _in_process_run(tmp_path / "run", _loss_with({3: change}), steps=5)
     assert isinstance(error, NonFiniteLoss) and isinstance(error, UserError)  # the CLI prints one error line
@@ -220,7 +220,7 @@ def test_nonfinite_skip_skips_and_counts_the_updates():
     # The run went through all 8 steps, but AdamW took only 6 of them, and the weights stayed finite.
     assert any(r["kind"] == "stop" and r["step"] == 8 for r in records)
     assert {int(s["step"]) for s in rt.optimizer.state.values()} == {6}
-    assert all(torch.isfinite(p).all() for p in rt.raw_model.parameters())
+    assert all(torch.isfinite(p).all() for p in rt.model.raw.parameters())
 
 
 def test_loss_spike_is_logged_as_a_warning_with_its_step():

@@ -22,7 +22,7 @@ from lmforge.errors import UserError
 from lmforge.metrics.records import read_records
 from lmforge.models.model import ModelArgs, Transformer
 from lmforge.parallel.plans import apply_activation_checkpointing, apply_activation_offload
-from lmforge.training.optimizers import OptimizerGroup, check_optimizer, make_optimizer, muon_parameters, state_bytes
+from lmforge.optim.optimizers import OptimizerGroup, check_optimizer, make_optimizer, muon_parameters, state_bytes
 from lmforge.training.train_step import run_optimizer_step
 
 TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden_dim=48, max_seq_len=16)

@@ -13,18 +13,18 @@ def dims_for(world: int, **section) -> ParallelDims:
 def test_tp_cp_pp_neighbours_read_the_same_batch_share():
     # 8 ranks: pp=2 x dp_shard=2 x tp=2 -> ranks (row-major) 0..7 = (pp, dp_shard, tp)
     d = dims_for(8, pp=2, tp=2, dp_shard=2)
-    assert (d.dp_replicate, d.dp_shard, d.data_world, d.gradient_world) == (1, 2, 2, 2)
+    assert (d.dp_replicate, d.dp_shard, d.batch_shares, d.reduce_world) == (1, 2, 2, 2)
     assert [d.coords(r)["tp"] for r in range(8)] == [0, 1] * 4
     assert [d.coords(r)["pp"] for r in range(8)] == [0] * 4 + [1] * 4
-    assert [d.data_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [d.batch_share(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert d.kind == "fsdp+tp+pp" and d.describe_mesh() == "pp=2 x dp_shard=2 x tp=2"
 
 
 def test_context_shards_share_a_batch_but_join_the_gradient_group():
     d = dims_for(4, cp=2, dp_shard=2)
-    assert (d.data_world, d.gradient_world) == (2, 4)
-    assert [d.data_rank(r) for r in range(4)] == [0, 0, 1, 1]
-    assert d.fsdp_mesh_names() == ("dp_shard_cp",) and d.gradient_group_name() == "data"
+    assert (d.batch_shares, d.reduce_world) == (2, 4)
+    assert [d.batch_share(r) for r in range(4)] == [0, 0, 1, 1]
+    assert d.fsdp_mesh_names() == ("dp_shard_cp",) and d.reduce_group_name() == "data"
     assert dims_for(2, cp=2).fsdp_mesh_names() == ("cp",)
 
 
@@ -40,7 +40,7 @@ def test_expert_parallel_borrows_ranks_from_dp_shard():
     assert d.mesh_shape() == ((2, 2), ("dp_shard_mod_ep", "ep"))
     assert d.describe_mesh() == "dp_shard=4 x ep=2 (in dp_shard)"
     assert dims_for(2, ep=2, mode="fsdp").mesh_shape() == ((1, 2), ("dp_shard_mod_ep", "ep"))
-    assert d.data_world == d.gradient_world == 4
+    assert d.batch_shares == d.reduce_world == 4
 
 
 @pytest.mark.parametrize("world, section, fsdp, group", [
@@ -53,7 +53,7 @@ def test_expert_parallel_borrows_ranks_from_dp_shard():
 def test_plan_meshes(world, section, fsdp, group):
     d = dims_for(world, **section)
     assert d.fsdp_mesh_names() == fsdp or (not d.shards and fsdp == ())
-    assert d.gradient_group_name() == group
+    assert d.reduce_group_name() == group
 
 
 # --- impossible layouts: one line naming the key, before anything is written -----------------------

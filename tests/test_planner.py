@@ -10,8 +10,9 @@ import torch
 from _helpers import lmforge_in_process
 from lmforge.models.args import model_args_for
 from lmforge.models.spec import spec_for_args
-from lmforge.parallel.memory_probe import LiveTensorMemory, measure_train_step
-from lmforge.parallel.planner import Layout, candidate_layouts, estimate_memory, param_counts
+from lmforge.planning.memory_probe import LiveTensorMemory, measure_train_step
+from lmforge.parallel.dims import ParallelDims
+from lmforge.planning.planner import candidate_layouts, estimate_memory, param_counts
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128)
 
@@ -54,7 +55,7 @@ def test_estimate_matches_the_measured_peak(dtype, checkpointing):
     5% is checked, which a term left out of the block's count (half the MLP's saved tensors) breaks."""
     args = model_args_for("debug", 320, **TINY)
     measured = measure_train_step(args, seq_len=128, micro_batch=4, dtype=dtype, checkpointing=checkpointing)
-    est = estimate_memory(args, Layout(), 128, 4, dtype, checkpointing, device="cpu")
+    est = estimate_memory(args, ParallelDims.of(), 128, 4, dtype, checkpointing, device="cpu")
     assert est.phase != "optimizer"  # the activations' part is what is checked
     assert abs(est.total / measured.peak - 1) < 0.05, (est, measured)
     # the parameters and AdamW's state are exact (RoPE tables among the tracked buffers)
@@ -76,7 +77,7 @@ def test_param_counts_match_the_built_model(size, overrides):
 def test_layouts_multiply_to_the_devices_and_respect_the_model():
     args = model_args_for("debug", 320, n_heads=4, n_kv_heads=2, n_layers=4)  # tp | 2, pp <= 4
     layouts = list(candidate_layouts(args, 8, 256))
-    assert layouts and all(lay.devices == 8 for lay in layouts)
+    assert layouts and all(lay.world_size == 8 for lay in layouts)
     assert {lay.tp for lay in layouts} == {1, 2}  # tp=4 does not divide the 2 kv heads
     assert max(lay.pp for lay in layouts) == 4 and all(lay.ep == 1 for lay in layouts)
     assert len(set(layouts)) == len(layouts)
@@ -88,20 +89,20 @@ def test_layouts_multiply_to_the_devices_and_respect_the_model():
 
 def test_sharding_divides_what_it_divides():
     args = model_args_for("8b", 128256)
-    one = estimate_memory(args, Layout(), 8192, 1, "bfloat16", microbatches=2)
-    fsdp = estimate_memory(args, Layout(dp_shard=8), 8192, 1, "bfloat16", microbatches=2)
-    cp = estimate_memory(args, Layout(dp_shard=4, cp=2), 8192, 1, "bfloat16", microbatches=2)
-    tp = estimate_memory(args, Layout(dp_shard=4, tp=2), 8192, 1, "bfloat16", microbatches=2)
+    one = estimate_memory(args, ParallelDims.of(), 8192, 1, "bfloat16", microbatches=2)
+    fsdp = estimate_memory(args, ParallelDims.of(dp_shard=8), 8192, 1, "bfloat16", microbatches=2)
+    cp = estimate_memory(args, ParallelDims.of(dp_shard=4, cp=2), 8192, 1, "bfloat16", microbatches=2)
+    tp = estimate_memory(args, ParallelDims.of(dp_shard=4, tp=2), 8192, 1, "bfloat16", microbatches=2)
     assert fsdp.params == pytest.approx((one.params - 4 * param_counts(args).buffers) / 8 + 4 * param_counts(args).buffers)
     assert fsdp.optimizer == pytest.approx(one.optimizer / 8)
     assert cp.params == pytest.approx(fsdp.params)  # FSDP shards over dp_shard x cp
     # half the tokens per device, but attention saves the whole row's keys and values
     assert cp.activations < 0.6 * fsdp.activations
     assert tp.activations < 0.7 * fsdp.activations  # heads and hidden units split, linear inputs gathered
-    ckpt = estimate_memory(args, Layout(dp_shard=8), 8192, 1, "bfloat16", True, microbatches=2)
+    ckpt = estimate_memory(args, ParallelDims.of(dp_shard=8), 8192, 1, "bfloat16", True, microbatches=2)
     assert ckpt.activations < 0.25 * fsdp.activations
-    pp = estimate_memory(args, Layout(dp_shard=2, pp=4), 8192, 1, "bfloat16", microbatches=8)
-    assert pp.params < 0.35 * estimate_memory(args, Layout(dp_shard=2), 8192, 1, "bfloat16").params
+    pp = estimate_memory(args, ParallelDims.of(dp_shard=2, pp=4), 8192, 1, "bfloat16", microbatches=8)
+    assert pp.params < 0.35 * estimate_memory(args, ParallelDims.of(dp_shard=2), 8192, 1, "bfloat16").params
 
 
 def test_cli_prints_a_table_best_first(capfd):

@@ -9,7 +9,8 @@ import sys
 
 from _helpers import REPO, cli_env
 from lmforge.models.args import model_args_for
-from lmforge.parallel.planner import Layout, estimate_memory
+from lmforge.parallel.dims import ParallelDims
+from lmforge.planning.planner import estimate_memory
 
 SHAPE = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=128)
 STEP = dict(seq_len=128, micro_batch=4, microbatches=2, dtype="float32")
@@ -30,8 +31,8 @@ def test_estimate_matches_each_ranks_peak_at_tp_and_pp(tmp_path):
     args = model_args_for("debug", 320, **SHAPE)
     est = {name: estimate_memory(args, layout, STEP["seq_len"], STEP["micro_batch"], STEP["dtype"],
                                  microbatches=STEP["microbatches"], device="cpu").total
-           for name, layout in (("tp=2", Layout(tp=2)), ("pp=2", Layout(pp=2)))}
+           for name, layout in (("tp=2", ParallelDims.of(tp=2)), ("pp=2", ParallelDims.of(pp=2)))}
     for name in est:
         assert abs(est[name] / measured[name] - 1) < 0.15, (name, est[name], measured[name])
-    one = estimate_memory(args, Layout(), STEP["seq_len"], STEP["micro_batch"], microbatches=2).total
+    one = estimate_memory(args, ParallelDims.of(), STEP["seq_len"], STEP["micro_batch"], microbatches=2).total
     assert one / measured["tp=2"] > 1.3

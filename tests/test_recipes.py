@@ -84,7 +84,6 @@ def _teacher(tmp: Path) -> list[str]:
 # fails the test below, so every trainer is run with data.validation=none.
 ONE_STEP = {
     "pretrain": lambda tmp: [],
-    "elastic": lambda tmp: ["--elastic.snapshot_interval=0"],
     "sft": lambda tmp: ["--tasks.train_examples=32", "--tasks.eval_examples=8", "--eval.interval=1"],
     "grpo": lambda tmp: ["--grpo.num_generations=2", "--grpo.max_new_tokens=4", "--tasks.eval_examples=4",
                          "--training.global_batch_size=4", "--data.seq_len=None"],

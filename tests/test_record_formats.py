@@ -133,8 +133,23 @@ def test_parquet_row_errors_name_the_row(tmp_path):
 def test_data_format_option():
     assert load_config(SFTConfig, None, []).data.format == "auto"
     assert load_config(SFTConfig, None, ["--data.format=sharegpt"]).data.format == "sharegpt"
-    with pytest.raises(UserError, match="config key `data.format`"):
-        load_config(SFTConfig, None, ["--data.format=csv"])
+    with pytest.raises(UserError, match="data.format='csv': unknown record format; known: auto, messages"):
+        read_sft_records("unused.jsonl", load_config(SFTConfig, None, ["--data.format=csv"]).data.format)
+
+
+def test_a_registered_record_format_is_read_by_name_and_detected(tmp_path):
+    from lmforge.data.record_formats import RECORD_FORMATS, RecordFormat, register_format
+
+    fmt = register_format(RecordFormat("qa", lambda r: {"prompt": r["question"], "completion": r["answer"]},
+                                       ("question",)))
+    try:
+        (tmp_path / "d.jsonl").write_text('{"question": "2+2?", "answer": "4"}\n')
+        for name in ("qa", "auto"):
+            assert read_sft_records(tmp_path / "d.jsonl", name)[0][1] == {"prompt": "2+2?", "completion": "4"}
+        with pytest.raises(ValueError, match="exists already"):
+            register_format(fmt)
+    finally:
+        del RECORD_FORMATS["qa"]
 
 
 def test_sft_cli_on_an_alpaca_file(tmp_path):

@@ -33,7 +33,7 @@ from lmforge.checkpoint.verify import write_manifest
 from lmforge.errors import UserError
 from lmforge.models.model import ModelArgs, Transformer
 from lmforge.checkpoint.runlock import hold_run_lock, release_run_lock
-from lmforge.training.train_step import build_optimizer
+from lmforge.optim.adamw import build_optimizer
 
 
 def wait_for(proc: subprocess.Popen, condition, timeout: float = 240) -> bool:

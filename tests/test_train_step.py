@@ -12,10 +12,10 @@ from lmforge.data.packing import IGNORE_INDEX, Batch
 from lmforge.models.model import Transformer
 from lmforge.training.state import TrainState
 from lmforge.objectives.next_token import NextTokenObjective, cross_entropy_loss
-from lmforge.training.stats import LossStats
+from lmforge.losses.stats import LossStats
+from lmforge.optim.schedule import learning_rate
 from lmforge.training.train_step import (
-    compute_global_loss, global_target_count, gradient_computation,
-    learning_rate, should_continue_training,
+    compute_global_loss, global_target_count, gradient_computation, should_continue_training,
 )
 
 
@@ -103,7 +103,7 @@ def test_a_stop_signal_waits_for_every_ranks_agreement():
     import os
     import signal
 
-    from lmforge.training.guard import StopSignals
+    from lmforge.training.signals import StopSignals
 
     state = TrainState(step=1)
     with StopSignals(state):

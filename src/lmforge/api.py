@@ -162,7 +162,7 @@ def run_recipe_isolated(recipe: Recipe, cfg: Config, rewards: Mapping[str, Calla
         if callbacks:
             stack.enter_context(_appended(logger.RECORD_HOOKS, on_record))
         rt = run_recipe(recipe, cfg)
-        run_dir = Path(rt.run_dir)
+        run_dir = Path(rt.world.run_dir)
     return read_run(recipe.name, run_dir)
 
 
@@ -182,8 +182,8 @@ def read_run(recipe: str, run_dir: Path) -> Run:
 def process_state_restored(run_dir: str | Path) -> Iterator[None]:
     """Put back what a training changes for the whole process: torch's thread count, default dtype,
     float32 matmul precision and RNG states (CPU and CUDA; Python's and NumPy's too), environment
-    variables, ``sys.path``, the working directory, the data-group setting of :mod:`lmforge.distributed`,
-    the run directory's lock (if the run took it) and the process group (if the run created it).
+    variables, ``sys.path``, the working directory, the run directory's lock (if the run took it) and
+    the process group (if the run created it).
 
     Not undone: allocator settings of ``training.release_host_memory`` (they change speed and memory,
     never results), compiled graphs cached by ``torch.compile`` and the registry of model families.
@@ -204,8 +204,8 @@ def process_state_restored(run_dir: str | Path) -> Iterator[None]:
     cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
     cuda_device = torch.cuda.current_device() if cuda else None
     env, path, cwd = dict(os.environ), list(sys.path), os.getcwd()
-    group = list(dist_utils._DATA_GROUP)
     had_group = dist.is_available() and dist.is_initialized()
+
     def holds() -> bool:
         try:
             return holds_run_lock(run_dir)
@@ -218,7 +218,6 @@ def process_state_restored(run_dir: str | Path) -> Iterator[None]:
     finally:
         if not had_group and dist.is_available() and dist.is_initialized():
             dist_utils.shutdown()
-        dist_utils._DATA_GROUP[:] = group
         if not had_lock and holds():
             release_run_lock(run_dir)
         torch.set_num_threads(threads)

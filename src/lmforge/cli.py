@@ -149,7 +149,7 @@ def _prepare(argv: list[str]) -> int:
 
 
 def _plan(argv: list[str]) -> int:
-    from lmforge.parallel.plan_command import main as plan_main
+    from lmforge.planning.plan_command import main as plan_main
     return plan_main(argv)
 
 

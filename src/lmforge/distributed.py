@@ -22,15 +22,15 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
-    data_rank: int = -1
+    batch_share: int = -1
     """Which share of each global batch this rank reads (tensor-, context- and pipeline-parallel
     neighbours read the same share); set with the mesh, -1 until then (then ``rank``)."""
-    data_world: int = 0
+    batch_shares: int = 0
     """How many shares a global batch is cut into (0 until the mesh is known: then ``world_size``)."""
 
     def __post_init__(self) -> None:
-        if self.data_rank < 0:
-            self.data_rank, self.data_world = self.rank, self.world_size
+        if self.batch_share < 0:
+            self.batch_share, self.batch_shares = self.rank, self.world_size
 
     @property
     def is_main(self) -> bool:
@@ -105,29 +105,29 @@ def barrier() -> None:
         dist.barrier()
 
 
-_DATA_GROUP: list = [None, 0]
-"""[process group, size] of the ranks holding different tokens (None: every rank), see set_data_group."""
+_REDUCE_GROUP: list = [None, 0]
+"""[process group, size] of the ranks holding different tokens (None: every rank), see set_reduce_group."""
 
 
-def set_data_group(group: object, size: int) -> None:
+def set_reduce_group(group: object, size: int) -> None:
     """Make :func:`all_reduce_sum` and :func:`data_world_size` span ``group`` (``size`` ranks): the ranks
     whose tokens differ (data and context shards). Tensor- and pipeline-parallel neighbours see the same
     tokens, so summing a token count over every rank would count it once per neighbour."""
-    _DATA_GROUP[0], _DATA_GROUP[1] = group, size
+    _REDUCE_GROUP[0], _REDUCE_GROUP[1] = group, size
 
 
-def data_world_size() -> int:
+def reduce_world_size() -> int:
     """Ranks whose gradients are averaged (and whose token counts are summed): the world by default."""
-    return _DATA_GROUP[1] or world_size()
+    return _REDUCE_GROUP[1] or world_size()
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over the ranks of the data group (a no-op alone). Returns a new tensor; stays on device,
+    """Sum over the reduce group (a no-op alone). Returns a new tensor; stays on device,
     no host sync."""
-    if not dist.is_initialized() or data_world_size() == 1:
+    if not dist.is_initialized() or reduce_world_size() == 1:
         return t
     t = t.clone()
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_DATA_GROUP[0])
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_REDUCE_GROUP[0])
     return t
 
 

@@ -346,7 +346,7 @@ def _load_options(model: nn.Module) -> StateDictOptions:
 # ---------------------------------------------------------------------------- helpers
 def _parts(optimizer: Any) -> list[torch.optim.Optimizer]:
     """The torch optimizers behind the run's optimizer: Muon and AdamW side by side are two
-    (``lmforge.training.optimizers.OptimizerGroup``). DCP keys every state by parameter name, so the
+    (``lmforge.optim.optimizers.OptimizerGroup``). DCP keys every state by parameter name, so the
     parts' states merge into one state dict and are split back on load."""
     return list(getattr(optimizer, "optimizers", [optimizer]))
 

@@ -1,7 +1,7 @@
 """Checkpoint tiers: durable checkpoints, plus an optional fast tier of snapshots, as one service.
 
 Every trainer saves and resumes through a :class:`CheckpointTiers`. Without a fast tier it is
-simply the durable :class:`Checkpointer` of the run directory. The elastic trainer adds a fast tier
+simply the durable :class:`Checkpointer` of the run directory. The elastic mode adds a fast tier
 (snapshots in memory-backed storage every few steps) so that a restart loses few steps; both tiers
 use the same atomic DCP format, and a resume takes the newest complete state of either.
 """

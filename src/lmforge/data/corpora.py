@@ -1,4 +1,4 @@
-"""The inputs of next-token training (pretraining, elastic): the embedded corpus, directories written by
+"""The inputs of next-token training (pretraining): the embedded corpus, directories written by
 ``lmforge prepare`` (token shards read on demand), or raw files, prepared into ``data.cache_dir`` on
 first use and read from there; ``data.sources`` mixes several of them by weight.
 

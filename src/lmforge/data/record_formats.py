@@ -9,40 +9,34 @@ an *SFT record* of one of three shapes:
 * ``{"prompt": str, "completion": str}`` - plain text without a template (loss on the completion);
 * ``{"text": str}`` - plain text with loss on every token.
 
-``data.format`` names the format of every record, or ``auto`` (default) detects it from each
-record's keys; a record whose keys fit several formats takes its file's format (the format of the
+The formats are a registry (:data:`RECORD_FORMATS`, :func:`register_format`): a project adds its own
+with a mapping function and the keys that show it. ``data.format`` names the format of every record,
+or ``auto`` (default) detects it from each record's keys; a record whose keys fit several formats takes its file's format (the format of the
 file's first record, which must itself be unambiguous). Problems raise ``ValueError`` with a short
 reason; the reader prefixes the record's ``file:line``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from lmforge.data.chat import validate_messages, validate_tools
+from lmforge.errors import UserError
 
 PROMPT_TURNS = "prompt_turns"
 """Key of a mapped record: how many leading messages are prompt (context without loss, even the
 assistant turns among them)."""
 
-__all__ = ["RecordFormat", "FORMATS", "ACCEPTED_SHAPES", "detect_format", "to_sft_record", "prompt_messages",
-           "messages_record", "prompt_completion_record", "alpaca_record", "sharegpt_record", "text_record"]
+__all__ = ["RecordFormat", "RECORD_FORMATS", "register_format", "check_format", "ACCEPTED_SHAPES", "detect_format",
+           "to_sft_record", "prompt_messages", "messages_record", "prompt_completion_record", "alpaca_record",
+           "sharegpt_record", "text_record"]
 
-RecordFormat = Literal["auto", "messages", "prompt_completion", "alpaca", "sharegpt", "text"]
 Message = dict[str, str]
 
 ACCEPTED_SHAPES = ("messages (list of role/content), prompt/completion (strings or message lists), "
                    "instruction/input/output (alpaca), conversations of from/value (sharegpt), text")
 """The shapes ``auto`` recognises, as named in error messages."""
-
-_MARKERS: dict[str, tuple[str, ...]] = {
-    "messages": ("messages",),
-    "prompt_completion": ("prompt", "completion"),
-    "alpaca": ("instruction", "output"),
-    "sharegpt": ("conversations",),
-}
-"""Keys that select a format; ``text`` is chosen only when none of these is present, because
-datasets such as Alpaca carry an already-rendered ``text`` column next to their fields."""
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system"}
@@ -136,18 +130,46 @@ def text_record(record: dict[str, Any]) -> dict[str, Any]:
     return {"text": _string(record, "text", "text")}
 
 
-_MAPPERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "messages": messages_record,
-    "prompt_completion": prompt_completion_record,
-    "alpaca": alpaca_record,
-    "sharegpt": sharegpt_record,
-    "text": text_record,
-}
-FORMATS: tuple[str, ...] = ("auto", *_MAPPERS)
+@dataclass(frozen=True)
+class RecordFormat:
+    """A record format: how to map a record to an SFT record, and the keys that show a record is in it
+    (none: chosen only by name, or as ``text`` when no other format's keys are present)."""
+
+    name: str
+    to_sft: Callable[[dict[str, Any]], dict[str, Any]]
+    markers: tuple[str, ...] = ()
+
+
+RECORD_FORMATS: dict[str, RecordFormat] = {}
+"""Every record format by name, in the order ``auto`` tries their markers."""
+
+
+def register_format(fmt: RecordFormat) -> RecordFormat:
+    """Add ``fmt`` (its name must be new)."""
+    if fmt.name in RECORD_FORMATS or fmt.name == "auto":
+        raise ValueError(f"a record format called {fmt.name!r} exists already")
+    RECORD_FORMATS[fmt.name] = fmt
+    return fmt
+
+
+for _fmt in (RecordFormat("messages", messages_record, ("messages",)),
+             RecordFormat("prompt_completion", prompt_completion_record, ("prompt", "completion")),
+             RecordFormat("alpaca", alpaca_record, ("instruction", "output")),
+             RecordFormat("sharegpt", sharegpt_record, ("conversations",)),
+             # chosen only when no other format's keys are present: datasets such as Alpaca carry an
+             # already-rendered ``text`` column next to their fields
+             RecordFormat("text", text_record)):
+    register_format(_fmt)
+
+
+def check_format(name: str) -> None:
+    """One line naming ``data.format`` unless ``name`` is ``auto`` or a registered format."""
+    if name != "auto" and name not in RECORD_FORMATS:
+        raise UserError(f"data.format={name!r}: unknown record format; known: auto, {', '.join(RECORD_FORMATS)}")
 
 
 def _matches(record: dict[str, Any]) -> list[str]:
-    found = [fmt for fmt, keys in _MARKERS.items() if any(k in record for k in keys)]
+    found = [f.name for f in RECORD_FORMATS.values() if any(k in record for k in f.markers)]
     return found or (["text"] if "text" in record else [])
 
 
@@ -168,9 +190,9 @@ def detect_format(record: dict[str, Any], prefer: str | None = None) -> str:
 
 def to_sft_record(record: dict[str, Any], fmt: str) -> dict[str, Any]:
     """``record``, in format ``fmt``, as an SFT record."""
-    if fmt not in _MAPPERS:
-        raise ValueError(f"unknown record format {fmt!r} (expected one of {', '.join(FORMATS)})")
-    return _MAPPERS[fmt](record)
+    if fmt not in RECORD_FORMATS:
+        raise ValueError(f"unknown record format {fmt!r} (expected one of {', '.join(RECORD_FORMATS)})")
+    return RECORD_FORMATS[fmt].to_sft(record)
 
 
 def prompt_messages(prompt: Any) -> list[Message]:

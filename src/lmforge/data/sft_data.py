@@ -38,7 +38,7 @@ import torch
 from lmforge.data.chat import ChatFormat, validate_messages
 from lmforge.data.overlong import Overlong, fit_sequence, overlong_phrase
 from lmforge.data.packing import IGNORE_INDEX, Sample
-from lmforge.data.record_formats import PROMPT_TURNS, RecordFormat, detect_format, to_sft_record
+from lmforge.data.record_formats import PROMPT_TURNS, check_format, detect_format, to_sft_record
 from lmforge.data.sources import Record, read_file_records, record_files
 from lmforge.data.tasks import TaskExample
 from lmforge.errors import UserError
@@ -98,13 +98,14 @@ class DataSummary:
 
 
 # ---------------------------------------------------------------------------------------- reading
-def read_sft_records(spec: str | Path, fmt: RecordFormat = "auto") -> list[Record]:
+def read_sft_records(spec: str | Path, fmt: str = "auto") -> list[Record]:
     """Every record of a ``.jsonl``/``.parquet`` file (or of such files in a directory) as an SFT
     record (see :mod:`lmforge.data.record_formats`), with its location.
 
     ``fmt="auto"`` detects each record's format from its keys, its file's first record settling
     records whose keys fit several formats.
     """
+    check_format(fmt)
     out: list[Record] = []
     for f in record_files(spec):
         file_fmt: str | None = None

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Sequence
 
+from lmforge.config import TASK_NAMES
 from lmforge.errors import UserError
 
 __all__ = ["TaskExample", "TASK_NAMES", "task_examples", "extract_answer", "is_correct", "format_ok",
@@ -41,7 +42,6 @@ class TaskExample:
     """The exact expected answer text."""
 
 
-TASK_NAMES: tuple[str, ...] = ("add", "reverse", "sort")
 DEFAULT_SPLIT_SIZES = {"train": 12_000, "test": 600}
 """Examples per split when ``n`` is not given (all tasks together)."""
 _SEED_BASE = {"train": 0, "test": 500_000_000}

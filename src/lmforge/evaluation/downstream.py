@@ -61,15 +61,15 @@ class DownstreamEval:
         return bool(self.tasks) and (not self.interval or step % self.interval == 0 or step >= self.total_steps)
 
     def __call__(self, rt: Any, step: int) -> dict[str, float]:
-        if not self.due(step) or rt.dims.shards:
+        if not self.due(step) or rt.world.layout.shards:
             return {}  # generation needs the whole model; FSDP shards it
         # Every rank scores the same examples (identical results), so no collective is needed.
         from lmforge.evaluation.harness import evaluate_tasks, flat_scores
 
-        model = rt.raw_model
+        model = rt.model.raw
         was_training = model.training
         try:
-            results = evaluate_tasks(model.eval(), rt.tokenizer, self.tasks, limit=self.limit,
+            results = evaluate_tasks(model.eval(), rt.model.tokenizer, self.tasks, limit=self.limit,
                                      batch_size=self.batch_size, bootstrap_iters=0, quiet=True)
         finally:
             model.train(was_training)

@@ -10,34 +10,34 @@ import torch
 from lmforge.data.loader import eval_batches
 from lmforge.data.packing import Batch, SampleDataset
 from lmforge.errors import UserError
-from lmforge.training.runtime import Runtime
-from lmforge.training.stats import LossStats, accumulate
+from lmforge.runtime import Runtime
+from lmforge.losses.stats import LossStats, accumulate
 from lmforge.training.train_step import LossFn, compute_global_loss, is_pipeline
 
 
 def validation_batches(rt: Runtime, dataset: SampleDataset) -> Iterable[Batch]:
     """This rank's share of ``eval.steps`` batches of ``eval.batch_size`` rows; a validation set smaller
     than one batch still gives one (smaller) batch, at least one row per rank."""
-    W = rt.dist.data_world
+    W = rt.world.dist.batch_shares
     size = max(min(rt.cfg.eval.batch_size, len(dataset)) // W * W, W)
-    return eval_batches(dataset, size, rt.cfg.eval.steps, rt.dist.data_rank, W)
+    return eval_batches(dataset, size, rt.cfg.eval.steps, rt.world.dist.batch_share, W)
 
 
 def evaluate_loss(rt: Runtime, batches: Iterable[Batch], loss_fn: LossFn) -> dict[str, torch.Tensor]:
     """``Σ loss_sum / Σ loss_weight`` over ``batches`` on every rank, with every summed statistic; the
     sums start from zero every call, so the same eval set always reports the same ``total_weights``."""
-    model = rt.model
+    model = rt.model.module
     was_training = model.training
     model.eval()
     totals: LossStats | None = None
     if is_pipeline(model):  # the stages run the batches as one forward-only schedule
         from lmforge.parallel.pipeline_step import pipeline_eval_forward
 
-        totals = pipeline_eval_forward(model, [rt.context_shard(b.to(rt.dist.device)) for b in batches],  # type: ignore[arg-type]
-                                       loss_fn, rt.autocast())
-    with torch.no_grad(), rt.autocast():
+        totals = pipeline_eval_forward(model, [rt.world.shard_batch(b.to(rt.world.dist.device)) for b in batches],  # type: ignore[arg-type]
+                                       loss_fn, rt.model.autocast())
+    with torch.no_grad(), rt.model.autocast():
         for batch in batches if totals is None else ():
-            _, stats = loss_fn(model, rt.context_shard(batch.to(rt.dist.device)))
+            _, stats = loss_fn(model, rt.world.shard_batch(batch.to(rt.world.dist.device)))
             totals = accumulate(totals, stats)
     model.train(was_training)
     if totals is None:

@@ -1,7 +1,8 @@
 """Held-out exact match on tasks with known answers: greedy decoding, overall and per task.
 
-One evaluator for SFT and GRPO (``[tasks]`` config section): it runs with every eval, at the start
-too when ``eval.at_start`` is on; :func:`record_task_summary` states the run's "before -> after".
+One evaluator for every recipe with a ``[tasks]`` config section (SFT, GRPO, the preference recipes): it
+runs with every eval, at the start too when ``eval.at_start`` is on; :func:`record_task_summary` states
+the run's "before -> after".
 On several ranks (DDP or FSDP2) each rank decodes its share of the examples and the hits are summed,
 so every rank reports the scores of all of them.
 """
@@ -22,7 +23,7 @@ from lmforge.metrics.records import read_records
 from lmforge.models.generate import generate
 from lmforge.models.model import Transformer
 from lmforge.models.tokenizer import Tokenizer
-from lmforge.training.runtime import Runtime
+from lmforge.runtime import Runtime
 
 
 def task_accuracy(model: Transformer, tokenizer: Tokenizer, examples: Sequence[TaskExample], *,
@@ -84,18 +85,18 @@ class TaskEval:
     def __call__(self, rt: Runtime, step: int = 0) -> dict[str, float]:
         if not self.examples:
             return {}
-        with dist_utils.full_parameters(rt.raw_model) as model:  # FSDP2: gathered once for the whole pass
-            acc = task_accuracy(model, rt.tokenizer, self.examples, max_new_tokens=self.max_new_tokens,
-                                batch_size=self.batch_size, rank=rt.dist.data_rank, world_size=rt.dist.data_world)
+        with dist_utils.full_parameters(rt.model.raw) as model:  # FSDP2: gathered once for the whole pass
+            acc = task_accuracy(model, rt.model.tokenizer, self.examples, max_new_tokens=self.max_new_tokens,
+                                batch_size=self.batch_size, rank=rt.world.dist.batch_share, world_size=rt.world.dist.batch_shares)
         return {"exact_match": acc.pop("all")} | {f"exact_match_{task}": v for task, v in acc.items()}
 
 
 def record_task_summary(rt: Runtime, step: int) -> None:
     """One ``task_accuracy`` event: exact match of the starting model (the step-0 eval) and the last one,
     read from the run's metrics, so a resumed run still reports its real "before"."""
-    if not rt.dist.is_main:
+    if not rt.world.dist.is_main:
         return
-    scores = {r["step"]: r["exact_match"] for r in read_records(rt.run_dir, "eval") if "exact_match" in r}
+    scores = {r["step"]: r["exact_match"] for r in read_records(rt.world.run_dir, "eval") if "exact_match" in r}
     if 0 not in scores or step == 0 or len(scores) < 2:
         return
     before, after = scores[0], scores[max(scores)]

@@ -1,6 +1,6 @@
 """One MetricLogger for every trainer: console line, JSONL file and TensorBoard, plus goodput.
 
-Step-time rules (the same for pretraining, SFT, GRPO and elastic runs):
+Step-time rules (the same for every trainer):
 
 * The training clock starts in :meth:`MetricLogger.start_clock`, called immediately before the first
   step, so setup time (imports, model build, checkpoint restore) is never part of a step.

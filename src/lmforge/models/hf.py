@@ -179,7 +179,8 @@ def save_hf_model(
         hf.pop("lm_head.weight", None)
         hf["score.weight"] = score
     tensors = savable_tensors(hf)
-    dtype = tensors["model.embed_tokens.weight"].dtype
+    embedding = next(k for k in tensors if k.endswith("embed_tokens.weight"))  # model.language_model.* in a VLM
+    dtype = tensors[embedding].dtype
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
     config = hf_config_from_args(args, torch_dtype=_dtype_name(dtype), bos_token_id=bos_token_id,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from lmforge.checkpoint import RunDir, STATE_FILE, load_model_weights, read_trainer_state, resolve_checkpoint
 from lmforge.errors import UserError
@@ -131,47 +131,79 @@ def load_model(source: ModelSource, *, tokenizer: str = "byte", args: ModelArgs 
 
     A LoRA checkpoint holds only its adapters and names its base model: the base is loaded (the same
     way, recursively), the adapters put on it and, with ``merge_lora``, folded into its weights.
+    Each kind of source has its loader in :data:`MODEL_LOADERS`.
     """
-    if source.kind == "init":
-        spec = _tokenizer_spec(tokenizer)
-        tok = load_tokenizer(spec)
-        if args is None:
-            from lmforge.models.args import model_args_for
-
-            args = model_args_for(size, tok.vocab_size, **(overrides or {}))
-        model = spec_for_args(args).build(args)
-        model.init_weights(seed=int(source.where))
-    elif source.kind in ("hf", "hub"):
-        from lmforge.models.hf import load_hf_model
-
-        directory = source.where if source.kind == "hf" else str(resolve_hub_model(source.where).directory)
-        spec = _tokenizer_spec(tokenizer if tokenizer != "byte" else directory)
-        tok = load_tokenizer(spec)
-        model = load_hf_model(directory)
-    elif source.kind == "gguf":
-        from lmforge.models.gguf import load_gguf_model
-
-        if tokenizer == "byte":
-            raise UserError(f"{source}: a GGUF file's own tokenizer cannot be loaded; name the model's Hugging Face "
-                            "tokenizer files with model.tokenizer=DIR (lmforge generate: --tokenizer DIR)")
-        spec = _tokenizer_spec(tokenizer)
-        tok = load_tokenizer(spec)
-        model = load_gguf_model(source.where)
-    else:
-        ckpt = Path(source.where)
-        described = checkpoint_description(ckpt)
-        spec = described.get("tokenizer", "byte")
-        tok = load_tokenizer(spec)
-        if "lora" in described:
-            model = _load_adapted(ckpt, described, spec, merge_lora)
-        else:
-            args = ModelArgs.from_dict(described["model_args"])
-            model = spec_for_args(args).build(args)
-            if described.get("head"):
-                attach_head(model, described["head"])
-            load_model_weights(ckpt, model)
+    request = LoadRequest(tokenizer, args, size, overrides or {}, merge_lora)
+    model, tok, spec = MODEL_LOADERS[source.kind](source, request)
     check_vocabulary(tok, model.args.vocab_size, str(source))
     return LoadedModel(model, tok, spec, source)
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """What the caller of :func:`load_model` asked for besides the source."""
+
+    tokenizer: str
+    args: ModelArgs | None
+    size: str
+    overrides: dict[str, Any]
+    merge_lora: bool
+
+
+def _new_model(source: ModelSource, r: LoadRequest) -> Loaded:
+    spec = _tokenizer_spec(r.tokenizer)
+    tok = load_tokenizer(spec)
+    args = r.args
+    if args is None:
+        from lmforge.models.args import model_args_for
+
+        args = model_args_for(r.size, tok.vocab_size, **r.overrides)
+    model = spec_for_args(args).build(args)
+    model.init_weights(seed=int(source.where))
+    return model, tok, spec
+
+
+def _hf_model(source: ModelSource, r: LoadRequest) -> Loaded:
+    from lmforge.models.hf import load_hf_model
+
+    directory = source.where if source.kind == "hf" else str(resolve_hub_model(source.where).directory)
+    spec = _tokenizer_spec(r.tokenizer if r.tokenizer != "byte" else directory)
+    tok = load_tokenizer(spec)
+    return load_hf_model(directory), tok, spec
+
+
+def _gguf_model(source: ModelSource, r: LoadRequest) -> Loaded:
+    from lmforge.models.gguf import load_gguf_model
+
+    if r.tokenizer == "byte":
+        raise UserError(f"{source}: a GGUF file's own tokenizer cannot be loaded; name the model's Hugging Face "
+                        "tokenizer files with model.tokenizer=DIR (lmforge generate: --tokenizer DIR)")
+    spec = _tokenizer_spec(r.tokenizer)
+    tok = load_tokenizer(spec)  # a wrong tokenizer path is said before the file is dequantized
+    return load_gguf_model(source.where), tok, spec
+
+
+def _checkpoint_model(source: ModelSource, r: LoadRequest) -> Loaded:
+    ckpt = Path(source.where)
+    described = checkpoint_description(ckpt)
+    spec = described.get("tokenizer", "byte")
+    tok = load_tokenizer(spec)
+    if "lora" in described:
+        return _load_adapted(ckpt, described, spec, r.merge_lora), tok, spec
+    args = ModelArgs.from_dict(described["model_args"])
+    model = spec_for_args(args).build(args)
+    if described.get("head"):
+        attach_head(model, described["head"])
+    load_model_weights(ckpt, model)
+    return model, tok, spec
+
+
+Loaded = "tuple[Transformer, Tokenizer, str]"
+ModelLoader = Callable[[ModelSource, LoadRequest], Loaded]
+MODEL_LOADERS: dict[str, ModelLoader] = {
+    "init": _new_model, "hf": _hf_model, "hub": _hf_model, "gguf": _gguf_model, "checkpoint": _checkpoint_model,
+}
+"""Each kind of :class:`ModelSource`'s loader: the model (fp32, CPU), its tokenizer and the tokenizer's spec."""
 
 
 def check_vocabulary(tok: Tokenizer, vocab_size: int, where: str) -> None:

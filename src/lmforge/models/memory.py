@@ -1,6 +1,6 @@
 """The model's memory model: where its parameters live, and what autograd saves per block.
 
-What the planner (:mod:`lmforge.parallel.planner`) needs to know of a model, computed from the blocks'
+What the planner (:mod:`lmforge.planning.planner`) needs to know of a model, computed from the blocks'
 module configs (``args.decoder_config()``), so a family with modules of its own is counted by its
 configs' types, never by names. Parameter counts are exact: one block of each distinct config is built
 on the meta device and its parameters sorted by role. The saved-activation counts are formulas of

@@ -267,11 +267,19 @@ class Transformer(nn.Module):
 
     def hidden_states(
         self, tokens: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | None = None, embeds: Tensor | None = None,
+        after_layer: Callable[[int, Tensor], Tensor] | None = None,
+        mask: Callable[[int | None], Tensor] | None = None,
     ) -> Tensor:
         """Final-normed hidden states [B, T, dim] (``forward`` minus the output projection).
 
         Exposed so callers can project only the positions they need (generation, chunked loss).
+        ``embeds`` [B, T, dim] replaces the embedding of ``tokens`` (a vision-language model's text
+        embeddings with image features in place of its image tokens); ``position_ids`` may then be a
+        multimodal RoPE's [3, B, T]. ``after_layer(i, h)`` replaces block ``i``'s output ``h`` (Qwen3-VL
+        adds image features to the first blocks' outputs at the image tokens). ``mask(window)`` gives the
+        boolean SDPA mask [B, 1, T, T] of the layers with that sliding window (None: full attention) in place
+        of causal attention (Gemma 3 attends bidirectionally within each image).
         """
         # a later pipeline stage under sequence parallelism gets 1/tp of the sequence: its positions say how long it is
         T = tokens.shape[1] if position_ids is None else position_ids.shape[-1]
@@ -287,7 +295,10 @@ class Transformer(nn.Module):
             position_ids = torch.arange(start, start + T, device=tokens.device).unsqueeze(0)
         # A pipeline stage without the embedding (lmforge.parallel.pipeline) gets hidden states [B, T, dim].
         embedded = self.tok_embeddings is not None
-        h = self.tok_embeddings(tokens) if embedded else tokens
+        if embeds is not None:
+            h, embedded = embeds, False
+        else:
+            h = self.tok_embeddings(tokens) if embedded else tokens
         if self.config.embed_scale and embedded:  # Gemma: the scale rounded to the activation dtype, as transformers does
             h = h * torch.tensor(self.config.dim ** 0.5, dtype=h.dtype)
         ropes = {name: rope(position_ids, h.dtype) for name, rope in self.ropes.items()}
@@ -297,13 +308,19 @@ class Transformer(nn.Module):
             layout = cp.layout(document_ids, tokens.shape[0], T, tokens.device)
         else:
             layout = packed_layout(document_ids) if document_ids is not None and kv_cache is None else None
-        attention = {window: self._attention_pattern(T, window, tokens.device, kv_cache, layout)
+        if mask is not None and (kv_cache is not None or layout is not None):
+            raise ValueError("an attention mask cannot be combined with a kv_cache, document_ids or "
+                             "context parallelism")
+        attention = {window: (mask(window), False) if mask is not None else
+                     self._attention_pattern(T, window, tokens.device, kv_cache, layout)
                      for window in {w for w, _ in self.layer_plan}}
 
-        for layer, (window, rope) in zip(self.layers, self.layer_plan):
+        for i, (layer, (window, rope)) in enumerate(zip(self.layers, self.layer_plan)):
             if layer is None:  # owned by another pipeline stage
                 continue
             h = layer(h, *ropes[rope], *attention[window], kv_cache)
+            if after_layer is not None:
+                h = after_layer(i, h)
         if kv_cache is not None:
             kv_cache.advance(T)
         return self.norm(h) if self.norm is not None else h
@@ -334,7 +351,7 @@ class Transformer(nn.Module):
 
         ``head`` replaces the output projection: it gets the final-normed hidden states [B, T, dim]
         and the output weight [vocab_size, dim] and its result is returned (e.g. the chunked loss of
-        ``lmforge.training.chunked_loss``, which never holds all logits at once). It runs here, inside
+        ``lmforge.losses.chunked_loss``, which never holds all logits at once). It runs here, inside
         forward, rather than on ``hidden_states`` afterwards, because wrappers act only on a forward
         call: FSDP2 unshards the root's parameters (the output weight among them) for that call only.
         """

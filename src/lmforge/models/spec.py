@@ -24,7 +24,8 @@ from lmforge.models.args import ModelArgs, load_families, register_args_class, r
 from lmforge.models.state_dict_adapter import StateDictAdapter
 
 __all__ = [
-    "DECODER_LORA_TARGETS", "GGUFFormat", "ModelSpec", "get_spec", "gguf_format_for", "lora_targets_for", "register_spec", "registered_model_types",
+    "DECODER_LORA_TARGETS", "GGUFFormat", "ModelSpec", "get_spec", "gguf_format_for", "lora_targets_for",
+    "parameters_of", "register_spec", "registered_model_types",
     "registered_specs", "spec_for_args",
     "spec_for_hf_config",
 ]
@@ -109,6 +110,23 @@ class ModelSpec:
     ``decoder_config()`` builds its modules; checkpoints of the family load into it."""
     sizes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Named sizes (``model.size``) of the family's published models: ``args_class`` fields."""
+    parameter_groups: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """The model's parts by role, name -> the parameter-name prefixes it covers (a vision-language model's
+    ``vision_tower``, ``projector``, ``language_model``), so a recipe can freeze or tune one part by name
+    (:func:`parameters_of`). Empty: the model is one part."""
+
+
+def parameters_of(model: nn.Module, spec: ModelSpec, group: str) -> list[tuple[str, nn.Parameter]]:
+    """``model``'s (name, parameter) pairs in ``spec``'s parameter group ``group`` (wrapper prefixes, e.g.
+    torch.compile's, ignored); one line naming the known groups otherwise."""
+    from lmforge.models.state_dict_adapter import strip_wrapper_prefixes
+
+    if group not in spec.parameter_groups:
+        known = ", ".join(spec.parameter_groups) or "none"
+        raise UserError(f"model family {spec.name!r} has no parameter group {group!r} (groups: {known})")
+    prefixes = spec.parameter_groups[group]
+    return [(n, p) for n, p in model.named_parameters()
+            if any(strip_wrapper_prefixes(n) == x or strip_wrapper_prefixes(n).startswith(x + ".") for x in prefixes)]
 
 
 def lora_targets_for(args: ModelArgs, requested: Iterable[str] | None) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """Knowledge distillation: a divergence between a frozen teacher's and the student's next-token
 distributions at every target token, plus optionally the student's ordinary cross-entropy.
 
-The divergences and their gradients are :mod:`lmforge.training.chunked_divergence`. The teacher's
+The divergences and their gradients are :mod:`lmforge.losses.chunked_divergence`. The teacher's
 final hidden states at the target positions come from its own forward pass without grad, inside the
 loss (its time is step time; the step source adds its FLOPs); the student's forward then runs the
 divergence as its output head, so at most ``chunk_tokens`` rows of full-vocabulary logits of each
@@ -22,10 +22,10 @@ import torch
 from torch import Tensor, nn
 
 from lmforge.data.packing import IGNORE_INDEX, Batch
-from lmforge.training.chunked_divergence import DivergenceSums, Divergence, chunked_divergence
-from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS
-from lmforge.training.reference import FrozenReference
-from lmforge.training.stats import LossStats
+from lmforge.losses.chunked_divergence import DivergenceSums, Divergence, chunked_divergence
+from lmforge.losses.chunked_loss import DEFAULT_CHUNK_TOKENS
+from lmforge.objectives.reference import FrozenReference
+from lmforge.losses.stats import LossStats
 from lmforge.training.train_step import global_target_count
 
 

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lmforge.objectives.pairwise import PairLogps, PairTerms, PairwiseLoss, PairwiseObjective, sequence_logprobs
-from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS
-from lmforge.training.reference import FrozenReference
+from lmforge.losses.chunked_loss import DEFAULT_CHUNK_TOKENS
+from lmforge.objectives.reference import FrozenReference
 
 __all__ = ["LossType", "dpo_losses", "sequence_logprobs", "DPOLoss", "DPOObjective"]
 

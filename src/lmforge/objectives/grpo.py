@@ -22,8 +22,8 @@ from torch import Tensor, nn
 
 from lmforge import distributed as dist_utils
 from lmforge.objectives.policy_losses import PolicyLoss, check_policy_loss, policy_terms
-from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobHead
-from lmforge.training.stats import LossStats
+from lmforge.losses.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobHead
+from lmforge.losses.stats import LossStats
 
 Aggregation = Literal["grpo", "dapo", "dr_grpo"]
 AdvantageScale = Literal["group", "batch", "none"]
@@ -58,6 +58,25 @@ class PolicyBatch:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return PolicyBatch(move(self.input_ids), move(self.targets), move(self.mask), move(self.advantages),
                            move(self.old_logprobs), move(self.ref_logprobs), move(self.rollout_logprobs))
+
+
+def policy_rows(prompts: list[list[int]], completions: list[list[int]], keep: list[bool], pad_id: int,
+           advantages: Tensor, device: torch.device, masks: list[list[int]] | None = None) -> PolicyBatch:
+    """Right-padded ``prompt + completion`` rows with next-token targets and a completion mask.
+
+    Right padding keeps every real token at the position it would have alone (positions count from
+    0 at the row's first token, as in generation), and padding only ever follows real tokens.
+    """
+    seqs = [p + c for p, c in zip(prompts, completions)]
+    T = max(len(x) for x in seqs) - 1
+    B = len(seqs)
+    ids = torch.full((B, T + 1), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, T)
+    for i, (p, c, seq) in enumerate(zip(prompts, completions, seqs)):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        if keep[i]:  # the targets at these positions are the completion (its policy-written tokens)
+            mask[i, len(p) - 1: len(seq) - 1] = 1.0 if masks is None else torch.tensor(masks[i], dtype=torch.float32)
+    return PolicyBatch(ids[:, :-1].to(device), ids[:, 1:].to(device), mask.to(device), advantages.float())
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale: AdvantageScale,
@@ -150,7 +169,7 @@ def policy_logprobs(model: nn.Module, batch: PolicyBatch, temperature: float, *,
     """log p(target) [B, T] under softmax(logits / temperature), and the entropy [B, T] (no grad) if asked.
 
     Only completion positions (``mask > 0``) are computed, ``chunk_tokens`` rows of logits at a time
-    (see :mod:`lmforge.training.chunked_loss`); every other position holds 0. Differentiable when
+    (see :mod:`lmforge.losses.chunked_loss`); every other position holds 0. Differentiable when
     called with grad enabled.
     """
     head = TargetLogprobHead(batch.targets, batch.mask > 0, chunk_tokens=chunk_tokens, temperature=temperature,

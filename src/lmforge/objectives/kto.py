@@ -32,9 +32,9 @@ from lmforge import distributed as dist_utils
 from lmforge.data.packing import IGNORE_INDEX, Batch
 from lmforge.data.preference_data import pair_values, pairs_in
 from lmforge.objectives.pairwise import sequence_logprobs
-from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS
-from lmforge.training.reference import FrozenReference
-from lmforge.training.stats import LossStats
+from lmforge.losses.chunked_loss import DEFAULT_CHUNK_TOKENS
+from lmforge.objectives.reference import FrozenReference
+from lmforge.losses.stats import LossStats
 
 
 def kto_losses(r: Tensor, z0: Tensor, desirable: Tensor, *, beta: float, desirable_weight: float = 1.0,

@@ -1,4 +1,4 @@
-"""Next-token cross-entropy: the objective of pretraining, SFT and elastic runs."""
+"""Next-token cross-entropy: the objective of pretraining and SFT."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from lmforge.models.args import ModelArgs
 
 from lmforge.data.packing import IGNORE_INDEX, Batch
 from lmforge.objectives.router import RouterLossWeights, add_router_terms, router_log_values
-from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobSumHead
-from lmforge.training.stats import LossStats
+from lmforge.losses.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobSumHead
+from lmforge.losses.stats import LossStats
 from lmforge.training.train_step import global_target_count
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -28,7 +28,7 @@ def cross_entropy_loss(model: nn.Module, batch: Batch, chunk_tokens: int = DEFAU
     ``correct`` (argmax hits), all sums, so they add up exactly across microbatches and ranks.
 
     Logits exist only at target positions and only ``chunk_tokens`` rows at a time (fp32), in
-    forward and backward (see :mod:`lmforge.training.chunked_loss`); the values equal the full
+    forward and backward (see :mod:`lmforge.losses.chunked_loss`); the values equal the full
     ``F.cross_entropy`` over fp32 logits. Bind ``chunk_tokens`` with ``functools.partial``.
 
     For a mixture of experts, ``router`` adds the load-balancing terms, over the batch's real

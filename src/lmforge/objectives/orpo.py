@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from lmforge import distributed as dist_utils
 from lmforge.data.packing import IGNORE_INDEX, Batch
 from lmforge.objectives.pairwise import PairLogps, PairTerms, PairwiseLoss, PairwiseObjective
-from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS
+from lmforge.losses.chunked_loss import DEFAULT_CHUNK_TOKENS
 
 
 def log1m_exp(a: Tensor) -> Tensor:

@@ -24,9 +24,9 @@ from torch import Tensor, nn
 from lmforge import distributed as dist_utils
 from lmforge.data.packing import IGNORE_INDEX, Batch
 from lmforge.data.preference_data import pairs_in, sequence_index
-from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobHead
-from lmforge.training.reference import FrozenReference
-from lmforge.training.stats import LossStats
+from lmforge.losses.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobHead
+from lmforge.objectives.reference import FrozenReference
+from lmforge.losses.stats import LossStats
 
 
 def sequence_logprobs(model: Any, batch: Batch, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,

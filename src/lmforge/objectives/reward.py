@@ -26,7 +26,7 @@ from lmforge import distributed as dist_utils
 from lmforge.data.packing import IGNORE_INDEX, Batch
 from lmforge.data.preference_data import pair_values, pairs_in
 from lmforge.models.heads import ScoreHead, last_positions, score_layer
-from lmforge.training.stats import LossStats
+from lmforge.losses.stats import LossStats
 
 
 def bradley_terry_losses(chosen: Tensor, rejected: Tensor, margin: Tensor | float = 0.0,

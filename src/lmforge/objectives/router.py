@@ -33,7 +33,7 @@ from torch import nn
 
 from lmforge.models.args import ModelArgs
 from lmforge.models.layers.moe import router_losses
-from lmforge.training.stats import LossStats
+from lmforge.losses.stats import LossStats
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class RouterLossWeights:
         return cls(args.router_aux_loss_coef if aux is None else aux, z)
 
 
-NEXT_TOKEN_TRAINERS = ("pretrain", "sft", "elastic")
+NEXT_TOKEN_TRAINERS = ("pretrain", "sft")
 """The trainers whose loss carries the router terms (the others train MoE models without them)."""
 
 

@@ -15,7 +15,7 @@ per-token negative log-likelihood (as CPO does), which keeps the chosen response
 from __future__ import annotations
 
 from lmforge.objectives.pairwise import PairLogps, PairTerms, PairwiseLoss, PairwiseObjective, sigmoid_loss
-from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS
+from lmforge.losses.chunked_loss import DEFAULT_CHUNK_TOKENS
 
 
 class SimPOLoss(PairwiseLoss):

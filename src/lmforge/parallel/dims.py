@@ -73,6 +73,26 @@ class ParallelDims:
                             f"with FSDP2 (parallel.dp_shard) or HSDP (dp_replicate and dp_shard > 1), not with DDP")
         return dims
 
+    @classmethod
+    def of(cls, **degrees: int) -> "ParallelDims":
+        """A layout given by its degrees alone (``lmforge plan``'s candidates): the world size is the
+        product of the mesh's degrees (``ep`` borrows its ranks from ``dp_shard``)."""
+        dims = cls(1, **degrees)
+        return cls(dims.dp_replicate * dims.dp_shard * dims.tp * dims.cp * dims.pp, **degrees)
+
+    @property
+    def fsdp_shards(self) -> int:
+        """Ranks over which FSDP shards parameters, gradients and optimizer state: the data-shard ranks
+        and, as torchtitan does, the context-parallel ranks (which hold the same parameters; see
+        :meth:`fsdp_mesh_names`)."""
+        return self.dp_shard * self.cp
+
+    def describe(self) -> str:
+        """The degrees above 1, e.g. ``dp_shard=4 tp=2`` (``single`` for one rank)."""
+        parts = [f"{n}={getattr(self, n)}" for n in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep")
+                 if getattr(self, n) > 1]
+        return " ".join(parts) or "single"
+
     # --- where a rank sits --------------------------------------------------------------------------
 
     def coords(self, rank: int) -> dict[str, int]:
@@ -86,17 +106,17 @@ class ParallelDims:
         return out
 
     @property
-    def data_world(self) -> int:
+    def batch_shares(self) -> int:
         """How many shares each global batch is cut into (the data-parallel ranks)."""
         return self.dp_replicate * self.dp_shard
 
-    def data_rank(self, rank: int) -> int:
+    def batch_share(self, rank: int) -> int:
         """Which share of the global batch ``rank`` reads (tp, cp and pp neighbours read the same one)."""
         c = self.coords(rank)
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
     @property
-    def gradient_world(self) -> int:
+    def reduce_world(self) -> int:
         """Ranks whose gradients are averaged (the data ranks times the context shards)."""
         return self.dp_replicate * self.dp_shard * self.cp
 
@@ -162,7 +182,7 @@ class ParallelDims:
             names.append("dp_shard" if self.dp_shard > 1 else "cp")
         return tuple(names)
 
-    def gradient_group_name(self) -> str | None:
+    def reduce_group_name(self) -> str | None:
         """The mesh dimension (maybe flattened) spanning the gradient group; None when it is one rank."""
         grads = [n for n in GRADIENT_DIMS if getattr(self, n) > 1]
         if not grads:

@@ -7,6 +7,7 @@ from typing import Any
 
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
+from lmforge.parallel.dimensions import RunShape, used
 from lmforge.parallel.dims import ParallelDims
 
 
@@ -30,34 +31,13 @@ def check_same_layout_on_every_rank(section: Any) -> None:
 
 def check_layout(dims: ParallelDims, args: ModelArgs, cfg: Any) -> None:
     """Every model-splitting degree against the model's shape, the data's sequence length and the batch."""
-    check_layout_of_model(dims, args, cfg.data.seq_len, cfg.parallel.sequence_parallel)
-    if dims.pp > 1:
-        from lmforge.parallel.pipeline import check_pp
-
-        t, p = cfg.training, cfg.parallel
-        check_pp(args, dims.pp, p.pp_stages_per_rank, t.global_batch_size // (dims.data_world * t.micro_batch_size),
-                 schedule=p.pp_schedule)
+    run = RunShape.of_run(cfg, dims)
+    for dimension in used(dims):
+        dimension.check(args, dims, run)
 
 
 def check_layout_of_model(dims: ParallelDims, args: ModelArgs, seq_len: int, sequence_parallel: bool = True) -> None:
     """The checks that need only the model and the sequence length (``lmforge plan`` uses them too)."""
-    if dims.tp > 1:
-        from lmforge.parallel.tensor_parallel import check_tp
-
-        check_tp(args, dims.tp)
-        if sequence_parallel and (seq_len // dims.cp) % dims.tp:
-            raise UserError(f"data.seq_len={seq_len} / parallel.cp={dims.cp} must be divisible by "
-                            f"parallel.tp={dims.tp} with parallel.sequence_parallel (each tensor-parallel rank "
-                            f"holds a slice of the sequence)")
-    if dims.cp > 1:
-        from lmforge.parallel.context_parallel import check_cp
-
-        check_cp(seq_len, dims.cp)
-    if dims.pp > 1:
-        from lmforge.parallel.pipeline import check_pp
-
-        check_pp(args, dims.pp)
-    if dims.ep > 1:
-        from lmforge.parallel.expert_parallel import check_ep
-
-        check_ep(args, dims.ep, dims.dp_shard)
+    run = RunShape(seq_len, sequence_parallel)
+    for dimension in used(dims):
+        dimension.check(args, dims, run)

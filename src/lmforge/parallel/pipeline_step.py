@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lmforge.parallel.pipeline import Pipeline
-from lmforge.training.stats import LossStats, accumulate
+from lmforge.losses.stats import LossStats, accumulate
 
 LossFn = Callable[[Any, Any], "tuple[Tensor, LossStats]"]
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmforge.parallel.dimensions import used
 from lmforge.parallel.dims import ParallelDims, sub_mesh
 
 
@@ -120,20 +121,9 @@ def data_mesh(mesh: Any, dims: ParallelDims) -> Any:
 
 
 def split_model(model: nn.Module, dims: ParallelDims, mesh: Any, options: ParallelOptions) -> None:
-    """The model-splitting dimensions, innermost first: tensor (with sequence) parallel, experts over
-    ``ep``, sequences over ``cp``. Each is a no-op at degree 1."""
-    if dims.tp > 1:
-        from lmforge.parallel.tensor_parallel import apply_tp
-
-        apply_tp(model, sub_mesh(mesh, "tp"), sequence_parallel=options.sequence_parallel)
-    if dims.ep > 1:
-        from lmforge.parallel.expert_parallel import apply_ep
-
-        apply_ep(model, sub_mesh(mesh, "ep"))
-    if dims.cp > 1:
-        from lmforge.parallel.context_parallel import apply_cp
-
-        apply_cp(model, sub_mesh(mesh, "cp"))
+    """The model-splitting dimensions in use, innermost first (:data:`~.dimensions.DIMENSIONS`)."""
+    for dimension in used(dims):
+        dimension.split(model, mesh, options.sequence_parallel)
 
 
 def parallelize_decoder(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.device,
@@ -170,7 +160,7 @@ def wrap_stage(model: nn.Module, dims: ParallelDims, mesh: Any, device: torch.de
         experts = None
         if dims.ep > 1:  # experts: sharded over ep, FSDP over the ranks holding the same ones
             names = ("dp_replicate", "dp_shard_mod_ep") if dims.dp_replicate > 1 else ("dp_shard_mod_ep",)
-            experts = (sub_mesh(mesh, *names), dims.gradient_world)
+            experts = (sub_mesh(mesh, *names), dims.reduce_world)
         return apply_fsdp(model, data_mesh(mesh, dims), device, bf16=options.bf16, experts=experts)
     if dims.dp_replicate > 1:
         return apply_ddp(model, data_mesh(mesh, dims), device)

@@ -23,8 +23,8 @@ from lmforge.config import Config
 from lmforge.errors import UserError
 
 if TYPE_CHECKING:  # torch-free at import: ``lmforge --help`` and config errors answer without loading torch
+    from lmforge.runtime import RecipeServices, Runtime
     from lmforge.training.loop import Job
-    from lmforge.training.runtime import RecipeServices, Runtime
     from lmforge.training.state import TrainState
 
 
@@ -44,7 +44,7 @@ class Recipe:
         return None
 
     def services(self, cfg: Any, inputs: Any) -> RecipeServices:
-        from lmforge.training.runtime import RecipeServices
+        from lmforge.runtime import RecipeServices
 
         return RecipeServices()
 
@@ -52,7 +52,7 @@ class Recipe:
         raise NotImplementedError
 
     def finish(self, rt: Runtime, cfg: Any, inputs: Any, state: TrainState) -> None:
-        """After the run's final save (e.g. the elastic recipe removes its snapshots)."""
+        """After the run's final save (e.g. a recipe removes files only its run needed)."""
 
 
 _REGISTRY: dict[str, Recipe] = {}

@@ -6,7 +6,7 @@ next-token distribution is pulled towards the teacher's by the divergence of ``d
 (:mod:`lmforge.objectives.distill`). On-policy distillation (GKD): on a share ``distill.on_policy`` of
 the steps, chosen by a pure function of the seed and the step, the student first samples completions
 of the batch's prompts and the divergence is taken on its own tokens. That sampling is the step
-source's business (:class:`lmforge.training.distill.DistillSource`), so the loss is the same code either way.
+source's business (:class:`lmforge.recipes.jobs.distill.DistillSource`), so the loss is the same code either way.
 
 The teacher is anything lmforge loads as a model (a Hugging Face directory, a ``.gguf`` file, an
 lmforge run or checkpoint), frozen on the trainer's device; it must share the student's vocabulary.
@@ -28,8 +28,8 @@ from lmforge.recipes.base import Recipe, register
 
 if TYPE_CHECKING:  # recipe modules import no torch until a run starts (lmforge --help stays fast)
     from lmforge.models.load import ModelSource
+    from lmforge.runtime import Runtime
     from lmforge.training.loop import Job
-    from lmforge.training.runtime import Runtime
 
 
 class DistillSection(Section):
@@ -68,7 +68,7 @@ class Distill(Recipe):
 
     def check(self, cfg: DistillConfig) -> ModelSource:
         from lmforge.models.load import ModelSource
-        from lmforge.training.distill import scoring_head
+        from lmforge.recipes.jobs.distill import scoring_head
 
         if not cfg.distill.teacher:
             raise UserError("distill.teacher is not set: name the teacher (a Hugging Face directory, a .gguf file, "
@@ -92,18 +92,18 @@ class Distill(Recipe):
         from lmforge.evaluation.loss import validation_eval
         from lmforge.evaluation.tasks import TaskEval, held_out_examples
         from lmforge.objectives.distill import DistillObjective, DistillSettings
-        from lmforge.training.distill import DistillSource, load_teacher
+        from lmforge.recipes.jobs.distill import DistillSource, load_teacher
         from lmforge.training.loop import Job
 
         d = cfg.distill
         teacher = load_teacher(rt, d.teacher)
-        chat = training_chat_format(rt.tokenizer, rt.model_args.vocab_size, cfg.sft.chat_template)
-        train_set, val_set = sft_datasets(cfg, rt.tokenizer, chat, lambda split, summary: rt.metrics.record_event(
+        chat = training_chat_format(rt.model.tokenizer, rt.model.args.vocab_size, cfg.sft.chat_template)
+        train_set, val_set = sft_datasets(cfg, rt.model.tokenizer, chat, lambda split, summary: rt.metrics.record_event(
             "sft_data", 0, summary.line(), split=split, **summary.counts()))
         settings = DistillSettings(d.divergence, d.jsd_beta, d.temperature, d.ce_weight, cfg.training.loss_chunk_tokens)
         objective = DistillObjective(teacher, settings)
         tasks = TaskEval(held_out_examples(cfg.tasks) if cfg.data.train == "embedded" else [],
                          cfg.tasks.eval_max_new_tokens)
-        stop_ids = stop_token_ids(rt.tokenizer, cfg.sft.chat_template) if d.on_policy > 0 else []
+        stop_ids = stop_token_ids(rt.model.tokenizer, cfg.sft.chat_template) if d.on_policy > 0 else []
         source = DistillSource(rt, train_set, teacher, d, stop_ids)
         return Job(source, objective, validation_eval(objective, val_set, tasks))

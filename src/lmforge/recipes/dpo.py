@@ -1,27 +1,26 @@
 """Direct preference optimization on ``prompt``/``chosen``/``rejected`` records.
 
 The loss and its logged values are :mod:`lmforge.objectives.dpo`; the reference is the run's starting
-model, frozen (:class:`~lmforge.training.reference.FrozenReference`). The step source is SFT's packed
+model, frozen (:class:`~lmforge.objectives.reference.FrozenReference`). The step source is SFT's packed
 loader over rows of whole pairs (:mod:`lmforge.data.preference_data`), so a pair never straddles
 microbatches; each step's FLOPs include the reference's forward pass, and checkpoints record the
-reference's source, so a resume scores against the same reference (:mod:`lmforge.training.preference`).
+reference's source, so a resume scores against the same reference (:mod:`lmforge.recipes.jobs.preference`).
 """
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
-
 from typing import TYPE_CHECKING, Literal
 
+from pydantic import Field, model_validator
+
 from lmforge.config import Config, RunSection, StartEvalSection, TasksSection
-from lmforge.recipes.base import Recipe, register
-from lmforge.training.preference_config import BetaSection, check_preference_data
+from lmforge.recipes.base import register
+from lmforge.recipes.jobs.preference_recipe import BetaSection, PreferenceRecipe
 
 if TYPE_CHECKING:  # recipe modules import no torch until a run starts (lmforge --help stays fast)
     from lmforge.objectives.dpo import DPOObjective
-    from lmforge.training.loop import Job
-    from lmforge.training.reference import FrozenReference
-    from lmforge.training.runtime import Runtime
+    from lmforge.objectives.reference import FrozenReference
+    from lmforge.runtime import Runtime
 
 
 class DPOSection(BetaSection):
@@ -52,13 +51,11 @@ class DPOConfig(Config):
 
 
 @register
-class DPO(Recipe):
+class DPO(PreferenceRecipe):
     name = "dpo"
     config = DPOConfig
     summary = "direct preference optimization (sigmoid, cDPO, IPO; RPO's NLL term) on preference pairs"
-
-    def check(self, cfg: DPOConfig) -> None:
-        check_preference_data(cfg, "DPO")
+    method, uses_reference, extra_forwards = "DPO", True, 1
 
     @staticmethod
     def objective(cfg: DPOConfig, reference: FrozenReference) -> DPOObjective:
@@ -70,12 +67,6 @@ class DPO(Recipe):
                             nll_weight=d.nll_weight, ipo_per_token=d.ipo_per_token,
                             chunk_tokens=cfg.training.loss_chunk_tokens)
 
-    def build(self, rt: Runtime, cfg: DPOConfig, inputs: None) -> Job:
-        from lmforge.training.preference import preference_datasets, preference_job
-        from lmforge.training.reference import FrozenReference
-
-        train_set, val_set = preference_datasets(rt, cfg.dpo, "dpo")
-        d = cfg.dpo
-        reference = FrozenReference.for_run(rt)
-        objective = self.objective(cfg, reference)
-        return preference_job(rt, d, objective, train_set, val_set, reference, extra_forwards=1)
+    def make_objective(self, rt: Runtime, cfg: DPOConfig, reference: FrozenReference | None) -> DPOObjective:
+        assert reference is not None
+        return self.objective(cfg, reference)

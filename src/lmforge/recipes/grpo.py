@@ -31,8 +31,8 @@ from lmforge.rl.judge import DEFAULT_RUBRIC
 if TYPE_CHECKING:  # recipe modules import no torch until a run starts (lmforge --help stays fast)
     from lmforge.objectives.grpo import GRPOObjective
     from lmforge.rl.rewards import WeightedReward
+    from lmforge.runtime import Runtime
     from lmforge.training.loop import Job
-    from lmforge.training.runtime import Runtime
 
 
 class GRPOSection(EngineKeys):
@@ -231,7 +231,7 @@ class GRPO(Recipe):
         from lmforge.training.loop import Job
 
         g = cfg.grpo
-        check_batch_shape(cfg, rt.dist.data_world)
+        check_batch_shape(cfg, rt.world.dist.batch_shares)
         objective = self.objective(cfg)
         tasks = TaskEval([TaskExample(r.get("task", "file"), r[g.prompt_field], str(r["answer"]))
                           for r in inputs.eval if r.get("answer") is not None and isinstance(r[g.prompt_field], str)],

@@ -1,7 +1,7 @@
 """KTO on single responses labelled desirable or undesirable (or preference pairs, split into one of
 each): the loss is :mod:`lmforge.objectives.kto`, the data :mod:`lmforge.data.unpaired_data`; the
 reference is the run's starting model, frozen, and everything else is every preference recipe's
-(:mod:`lmforge.training.preference`)."""
+(:mod:`lmforge.recipes.jobs.preference`)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,13 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field
 
 from lmforge.config import Config, RunSection, StartEvalSection, TasksSection
-from lmforge.recipes.base import Recipe, register
-from lmforge.training.preference_config import BetaSection, check_preference_data
+from lmforge.recipes.base import register
+from lmforge.recipes.jobs.preference_recipe import BetaSection, PreferenceRecipe
 
 if TYPE_CHECKING:  # recipe modules import no torch until a run starts (lmforge --help stays fast)
     from lmforge.objectives.kto import KTOObjective
-    from lmforge.training.loop import Job
-    from lmforge.training.reference import FrozenReference
-    from lmforge.training.runtime import Runtime
+    from lmforge.objectives.reference import FrozenReference
+    from lmforge.runtime import Runtime
 
 
 class KTOSection(BetaSection):
@@ -37,13 +36,19 @@ class KTOConfig(Config):
 
 
 @register
-class KTO(Recipe):
+class KTO(PreferenceRecipe):
     name = "kto"
     config = KTOConfig
     summary = "KTO on responses labelled desirable/undesirable (or preference pairs, split)"
+    method, records = "KTO", "prompt, completion, label; or prompt, chosen, rejected"
+    # the reference point's pass: one forward of the policy and one of the reference, without grad
+    uses_reference, extra_forwards = True, 2
 
-    def check(self, cfg: KTOConfig) -> None:
-        check_preference_data(cfg, "KTO", "prompt, completion, label; or prompt, chosen, rejected")
+    @staticmethod
+    def pairs(path: str, tokenizer: Any, chat: Any, seq_len: int, packing: bool, overlong: Any) -> Any:
+        from lmforge.data.unpaired_data import build_unpaired_dataset
+
+        return build_unpaired_dataset(path, tokenizer, chat, seq_len, packing, overlong)
 
     @staticmethod
     def objective(cfg: KTOConfig, policy: Any, reference: FrozenReference, autocast: Any = None) -> KTOObjective:
@@ -55,14 +60,6 @@ class KTO(Recipe):
                             undesirable_weight=k.undesirable_weight, chunk_tokens=cfg.training.loss_chunk_tokens,
                             **({} if autocast is None else {"autocast": autocast}))
 
-    def build(self, rt: Runtime, cfg: KTOConfig, inputs: None) -> Job:
-        from lmforge.data.unpaired_data import build_unpaired_dataset
-        from lmforge.training.preference import preference_datasets, preference_job
-        from lmforge.training.reference import FrozenReference
-
-        k = cfg.kto
-        train_set, val_set = preference_datasets(rt, k, "kto", build_unpaired_dataset)
-        reference = FrozenReference.for_run(rt)
-        objective = self.objective(cfg, rt.model, reference, rt.autocast)
-        # the reference point's pass: one forward of the policy and one of the reference, without grad
-        return preference_job(rt, k, objective, train_set, val_set, reference, extra_forwards=2)
+    def make_objective(self, rt: Runtime, cfg: KTOConfig, reference: FrozenReference | None) -> KTOObjective:
+        assert reference is not None
+        return self.objective(cfg, rt.model.module, reference, rt.model.autocast)

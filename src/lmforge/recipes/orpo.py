@@ -1,6 +1,6 @@
 """ORPO on ``prompt``/``chosen``/``rejected`` records: SFT on the chosen response plus an odds-ratio
 term, with no reference model (:mod:`lmforge.objectives.orpo`); data, step source and eval as every
-preference recipe (:mod:`lmforge.training.preference`)."""
+preference recipe (:mod:`lmforge.recipes.jobs.preference`)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,12 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from lmforge.config import Config, RunSection, StartEvalSection, TasksSection
-from lmforge.recipes.base import Recipe, register
-from lmforge.training.preference_config import PreferenceSection, check_preference_data
+from lmforge.recipes.base import register
+from lmforge.recipes.jobs.preference_recipe import PreferenceRecipe, PreferenceSection
 
 if TYPE_CHECKING:  # recipe modules import no torch until a run starts (lmforge --help stays fast)
     from lmforge.objectives.orpo import ORPOObjective
-    from lmforge.training.loop import Job
-    from lmforge.training.runtime import Runtime
+    from lmforge.runtime import Runtime
 
 
 class ORPOSection(PreferenceSection):
@@ -34,13 +33,11 @@ class ORPOConfig(Config):
 
 
 @register
-class ORPO(Recipe):
+class ORPO(PreferenceRecipe):
     name = "orpo"
     config = ORPOConfig
     summary = "ORPO: SFT plus an odds-ratio preference term, no reference model"
-
-    def check(self, cfg: ORPOConfig) -> None:
-        check_preference_data(cfg, "ORPO")
+    method = "ORPO"
 
     @staticmethod
     def objective(cfg: ORPOConfig) -> ORPOObjective:
@@ -49,10 +46,5 @@ class ORPO(Recipe):
 
         return ORPOObjective(beta=cfg.orpo.beta, nll=cfg.orpo.nll, chunk_tokens=cfg.training.loss_chunk_tokens)
 
-    def build(self, rt: Runtime, cfg: ORPOConfig, inputs: None) -> Job:
-        from lmforge.training.preference import preference_datasets, preference_job
-
-        o = cfg.orpo
-        train_set, val_set = preference_datasets(rt, o, "orpo")
-        objective = self.objective(cfg)
-        return preference_job(rt, o, objective, train_set, val_set, None, extra_forwards=0)
+    def make_objective(self, rt: Runtime, cfg: ORPOConfig, reference: None) -> ORPOObjective:
+        return self.objective(cfg)

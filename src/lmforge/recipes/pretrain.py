@@ -10,8 +10,8 @@ from lmforge.recipes.base import Recipe, register
 
 if TYPE_CHECKING:  # recipe modules import no torch until a run starts (lmforge --help stays fast)
     from lmforge.data.corpora import Corpora
+    from lmforge.runtime import Runtime
     from lmforge.training.loop import Job
-    from lmforge.training.runtime import Runtime
 
 
 @register
@@ -27,6 +27,6 @@ class Pretrain(Recipe):
         return read_corpora(cfg)
 
     def build(self, rt: Runtime, cfg: Config, inputs: Corpora) -> Job:
-        from lmforge.training.next_token import next_token_job
+        from lmforge.recipes.jobs.next_token import next_token_job
 
         return next_token_job(rt, inputs)

@@ -20,13 +20,13 @@ from lmforge.config import Config, RunSection, StartEvalSection
 from lmforge.data.inputs import train_and_validation
 from lmforge.errors import UserError
 from lmforge.recipes.base import Recipe, register
-from lmforge.training.preference_config import PairDataSection, check_preference_data
+from lmforge.recipes.jobs.preference_recipe import PairDataSection, check_preference_data
 
 if TYPE_CHECKING:  # recipe modules import no torch until a run starts (lmforge --help stays fast)
     from lmforge.data.preference_data import PreferenceDataset
     from lmforge.data.sources import Record
+    from lmforge.runtime import RecipeServices, Runtime
     from lmforge.training.loop import Job
-    from lmforge.training.runtime import RecipeServices, Runtime
 
 
 class RMSection(PairDataSection):
@@ -78,7 +78,7 @@ class RM(Recipe):
         return read_inputs(cfg)
 
     def services(self, cfg: RMConfig, inputs: RMInputs) -> RecipeServices:
-        from lmforge.training.runtime import RecipeServices
+        from lmforge.runtime import RecipeServices
 
         return RecipeServices(head="score")
 
@@ -87,13 +87,13 @@ class RM(Recipe):
         from lmforge.data.reward_data import build_reward_dataset
         from lmforge.evaluation.loss import validation_eval
         from lmforge.objectives.reward import RewardObjective
+        from lmforge.recipes.jobs.next_token import LoaderSource
         from lmforge.training.loop import Job
-        from lmforge.training.next_token import LoaderSource
 
-        chat = training_chat_format(rt.tokenizer, rt.model_args.vocab_size, cfg.rm.chat_template)
+        chat = training_chat_format(rt.model.tokenizer, rt.model.args.vocab_size, cfg.rm.chat_template)
 
         def build(records: list[Record], source: str, split: str) -> PreferenceDataset:
-            dataset, summary = build_reward_dataset(records, source, rt.tokenizer, chat, seq_len=cfg.data.seq_len,
+            dataset, summary = build_reward_dataset(records, source, rt.model.tokenizer, chat, seq_len=cfg.data.seq_len,
                                                     packing=cfg.rm.packing, overlong=cfg.data.overlong)
             rt.metrics.record_event("rm_data", 0, summary.line(), split=split, **summary.counts())
             return dataset

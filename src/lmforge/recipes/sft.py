@@ -20,8 +20,8 @@ from lmforge.recipes.base import Recipe, register
 if TYPE_CHECKING:  # recipe modules import no torch until a run starts (lmforge --help stays fast)
     from lmforge.data.chat import ChatFormat
     from lmforge.data.sft_data import SFTDataset
+    from lmforge.runtime import Runtime
     from lmforge.training.loop import Job
-    from lmforge.training.runtime import Runtime
 
 
 class SFTConfig(Config):
@@ -35,7 +35,7 @@ def build_datasets(cfg: SFTConfig, rt: Runtime, chat: ChatFormat | None) -> tupl
     """Train and validation sets; each summary (counts of skipped/truncated examples) is logged."""
     from lmforge.data.sft_inputs import sft_datasets
 
-    return sft_datasets(cfg, rt.tokenizer, chat, lambda split, summary: rt.metrics.record_event(
+    return sft_datasets(cfg, rt.model.tokenizer, chat, lambda split, summary: rt.metrics.record_event(
         "sft_data", 0, summary.line(), split=split, **summary.counts()))
 
 
@@ -55,12 +55,12 @@ class SFT(Recipe):
         from lmforge.evaluation.loss import validation_eval
         from lmforge.evaluation.tasks import TaskEval, held_out_examples
         from lmforge.objectives.next_token import NextTokenObjective
+        from lmforge.recipes.jobs.next_token import LoaderSource
         from lmforge.training.loop import Job
-        from lmforge.training.next_token import LoaderSource
 
-        chat = training_chat_format(rt.tokenizer, rt.model_args.vocab_size, cfg.sft.chat_template)
+        chat = training_chat_format(rt.model.tokenizer, rt.model.args.vocab_size, cfg.sft.chat_template)
         train_set, val_set = build_datasets(cfg, rt, chat)
-        objective = NextTokenObjective.for_run(cfg.training, rt.model_args)
+        objective = NextTokenObjective.for_run(cfg.training, rt.model.args)
         tasks = TaskEval(held_out_examples(cfg.tasks) if cfg.data.train == "embedded" else [],
                          cfg.tasks.eval_max_new_tokens)
         return Job(LoaderSource(rt, train_set), objective, validation_eval(objective, val_set, tasks))

@@ -1,6 +1,6 @@
 """SimPO on ``prompt``/``chosen``/``rejected`` records: a reference-free, length-normalised margin
 (:mod:`lmforge.objectives.simpo`); data, step source and eval as every preference recipe
-(:mod:`lmforge.training.preference`)."""
+(:mod:`lmforge.recipes.jobs.preference`)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,12 @@ from typing import TYPE_CHECKING
 from pydantic import Field
 
 from lmforge.config import Config, RunSection, StartEvalSection, TasksSection
-from lmforge.recipes.base import Recipe, register
-from lmforge.training.preference_config import PreferenceSection, check_preference_data
+from lmforge.recipes.base import register
+from lmforge.recipes.jobs.preference_recipe import PreferenceRecipe, PreferenceSection
 
 if TYPE_CHECKING:  # recipe modules import no torch until a run starts (lmforge --help stays fast)
     from lmforge.objectives.simpo import SimPOObjective
-    from lmforge.training.loop import Job
-    from lmforge.training.runtime import Runtime
+    from lmforge.runtime import Runtime
 
 
 class SimPOSection(PreferenceSection):
@@ -36,13 +35,11 @@ class SimPOConfig(Config):
 
 
 @register
-class SimPO(Recipe):
+class SimPO(PreferenceRecipe):
     name = "simpo"
     config = SimPOConfig
     summary = "SimPO: reference-free preference optimization on length-normalised rewards with a margin"
-
-    def check(self, cfg: SimPOConfig) -> None:
-        check_preference_data(cfg, "SimPO")
+    method = "SimPO"
 
     @staticmethod
     def objective(cfg: SimPOConfig) -> SimPOObjective:
@@ -53,10 +50,5 @@ class SimPO(Recipe):
         return SimPOObjective(beta=s.beta, gamma=s.gamma, label_smoothing=s.label_smoothing,
                               nll_weight=s.nll_weight, chunk_tokens=cfg.training.loss_chunk_tokens)
 
-    def build(self, rt: Runtime, cfg: SimPOConfig, inputs: None) -> Job:
-        from lmforge.training.preference import preference_datasets, preference_job
-
-        s = cfg.simpo
-        train_set, val_set = preference_datasets(rt, s, "simpo")
-        objective = self.objective(cfg)
-        return preference_job(rt, s, objective, train_set, val_set, None, extra_forwards=0)
+    def make_objective(self, rt: Runtime, cfg: SimPOConfig, reference: None) -> SimPOObjective:
+        return self.objective(cfg)

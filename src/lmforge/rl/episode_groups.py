@@ -33,10 +33,18 @@ def environment_class(name: str) -> Any:
     checked to be a class with the environment's methods (anything else is one line, before any work)."""
     if name in BUILTIN_ENVIRONMENTS:
         return BUILTIN_ENVIRONMENTS[name]
+    if name.startswith("verifiers:"):  # a verifiers taskset (imported only when named: verifiers is optional)
+        from lmforge.rl.environments.verifiers_env import verifiers_environment_class
+
+        return verifiers_environment_class(name)
+    if name.startswith("openenv:"):
+        from lmforge.rl.environments.openenv_env import openenv_environment_class
+
+        return openenv_environment_class(name)
     module, _, attr = name.partition(":")
     if not attr or not module:
-        raise UserError(f"grpo.environment={name!r}: not a built-in ({', '.join(BUILTIN_ENVIRONMENTS)}) "
-                        "nor module:Class")
+        raise UserError(f"grpo.environment={name!r}: not a built-in ({', '.join(BUILTIN_ENVIRONMENTS)}), "
+                        "module:Class, verifiers:ID nor openenv:module:Class")
     try:
         cls = getattr(importlib.import_module(module), attr)
     except Exception as e:  # noqa: BLE001 - a user's module may fail however it likes on import
@@ -51,9 +59,10 @@ def environment_class(name: str) -> Any:
 
 def load_environment(name: str, chat: ChatFormat, *, max_turns: int, prompt_field: str, answer_field: str) -> Environment:
     """The environment ``name`` names (:func:`environment_class`); a ``module:Class`` is called with the chat
-    format and ``max_turns``, a built-in also with the prompt records' column names."""
+    format and ``max_turns``, a built-in or an adapter (``verifiers:``, ``openenv:``) also with the prompt
+    records' column names."""
     cls = environment_class(name)
-    if name in BUILTIN_ENVIRONMENTS:
+    if name in BUILTIN_ENVIRONMENTS or name.startswith(("verifiers:", "openenv:")):
         return cls(chat, max_turns=max_turns, prompt_field=prompt_field, answer_field=answer_field)
     try:
         return cls(chat, max_turns=max_turns)

@@ -64,6 +64,8 @@ class Episode:
     """The last turn's text, answer or not (for logs)."""
     template_error: str = ""
     """Why the template could not render the conversation on (``end == "template_error"``)."""
+    env: Any = field(default=None, repr=False, compare=False)
+    """What plays this episode: the environment, or its ``for_episode()`` (an environment with state per episode)."""
 
     @property
     def done(self) -> bool:
@@ -102,6 +104,8 @@ def run_episodes(engine: RolloutEngine, env: Environment, records: Sequence[Mapp
     end-of-turn token, :func:`lmforge.data.chat.stop_token_ids`); ``max_total_tokens`` bounds the whole
     completion (default ``max_new_tokens * env.max_turns``). ``logprobs`` asks the engine for the sampled
     tokens' log-probs (``Episode.logprobs`` is None otherwise). Rewards are the environment's, on the answer.
+    An environment with a ``for_episode()`` method plays each episode on the object it returns (state per
+    episode: an OpenEnv instance), which is asked for the episode's reward too.
     """
     if not sampling.stop_ids:
         raise ValueError("run_episodes needs sampling.stop_ids (the tokens that end a turn)")
@@ -109,11 +113,13 @@ def run_episodes(engine: RolloutEngine, env: Environment, records: Sequence[Mapp
     if budget < 1:
         raise ValueError(f"max_total_tokens must be positive, got {budget}")
     stops = set(sampling.stop_ids)
+    per_episode = getattr(env, "for_episode", None)
     episodes = []
     for record in records:
-        start = env.start(record)
+        player = per_episode() if callable(per_episode) else env
+        start = player.start(record)
         episodes.append(Episode(record, list(start.messages), start.tools, chat.prompt_ids(start.messages, start.tools),
-                                logprobs=[] if logprobs else None))
+                                logprobs=[] if logprobs else None, env=player))
     for turn in range(env.max_turns):
         active = [e for e in episodes if not e.done]
         if not active:
@@ -126,10 +132,10 @@ def run_episodes(engine: RolloutEngine, env: Environment, records: Sequence[Mapp
             raise RuntimeError(f"engine {getattr(engine, 'name', engine)!r} returned {len(outs)} completions "
                                f"for {len(active)} prompts")
         for e, out in zip(active, outs):
-            _play_turn(e, out.token_ids, out.logprobs, env, chat, tokenizer, stops, budget,
+            _play_turn(e, out.token_ids, out.logprobs, e.env, chat, tokenizer, stops, budget,
                        last=turn == env.max_turns - 1)
     for e in episodes:
-        e.reward = float(env.reward(e.record, e.final_text))
+        e.reward = float(e.env.reward(e.record, e.final_text))
     return episodes
 
 

@@ -24,9 +24,11 @@ from torch import Tensor, nn
 from lmforge import distributed as dist_utils
 from lmforge.rl.engines.base import Completion, RolloutEngine, SamplingSettings
 from lmforge.rl.engines.lmforge_engine import LmforgeEngine
-from lmforge.objectives.grpo import AdvantageScale, AdvantageStd, PolicyBatch, group_advantages, token_logprobs
+from lmforge.objectives.grpo import (
+    AdvantageScale, AdvantageStd, PolicyBatch, group_advantages, policy_rows, token_logprobs,
+)
 from lmforge.rl.rewards import WeightedReward, score_completions
-from lmforge.training.chunked_loss import DEFAULT_CHUNK_TOKENS
+from lmforge.losses.chunked_loss import DEFAULT_CHUNK_TOKENS
 
 
 class PromptSampler:
@@ -229,7 +231,7 @@ def build_rollout(
         end = start + s.micro_batch_size
         keep = [not (s.mask_truncated and t) for t in groups.truncated[start:end]]
         masks = None if groups.completion_masks is None else groups.completion_masks[start:end]
-        mb = layout(rows[start:end], groups.completion_ids[start:end], keep, pad_id, advantages[start:end], device, masks)
+        mb = policy_rows(rows[start:end], groups.completion_ids[start:end], keep, pad_id, advantages[start:end], device, masks)
         if s.need_old_logprobs:
             with autocast:
                 mb.old_logprobs = token_logprobs(policy, mb, s.temperature, s.chunk_tokens)
@@ -250,7 +252,7 @@ def build_rollout(
         keys = sorted(groups.metrics)
         sums = dist_utils.all_reduce_sum(torch.tensor([groups.metrics[k] for k in keys], dtype=torch.float64,
                                                       device=device)).tolist()
-        metrics |= {k: v / dist_utils.data_world_size() for k, v in zip(keys, sums)}
+        metrics |= {k: v / dist_utils.reduce_world_size() for k, v in zip(keys, sums)}
     return Rollout(batches, groups.prompts, groups.completions, groups.total, groups.per_function,
                    metrics | (extra_metrics or {}), tokens=sum(b.input_ids.numel() for b in batches),
                    sequence_lengths=[len(p) + len(c) - 1 for p, c in zip(rows, groups.completion_ids)])
@@ -298,25 +300,6 @@ class AllTruncatedWarning:
                   else "their rewards score cut-off text")
         return (f"warning: every completion of this rollout was truncated: no stop token "
                 f"({', '.join(self.stop_names)}) within grpo.max_new_tokens={self.max_new_tokens}; {effect}")
-
-
-def layout(prompts: list[list[int]], completions: list[list[int]], keep: list[bool], pad_id: int,
-           advantages: Tensor, device: torch.device, masks: list[list[int]] | None = None) -> PolicyBatch:
-    """Right-padded ``prompt + completion`` rows with next-token targets and a completion mask.
-
-    Right padding keeps every real token at the position it would have alone (positions count from
-    0 at the row's first token, as in generation), and padding only ever follows real tokens.
-    """
-    seqs = [p + c for p, c in zip(prompts, completions)]
-    T = max(len(x) for x in seqs) - 1
-    B = len(seqs)
-    ids = torch.full((B, T + 1), pad_id, dtype=torch.long)
-    mask = torch.zeros(B, T)
-    for i, (p, c, seq) in enumerate(zip(prompts, completions, seqs)):
-        ids[i, : len(seq)] = torch.tensor(seq)
-        if keep[i]:  # the targets at these positions are the completion (its policy-written tokens)
-            mask[i, len(p) - 1: len(seq) - 1] = 1.0 if masks is None else torch.tensor(masks[i], dtype=torch.float32)
-    return PolicyBatch(ids[:, :-1].to(device), ids[:, 1:].to(device), mask.to(device), advantages.float())
 
 
 def dense_logprobs(prompts: list[list[int]], logprobs: list[list[float]], shape: torch.Size,

@@ -43,8 +43,8 @@ from lmforge.rl.rollout import (
     AllTruncatedWarning, PromptSampler, Rollout, RolloutSettings, SampledGroups, build_rollout, sample_groups,
 )
 from lmforge.training.loop import StepBatch
-from lmforge.training.reference import FrozenReference
-from lmforge.training.runtime import Runtime
+from lmforge.objectives.reference import FrozenReference
+from lmforge.runtime import Runtime
 
 
 def rollout_settings(g: Any, t: Any) -> RolloutSettings:
@@ -62,12 +62,12 @@ class RolloutSource:
     def __init__(self, rt: Runtime, g: Any, rewards: list[WeightedReward], prompts: list[dict[str, Any]]) -> None:
         t = rt.cfg.training
         self.rt, self.g, self.rewards, self.prompts = rt, g, rewards, prompts
-        self.sampler = PromptSampler(len(prompts), t.global_batch_size // g.num_generations, rt.dist.data_rank,
-                                     rt.dist.data_world, t.seed)
+        self.sampler = PromptSampler(len(prompts), t.global_batch_size // g.num_generations, rt.world.dist.batch_share,
+                                     rt.world.dist.batch_shares, t.seed)
         self.settings = rollout_settings(g, t)
-        self.chat = chat_format_for(rt.tokenizer)  # built once: a Jinja template compiles slowly
-        self.stop_ids = stop_token_ids(rt.tokenizer)
-        names = [rt.tokenizer.decode([i], skip_special=False) for i in self.stop_ids]
+        self.chat = chat_format_for(rt.model.tokenizer)  # built once: a Jinja template compiles slowly
+        self.stop_ids = stop_token_ids(rt.model.tokenizer)
+        names = [rt.model.tokenizer.decode([i], skip_special=False) for i in self.stop_ids]
         self.truncation_warning = AllTruncatedWarning(names, g.max_new_tokens, g.mask_truncated)
         self.reference = FrozenReference.for_run(rt) if g.beta > 0 else None
         """The frozen KL reference (only with beta > 0)."""
@@ -78,7 +78,7 @@ class RolloutSource:
         self.queue = RolloutQueue(g.async_steps) if g.async_steps else None
         self.engine_logprobs = g.engine != "lmforge" or self.queue is not None
         """Keep the sampler's own log-probs: another engine's, or older weights' (the behaviour policy)."""
-        if self.queue is not None and g.engine == "lmforge" and (_is_fsdp(rt.model) or _is_fsdp(rt.raw_model)):
+        if self.queue is not None and g.engine == "lmforge" and (_is_fsdp(rt.model.module) or _is_fsdp(rt.model.raw)):
             raise UserError("grpo.async_steps with grpo.engine=lmforge needs whole weights on every rank (one process "
                             "or DDP): under FSDP2 use grpo.engine=vllm")
         self.rollout: Rollout | None = None
@@ -112,7 +112,7 @@ class RolloutSource:
         """Training FLOPs of one update pass over rollout ``r``: its rows' real lengths, padding excluded
         (a rollout restored from an older checkpoint without lengths counts its full rows)."""
         lengths = r.sequence_lengths or [n for b in r.batches for n in [b.input_ids.shape[1]] * b.input_ids.shape[0]]
-        return self.rt.training_flops(lengths)
+        return self.rt.model.training_flops(lengths)
 
     def sample(self, version: int) -> Rollout:
         """This rank's share of the next rollout, for the update after ``version`` optimizer steps: one
@@ -159,7 +159,7 @@ class RolloutSource:
             batch = SampledGroups.concat([batch.take(range(min(len(batch), share))), reserve.take(range(fill))],
                                          g.num_generations)
             counts = dist_utils.all_reduce_sum(torch.tensor([float(rounds * share), float(len(reserve) - fill)],
-                                                            dtype=torch.float64, device=rt.dist.device)).tolist()
+                                                            dtype=torch.float64, device=rt.world.dist.device)).tolist()
             extra |= {"grpo/prompts_drawn": counts[0], "grpo/dropped_groups": counts[1], "grpo/sampling_rounds": rounds}
         return self.build(batch, version, t0, gen_seconds, extra)
 
@@ -168,9 +168,9 @@ class RolloutSource:
         rt, engine = self.rt, self.engine
         assert engine is not None  # its last weight load: ~0 for lmforge's live engine, which loads nothing
         extra = extra | {"rollout/staleness": float(version - batch.version), "rollout/sync_seconds": engine.sync_seconds}
-        reference = self.reference.model_for(rt.raw_model) if self.reference is not None else None
-        return build_rollout(rt.raw_model, batch, self.settings, pad_id=rt.tokenizer.pad_id, reference=reference,
-                             autocast=rt.autocast(), rollout_autocast=self.rollout_autocast(), gen_seconds=gen_seconds,
+        reference = self.reference.model_for(rt.model.raw) if self.reference is not None else None
+        return build_rollout(rt.model.raw, batch, self.settings, pad_id=rt.model.tokenizer.pad_id, reference=reference,
+                             autocast=rt.model.autocast(), rollout_autocast=self.rollout_autocast(), gen_seconds=gen_seconds,
                              started=t0, extra_metrics=extra)
 
     @contextmanager
@@ -180,7 +180,7 @@ class RolloutSource:
         ``sync_every`` steps have passed since its last load."""
         engine = self.engine
         if isinstance(engine, LmforgeEngine) and not engine.copy_weights:
-            with dist_utils.full_parameters(self.rt.raw_model) as policy:
+            with dist_utils.full_parameters(self.rt.model.raw) as policy:
                 engine.load_weights(policy, version)
                 yield
             return
@@ -192,7 +192,7 @@ class RolloutSource:
         assert engine is not None
         if engine.version >= 0 and version - engine.version < self.g.sync_every:
             return
-        engine.load_weights(self.rt.raw_model, version)
+        engine.load_weights(self.rt.model.raw, version)
 
     def sample_ahead(self, version: int) -> SampledGroups:
         """The oldest round in flight; the engine then takes the current weights and the next round is
@@ -211,7 +211,7 @@ class RolloutSource:
     def rollout_autocast(self) -> Any:
         """The precision sampling runs in: ``grpo.rollout_dtype``, or the training one (``auto``)."""
         if rollout_dtype(self.rt, self.g) == "bfloat16":
-            return torch.autocast(self.rt.dist.device.type, dtype=torch.bfloat16)
+            return torch.autocast(self.rt.world.dist.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
     def sample_round(self, positions: list[int]) -> SampledGroups:
@@ -228,19 +228,19 @@ class RolloutSource:
 
         if self.environment is not None:
             groups = sample_episode_groups(engine, self.environment, records, self.rewards, self.settings,
-                                           chat=self.chat, tokenizer=rt.tokenizer, stop_ids=self.stop_ids,
+                                           chat=self.chat, tokenizer=rt.model.tokenizer, stop_ids=self.stop_ids,
                                            seed=seed_for(0), prompt_field=field, engine_logprobs=self.engine_logprobs,
                                            max_total_tokens=self.g.max_total_tokens)
         else:
-            prompt_ids = [prompt_token_ids(rt.tokenizer, r[field], self.chat) for r in records]
+            prompt_ids = [prompt_token_ids(rt.model.tokenizer, r[field], self.chat) for r in records]
             groups = sample_groups(engine, records, prompt_ids, self.rewards, self.settings, stop_ids=self.stop_ids,
-                                   decode=rt.tokenizer.decode, seed_for=seed_for, prompt_field=field,
+                                   decode=rt.model.tokenizer.decode, seed_for=seed_for, prompt_field=field,
                                    engine_logprobs=self.engine_logprobs)
         groups.version = engine.version
         return groups
 
     def state_dict(self) -> dict[str, Any]:
-        reference = self.reference.state_dict() if self.reference else {"reference": str(self.rt.model_source)}
+        reference = self.reference.state_dict() if self.reference else {"reference": str(self.rt.model.source)}
         return {**self.sampler.state_dict(), **reference}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -265,7 +265,7 @@ class RolloutSource:
             self.queue.restore([SampledGroups(**r) for r in state["ahead"]])
         if "batches" not in state:
             return
-        device = self.rt.dist.device
+        device = self.rt.world.dist.device
         batches = [PolicyBatch(**{k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()})
                    for b in state["batches"]]
         metrics = {k: v.to(device) if torch.is_tensor(v) else v for k, v in state["metrics"].items()}

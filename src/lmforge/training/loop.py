@@ -1,9 +1,9 @@
-"""The training loop: the only one, run by every recipe (pretraining, SFT, DPO, GRPO, elastic).
+"""The training loop: the only one, run by every recipe (pretraining, SFT, preference methods, GRPO, distillation, reward models).
 
 A trainer hands :func:`train` two things and nothing else:
 
 * a **step source** (:class:`StepSource`): what yields each step's microbatches. The packed data
-  loader for pretraining, SFT and elastic runs; for GRPO a rollout buffer that samples a new rollout
+  loader for every recipe but GRPO; for GRPO a rollout buffer that samples a new rollout
   every ``num_iterations`` steps (its sampling time is its own goodput category, ``rollout``).
 * an **objective** (:class:`Objective`): the loss function, its global normalizer, and how the
   summed statistics become logged values.
@@ -22,11 +22,12 @@ import torch
 
 from lmforge import distributed as dist_utils
 from lmforge.training.checkpointing import resume, save
-from lmforge.training.guard import Guard, StopSignals
-from lmforge.training.runtime import Runtime
+from lmforge.training.signals import StopSignals
+from lmforge.runtime import Runtime
+from lmforge.optim.schedule import learning_rate
 from lmforge.training.state import TrainState
 from lmforge.training.train_step import (
-    LossFn, compute_global_loss, gradient_computation, learning_rate, run_optimizer_step, should_continue_training,
+    LossFn, compute_global_loss, gradient_computation, run_optimizer_step, should_continue_training,
 )
 
 EvalFn = Callable[[Runtime, int], "dict[str, torch.Tensor | float]"]
@@ -82,8 +83,9 @@ def train(rt: Runtime, source: StepSource, objective: Objective, evaluate: EvalF
     """Run steps until a budget or a stop request ends the run; eval and checkpoint on schedule."""
     state = resume(rt, source)
     rt.open_run_dir()  # every start-up check has passed: only now is the run directory written
-    guard = Guard(rt, spike_factor=rt.cfg.training.spike_factor if objective.watch_spikes else 0.0)
-    rt.before_save = guard.before_save
+    guard = rt.guard
+    if not objective.watch_spikes:
+        guard.spike_factor = 0.0
     with StopSignals(state):
         if evaluate and rt.cfg.eval.at_start and rt.cfg.eval.interval and state.step == 0:
             do_eval(rt, state, evaluate)  # the starting model's scores, before the clock starts
@@ -93,13 +95,13 @@ def train(rt: Runtime, source: StepSource, objective: Objective, evaluate: EvalF
             with rt.metrics.waiting_for_data() as wait:
                 batch = source.next_step(step)
             normalizer = objective.normalizer(batch.microbatches)
-            stats = gradient_computation(rt.model, batch.microbatches, objective.loss_fn, normalizer, rt.autocast())
-            grad_norm = run_optimizer_step(rt.model, rt.optimizer, lr := lr_at(rt, step), rt.cfg.optimizer.grad_clip,
+            stats = gradient_computation(rt.model.module, batch.microbatches, objective.loss_fn, normalizer, rt.model.autocast())
+            grad_norm = run_optimizer_step(rt.model.module, rt.optimizer, lr := lr_at(rt, step), rt.cfg.optimizer.grad_clip,
                                            skip_nonfinite=guard.skips_nonfinite)
             state.step = step
             totals = compute_global_loss(stats)
-            if rt.spec.after_optimizer_step is not None:  # the family's own update, e.g. MoE bias balancing
-                rt.spec.after_optimizer_step(rt.raw_model, rt.model_args, totals)
+            if rt.model.spec.after_optimizer_step is not None:  # the family's own update, e.g. MoE bias balancing
+                rt.model.spec.after_optimizer_step(rt.model.raw, rt.model.args, totals)
             values = objective.log_values(totals) | batch.metrics | {"lr": lr, "grad_norm": grad_norm}
             record = rt.metrics.record_step(step, tokens=batch.tokens, flops=batch.flops, metrics=values, data_wait=wait.seconds,
                                             lost=step <= state.redo_until, console_keys=objective.console_keys)
@@ -125,14 +127,14 @@ def end_of_step(rt: Runtime, state: TrainState, source: StepSource, total_weight
     if cfg.checkpoint.enabled and cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 \
             and step < cfg.training.steps:
         save(rt, state, source)
-    if rt.dist.world_size == 1 or logged:  # collectives only where every rank takes part
+    if rt.world.dist.world_size == 1 or logged:  # collectives only where every rank takes part
         # A stop signal counts once every rank has agreed on it, here at the same step everywhere; a rank
         # acting on its own signal would save while the others train on, and both would wait forever.
         state.training_seconds = dist_utils.all_reduce_max(rt.metrics.training_seconds)
         stop = dist_utils.all_reduce_max(1.0 if state.stop_signal else 0.0)
         if stop and not state.stop_requested:
             state.stop_requested = state.stop_signal or "another rank received a stop signal"
-    for hook in rt.step_hooks:  # given at construction, e.g. the elastic trainer's snapshots
+    for hook in rt.step_hooks:  # given at construction, e.g. the elastic mode's snapshots
         hook(rt, state, source)
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from lmforge import distributed as dist_utils
 from lmforge.data.packing import Batch
 from lmforge.parallel.pipeline import Pipeline
-from lmforge.training.stats import LossStats, accumulate
+from lmforge.losses.stats import LossStats, accumulate
 
 if TYPE_CHECKING:  # pragma: no cover
     from lmforge.training.state import TrainState
@@ -57,8 +57,8 @@ def gradient_computation(
         from lmforge.parallel.pipeline_step import pipeline_gradient_computation
 
         return pipeline_gradient_computation(model, microbatches, loss_fn, normalizer, autocast,  # type: ignore[arg-type]
-                                             dist_utils.data_world_size())
-    scale = dist_utils.data_world_size() / normalizer.clamp(min=1)
+                                             dist_utils.reduce_world_size())
+    scale = dist_utils.reduce_world_size() / normalizer.clamp(min=1)
     totals: LossStats | None = None
     for i, mb in enumerate(microbatches):
         last = i == len(microbatches) - 1
@@ -149,50 +149,3 @@ def should_continue_training(progress: "TrainState", budgets: Budgets) -> tuple[
             return False, (f"eval loss {progress.last_eval_loss:.4f} reached "
                            f"training.target_eval_loss={budgets.target_eval_loss:g}")
     return True, ""
-
-
-def learning_rate(step: int, *, base_lr: float, total_steps: int, kind: str, warmup_steps: int,
-                  min_lr_ratio: float, decay_fraction: float = 0.2) -> float:
-    """LR for optimizer step ``step`` (1-based): linear warmup, then cosine/linear/constant/wsd.
-
-    A pure function of the step, so a resumed run needs nothing but the step to continue exactly.
-    """
-    if warmup_steps and step <= warmup_steps:
-        return base_lr * step / warmup_steps
-    min_lr = base_lr * min_lr_ratio
-    if kind == "constant":
-        return base_lr
-    if kind == "wsd":
-        decay_start = total_steps - int(decay_fraction * total_steps)
-        if step <= decay_start:
-            return base_lr
-        frac = (step - decay_start) / max(total_steps - decay_start, 1)
-        return base_lr - (base_lr - min_lr) * min(frac, 1.0)
-    frac = min((step - warmup_steps) / max(total_steps - warmup_steps, 1), 1.0)
-    if kind == "linear":
-        return base_lr - (base_lr - min_lr) * frac
-    return min_lr + 0.5 * (base_lr - min_lr) * (1 + math.cos(math.pi * frac))
-
-
-def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
-                    eps: float) -> torch.optim.AdamW:
-    """AdamW with decay on matrices only (norm weights and biases are not decayed), fused where it can be.
-
-    The fused kernel updates each parameter in one pass with no temporaries; the foreach path makes
-    about ten passes over every state and a temporary the size of the parameters. On a 2-core CPU
-    fused took 129 ms for SmolLM2-135M's parameters against 603 ms for foreach (results agree to 1.5e-8
-    after 3 steps; ``bench/adamw_kernels.py``), so it is used on CPU and CUDA alike (:func:`adamw_kernel`).
-    """
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **adamw_kernel(decay + no_decay))
-
-
-def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
-    """``fused=True`` for parameters on CPU or CUDA (torch's fused AdamW kernels), else ``foreach=True``."""
-    if params and all(p.device.type in ("cpu", "cuda") for p in params):
-        return {"fused": True}
-    return {"foreach": True}

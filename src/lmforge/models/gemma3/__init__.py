@@ -11,7 +11,8 @@ settings under ``rope_parameters`` keyed by layer type; both layouts are read.
 
 Refused in one line: logit soft-capping (Gemma 2's; Gemma 3 has none), bidirectional attention
 (EmbeddingGemma), attention biases and scaled RoPE on the local layers. The multimodal
-``gemma3`` checkpoints (4b and up with a vision tower) are a different ``model_type``.
+``gemma3`` checkpoints (4b and up with a vision tower) are a different ``model_type``, read by
+:mod:`lmforge.models.gemma3_vl` with this family's text decoder.
 """
 
 from __future__ import annotations

@@ -11,12 +11,12 @@ import torch.distributed as dist
 from lmforge.rl.engines.base import RolloutEngine
 from lmforge.rl.engines.lmforge_engine import LmforgeEngine
 from lmforge.rl.engines.snapshot import WeightSnapshots, default_sync_dir, full_cpu_state
-from lmforge.training.runtime import Runtime
+from lmforge.runtime import Runtime
 
 
 def rollout_dtype(rt: Runtime, g: Any) -> str:
     """``grpo.rollout_dtype`` with ``auto`` resolved to the training precision."""
-    return rt.dtype if g.rollout_dtype == "auto" else g.rollout_dtype
+    return rt.model.dtype if g.rollout_dtype == "auto" else g.rollout_dtype
 
 
 def write_model_dir(rt: Runtime, out: Path) -> None:
@@ -25,12 +25,12 @@ def write_model_dir(rt: Runtime, out: Path) -> None:
     from lmforge.export import write_tokenizer_files
     from lmforge.models.hf import save_hf_model
 
-    state = full_cpu_state(rt.raw_model)  # a collective under FSDP2: every rank
-    if rt.dist.is_main:
-        stops = stop_token_ids(rt.tokenizer)
-        save_hf_model(state, rt.model_args, out, bos_token_id=rt.tokenizer.bos_id, pad_token_id=rt.tokenizer.pad_id,
+    state = full_cpu_state(rt.model.raw)  # a collective under FSDP2: every rank
+    if rt.world.dist.is_main:
+        stops = stop_token_ids(rt.model.tokenizer)
+        save_hf_model(state, rt.model.args, out, bos_token_id=rt.model.tokenizer.bos_id, pad_token_id=rt.model.tokenizer.pad_id,
                       eos_token_id=stops if len(stops) > 1 else stops[0])
-        write_tokenizer_files(rt.tokenizer, out)
+        write_tokenizer_files(rt.model.tokenizer, out)
     if dist.is_initialized():
         dist.barrier()
 
@@ -38,16 +38,16 @@ def write_model_dir(rt: Runtime, out: Path) -> None:
 def make_engine(rt: Runtime, g: Any, *, autocast: Any, own_copy: bool) -> RolloutEngine:
     """``own_copy``: the engine must not sample from the trainer's parameters as they change (async)."""
     if g.engine == "lmforge":
-        return LmforgeEngine(pad_id=rt.tokenizer.pad_id, autocast=autocast, copy_weights=own_copy,
-                             lockstep=rt.dist.world_size > 1 and not own_copy,
+        return LmforgeEngine(pad_id=rt.model.tokenizer.pad_id, autocast=autocast, copy_weights=own_copy,
+                             lockstep=rt.world.dist.world_size > 1 and not own_copy,
                              chunk_tokens=rt.cfg.training.loss_chunk_tokens)
 
     dtype = rollout_dtype(rt, g)
-    seed = rt.cfg.training.seed + 7919 * rt.dist.rank
-    where = [str(g.vllm_sync_dir or (default_sync_dir() if rt.dist.is_main else ""))]
+    seed = rt.cfg.training.seed + 7919 * rt.world.dist.rank
+    where = [str(g.vllm_sync_dir or (default_sync_dir() if rt.world.dist.is_main else ""))]
     if dist.is_initialized():  # one directory for all ranks
         dist.broadcast_object_list(where, src=0)
-    snapshots = WeightSnapshots(Path(where[0]), owned=not g.vllm_sync_dir, writes=rt.dist.is_main)
+    snapshots = WeightSnapshots(Path(where[0]), owned=not g.vllm_sync_dir, writes=rt.world.dist.is_main)
     try:
         return _vllm_engine(rt, g, snapshots, dtype, seed)
     except BaseException:  # no engine to close it later: the snapshot directory goes now
@@ -60,12 +60,12 @@ def _vllm_engine(rt: Runtime, g: Any, snapshots: WeightSnapshots, dtype: str, se
 
     if g.vllm_mode == "server" and g.vllm_url:
         backend: Any = vllm_engine.ServerBackend(g.vllm_url)
-        return vllm_engine.VllmEngine(backend, snapshots, loads=rt.dist.is_main, shared=True)
-    model_dir = rt.run_dir / "engine_model"
+        return vllm_engine.VllmEngine(backend, snapshots, loads=rt.world.dist.is_main, shared=True)
+    model_dir = rt.world.run_dir / "engine_model"
     try:
         return _started_engine(rt, g, snapshots, dtype, seed, model_dir)
     except BaseException:  # a full copy of the model must not stay behind in the run directory
-        if rt.dist.is_main:
+        if rt.world.dist.is_main:
             shutil.rmtree(model_dir, ignore_errors=True)
         raise
 
@@ -75,19 +75,19 @@ def _started_engine(rt: Runtime, g: Any, snapshots: WeightSnapshots, dtype: str,
     """An engine lmforge starts on ``model_dir``, a copy of the current policy written for it."""
     from lmforge.rl.engines import vllm_engine
 
-    max_len = rt.model_args.max_seq_len
+    max_len = rt.model.args.max_seq_len
     write_model_dir(rt, model_dir)
     if g.vllm_mode == "server":
         backend = None
-        if rt.dist.is_main:
+        if rt.world.dist.is_main:
             backend = vllm_engine.start_server(vllm_engine.python_for_server(g.vllm_python), model_dir,
                                                weights_dir=snapshots.dir, dtype=dtype, seed=seed,
-                                               max_model_len=max_len, log=rt.run_dir / "vllm_server.log")
+                                               max_model_len=max_len, log=rt.world.run_dir / "vllm_server.log")
         url = [(backend.url, backend.secret) if backend else None]
         if dist.is_initialized():  # the other ranks sample from it too, with its secret
             dist.broadcast_object_list(url, src=0)
         backend = backend or vllm_engine.ServerBackend(str(url[0][0]), secret=url[0][1])
-        return vllm_engine.VllmEngine(backend, snapshots, loads=rt.dist.is_main, shared=True)
+        return vllm_engine.VllmEngine(backend, snapshots, loads=rt.world.dist.is_main, shared=True)
     runner = vllm_engine.colocated_runner(model_dir, dtype=dtype, seed=seed, max_model_len=max_len,
                                           gpu_memory_utilization=g.vllm_gpu_memory_utilization)
     return vllm_engine.VllmEngine(runner, snapshots, loads=True, shared=False)

@@ -69,8 +69,7 @@ class LmforgeEngine:
     def sampled_logprobs(self, prompts: Sequence[list[int]], completions: list[list[int]],
                          temperature: float) -> list[list[float]]:
         """log p of each completion token under softmax(logits / temperature), teacher-forced."""
-        from lmforge.objectives.grpo import token_logprobs
-        from lmforge.rl.rollout import layout
+        from lmforge.objectives.grpo import policy_rows, token_logprobs
 
         device = next(self.model.parameters()).device
         out: list[list[float]] = []
@@ -79,7 +78,7 @@ class LmforgeEngine:
             if all(len(x) == 0 for x in c):
                 out += [[] for _ in c]
                 continue
-            batch = layout(p, c, [True] * len(c), self.pad_id, torch.zeros(len(c)), device)
+            batch = policy_rows(p, c, [True] * len(c), self.pad_id, torch.zeros(len(c)), device)
             dense = token_logprobs(self.model, batch, temperature, self.chunk_tokens).float().cpu()
             out += [dense[i, len(pi) - 1: len(pi) - 1 + len(ci)].tolist() for i, (pi, ci) in enumerate(zip(p, c))]
         return out

@@ -37,8 +37,9 @@ class EngineKeys(Section):
     environment: str = ""
     """Multi-turn episodes with tools instead of one completion per prompt: ``gsm8k_calculator`` (GSM8K
     with a sandboxed calculator), ``code`` (Python functions with a sandboxed ``python`` tool and hidden
-    unit tests; its own embedded task when ``data.train`` is ``embedded``; docs/environments.md) or ``module:Class`` (an :class:`lmforge.rl.environments.Environment`);
-    empty: single-turn. The environment's reward is the episode's, plus ``rewards`` if set explicitly."""
+    unit tests; its own embedded task when ``data.train`` is ``embedded``; docs/environments.md), ``module:Class`` (an :class:`lmforge.rl.environments.Environment`),
+    ``verifiers:ID`` (an installed verifiers taskset: its tasks' prompts, tools and reward functions) or
+    ``openenv:module:Class`` (an OpenEnv Environment class, stepped in-process); empty: single-turn. The environment's reward is the episode's, plus ``rewards`` if set explicitly."""
     max_turns: int = Field(4, ge=1)
     """The policy's turns per episode (``environment``); ``max_new_tokens`` bounds each turn."""
     max_total_tokens: int = Field(0, ge=0)

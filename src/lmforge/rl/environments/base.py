@@ -71,6 +71,10 @@ class Environment(Protocol):
         """The episode's reward; ``final_text`` is None when it ended without an answer (limits hit)."""
         ...
 
+    # Optional: ``for_episode() -> Environment``. An environment whose episodes keep state of their own (a
+    # Gym-style instance per episode: OpenEnv) has each episode played, and its reward asked, on what
+    # ``for_episode()`` returns; the others play every episode on themselves.
+
 
 @dataclass(frozen=True)
 class ToolStyle:

@@ -1,0 +1,100 @@
+"""Phase 4 of a run: the services around the model. The optimizer, the MetricLogger (and its setup
+line), the checkpoint tiers and the step guard, plus what a recipe adds (:class:`RecipeServices`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from lmforge import distributed as dist_utils
+from lmforge.checkpoint import Checkpointer, RunDir
+from lmforge.checkpoint.tiers import CheckpointTiers
+from lmforge.config import Config
+from lmforge.metrics import MetricLogger
+from lmforge.metrics.progress import progress_bar
+from lmforge.metrics.sinks import WandbSink
+from lmforge.models.lora import trainable_parameters
+from lmforge.runtime.guard import Guard
+from lmforge.runtime.model_bundle import ModelBundle
+from lmforge.runtime.world import World
+
+StepHook = Callable[[Any, Any, Any], None]
+"""``hook(rt, state, source)`` (the :class:`~lmforge.runtime.build.Runtime`, the loop's state and step
+source), called at the very end of every step of the loop."""
+SnapshotRoot = Callable[[Config, RunDir, dist_utils.DistInfo], "tuple[Path | None, str]"]
+"""Where a fast checkpoint tier lives for this run, or (None, why not)."""
+
+
+@dataclass(frozen=True)
+class RecipeServices:
+    """What a recipe adds to the shared runtime (the elastic mode adds the first four to any recipe's)."""
+
+    step_hooks: tuple[StepHook, ...] = ()
+    snapshot_root: SnapshotRoot | None = None
+    """Adds a fast checkpoint tier (snapshots) where it returns a directory."""
+    snapshot_keep: int = 1
+    process_start: float | None = None
+    """Moves the start of goodput accounting earlier (a restarted attempt counts from the failure)."""
+    head: str | None = None
+    """An output head the recipe's objective reads (``"score"``: a reward model's scalar score; see
+    :mod:`lmforge.models.heads`), added to the model before it is wrapped, and named in checkpoints."""
+    setup_notes: Callable[[Any], dict[str, str]] | None = None
+    """More entries for the setup line, given the model's args (e.g. which router losses an MoE model
+    trains with)."""
+
+    def notes_for(self, args: Any) -> dict[str, str]:
+        return self.setup_notes(args) if self.setup_notes else {}
+
+
+def build_metrics(cfg: Config, info: dist_utils.DistInfo, run: RunDir, fpt: float, peak: float,
+                  process_start: float | None) -> MetricLogger:
+    """The MetricLogger, with the model's FLOPs per token and the device's peak for MFU."""
+    bar = progress_bar(cfg.metrics.progress, cfg.training.steps, cfg.training.max_tokens, is_main=info.is_main)
+    sinks = [WandbSink.start(run.root, cfg.to_dict())] if cfg.metrics.wandb and info.is_main else []
+    return MetricLogger(run.root, rank=info.rank, world_size=info.world_size, log_every=cfg.metrics.log_every,
+                        flops_per_token=fpt, peak_flops=peak, tensorboard=cfg.metrics.tensorboard,
+                        console=bar.write if bar else None, process_start=process_start, sinks=sinks,
+                        progress=bar, defer=True, device=info.device)
+
+
+def build_checkpoints(cfg: Config, info: dist_utils.DistInfo, run: RunDir, metrics: MetricLogger,
+                      trainer: str, services: RecipeServices) -> CheckpointTiers:
+    """The durable tier in the run directory, plus a fast tier where the recipe asks for one."""
+    report = lambda line: metrics.record_event("checkpoint_damaged", 0, line)  # noqa: E731
+    durable = Checkpointer(run.root, cfg.checkpoint.keep, on_damaged=cfg.checkpoint.on_damaged, report=report)
+    fast = None
+    if services.snapshot_root is not None:
+        root, why_not = services.snapshot_root(cfg, run, info)
+        if root is None:
+            metrics.console(f"{trainer}: fast snapshots off ({why_not})")
+        else:
+            fast = Checkpointer(run.root, services.snapshot_keep, on_damaged=cfg.checkpoint.on_damaged,
+                                report=report, root=root)
+    return CheckpointTiers(durable, fast)
+
+
+def build_guard(cfg: Config, metrics: MetricLogger, device: torch.device) -> Guard:
+    return Guard(metrics, cfg.training.nonfinite, cfg.training.spike_factor, device.type, cfg.checkpoint.enabled)
+
+
+def log_setup(cfg: Config, world: World, model: ModelBundle, metrics: MetricLogger, trainer: str,
+              notes: dict[str, str]) -> None:
+    """The run's setup line: what was built, and why each choice was made."""
+    raw, info = model.raw, world.dist
+    trainable, total = trainable_parameters(raw)
+    n = model.notes
+    metrics.log_setup({
+        "trainer": trainer, "parameters": raw.num_params(), "non_embedding_parameters":
+        raw.num_params(exclude_embeddings=True), "trainable_parameters": trainable,
+        "trainable_share": round(trainable / total, 6), "flops_per_token": model.flops_per_token,
+        "peak_tflops_per_device": model.peak_flops / 1e12, "peak_source": n["peak_source"],
+        "world_size": info.world_size, "device": str(info.device), "parallel": world.layout.kind,
+        "mesh": world.layout.describe_mesh(), "dtype": n["dtype"], "dtype_reason": n["dtype_reason"],
+        "compile": n["compile"], "compile_reason": n["compile_reason"], "optimizer": cfg.optimizer.name,
+        "activation_offload": n["activation_offload"], "host_memory": n["host_memory"],
+        "threads": torch.get_num_threads(), "run_dir": str(world.run_dir), **notes,
+    }, cfg.to_toml())
+

@@ -1,0 +1,83 @@
+"""Phase 2 of a run: the world. The processes, their layout over a device mesh, the ranks that reduce
+gradients together, and the run directory they share, held by one :class:`World`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmforge import distributed as dist_utils
+from lmforge.checkpoint.runlock import hold_run_lock
+from lmforge.errors import UserError
+from lmforge.parallel.dimensions import used
+from lmforge.parallel.dims import ParallelDims, sub_mesh
+from lmforge.parallel.layout_checks import check_same_layout_on_every_rank
+
+
+@dataclass(frozen=True)
+class World:
+    """Who runs this training and how the work is divided among them."""
+
+    dist: dist_utils.DistInfo
+    """This process: rank, world size, device, and the share of each global batch it reads."""
+    layout: ParallelDims
+    mesh: Any
+    """The ``DeviceMesh`` of ``layout`` (None for one process)."""
+    run_dir: Path
+
+    def shard_batch(self, batch: Any) -> Any:
+        """This rank's share of ``batch`` after the data dimensions picked its rows: each model-splitting
+        dimension in use cuts it further (context parallelism: load-balanced chunks of every sequence)."""
+        for dimension in used(self.layout):
+            batch = dimension.shard_batch(batch, self.layout, self.dist.rank)
+        return batch
+
+
+def start_world(device: str, threads: int, layout: ParallelDims, parallel: Any, run_dir: Path) -> World:
+    """Join the process group, agree on the layout, build the mesh and claim the run directory.
+
+    The ranks that sum token counts and average gradients (data and context shards: tensor- and
+    pipeline-parallel neighbours see the same tokens) become the reduce group of
+    :func:`lmforge.distributed.all_reduce_sum`.
+    """
+    if threads:
+        torch.set_num_threads(threads)
+    info = dist_utils.init_distributed(device)
+    check_same_layout_on_every_rank(parallel)
+    info = replace(info, batch_share=layout.batch_share(info.rank), batch_shares=layout.batch_shares)
+    claim_run_dir(run_dir, info.is_main)
+    mesh = layout.build_mesh(info.device.type)
+    group = layout.reduce_group_name()
+    dist_utils.set_reduce_group(sub_mesh(mesh, group).get_group() if group else None, layout.reduce_world)
+    return World(info, layout, mesh, run_dir)
+
+
+def prepare_run_dir(run_dir: Path, is_main: bool) -> None:
+    """Create the run directory, or fail with one line when it cannot be written."""
+    if not is_main:
+        return
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"run.dir={run_dir}: cannot write the run directory ({e.strerror or e})") from None
+
+
+def claim_run_dir(run_dir: Path, is_main: bool) -> None:
+    """Rank 0 creates the run directory and locks it for this run (see runlock); if either fails,
+    every rank raises the same one-line error instead of the others waiting in a collective."""
+    problem = None
+    if is_main:
+        try:
+            prepare_run_dir(run_dir, True)
+            hold_run_lock(run_dir)
+        except UserError as e:
+            problem = str(e)
+    problem = dist_utils.broadcast_object(problem)
+    if problem:
+        raise UserError(problem)
