@@ -6,7 +6,8 @@ next-token distribution is pulled towards the teacher's by the divergence of ``d
 (:mod:`lmforge.objectives.distill`). On-policy distillation (GKD): on a share ``distill.on_policy`` of
 the steps, chosen by a pure function of the seed and the step, the student first samples completions
 of the batch's prompts and the divergence is taken on its own tokens. That sampling is the step
-source's business (:class:`lmforge.recipes.jobs.distill.DistillSource`), so the loss is the same code either way.
+source's business (:class:`lmforge.recipes.jobs.teacher.DistillSource`), so the loss is the same code
+either way.
 
 The teacher is anything lmforge loads as a model (a Hugging Face directory, a ``.gguf`` file, an
 lmforge run or checkpoint), frozen on the trainer's device; it must share the student's vocabulary.
@@ -68,7 +69,7 @@ class Distill(Recipe):
 
     def check(self, cfg: DistillConfig) -> ModelSource:
         from lmforge.models.load import ModelSource
-        from lmforge.recipes.jobs.distill import scoring_head
+        from lmforge.recipes.jobs.teacher import scoring_head
 
         if not cfg.distill.teacher:
             raise UserError("distill.teacher is not set: name the teacher (a Hugging Face directory, a .gguf file, "
@@ -92,7 +93,7 @@ class Distill(Recipe):
         from lmforge.evaluation.loss import validation_eval
         from lmforge.evaluation.tasks import TaskEval, held_out_examples
         from lmforge.objectives.distill import DistillObjective, DistillSettings
-        from lmforge.recipes.jobs.distill import DistillSource, load_teacher
+        from lmforge.recipes.jobs.teacher import DistillSource, load_teacher
         from lmforge.training.loop import Job
 
         d = cfg.distill
