@@ -59,7 +59,9 @@ def _vllm_engine(rt: Runtime, g: Any, snapshots: WeightSnapshots, dtype: str, se
     from lmforge.rl.engines import vllm_engine
 
     if g.vllm_mode == "server" and g.vllm_url:
-        backend: Any = vllm_engine.ServerBackend(g.vllm_url)
+        from lmforge.rl.engines.server_pool import ServerPool
+
+        backend: Any = ServerPool([vllm_engine.ServerBackend(u, timeout_s=g.vllm_timeout_s) for u in g.vllm_url])
         return vllm_engine.VllmEngine(backend, snapshots, loads=rt.dist.is_main, shared=True)
     model_dir = rt.run_dir / "engine_model"
     try:

@@ -41,7 +41,10 @@ def check_engine_settings(g: Any) -> None:
         if not g.vllm_sync_dir:
             raise UserError("grpo.vllm_url: set grpo.vllm_sync_dir to the directory the server was started with "
                             "(its --weights-dir): the server loads weights from there only")
-        check_server(g.vllm_url)
+        if len(set(g.vllm_url)) != len(g.vllm_url):
+            raise UserError(f"grpo.vllm_url names a server twice: {g.vllm_url}")
+        for url in g.vllm_url:  # at the start every server must be there: a wrong address is a typo, not a fault
+            check_server(url)
     else:
         check_interpreter(python_for_server(g.vllm_python), "grpo.vllm_python")
 

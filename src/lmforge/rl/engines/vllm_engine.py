@@ -36,6 +36,12 @@ INSTALL = ("vLLM is not installed in this environment: pip install vllm (GPU), o
            "environment (docs/grpo.md, 'vLLM engine') with grpo.vllm_mode=server grpo.vllm_python=THAT/bin/python")
 
 
+class ServerFailure(UserError):
+    """The server itself failed (unreachable, cut off, timed out, a 5xx, a reply that is not the protocol):
+    a pool of several servers drops it and goes on. A 4xx is not one: the request was refused, and would be
+    by every server."""
+
+
 def check_url(url: str, key: str = "grpo.vllm_url") -> str:
     """``url`` without a trailing slash, or one line: it must be ``http(s)://host[:port]``."""
     parts = urllib.parse.urlsplit(url)
@@ -70,16 +76,17 @@ class ServerBackend:
             with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as r:
                 raw = r.read()
         except urllib.error.HTTPError as e:
-            raise UserError(f"vLLM server {self.url}{path}: HTTP {e.code}: {_error_text(e)}") from None
+            kind = ServerFailure if e.code >= 500 else UserError
+            raise kind(f"vLLM server {self.url}{path}: HTTP {e.code}: {_error_text(e)}") from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-            raise UserError(f"vLLM server {self.url} unreachable or cut off ({getattr(e, 'reason', None) or e!r}); "
+            raise ServerFailure(f"vLLM server {self.url} unreachable or cut off ({getattr(e, 'reason', None) or e!r}); "
                             "check grpo.vllm_url") from None
         try:
             reply = json.loads(raw)
         except (ValueError, RecursionError):
             reply = None
         if not isinstance(reply, dict):
-            raise UserError(f"vLLM server {self.url}{path}: the reply is not lmforge's server protocol "
+            raise ServerFailure(f"vLLM server {self.url}{path}: the reply is not lmforge's server protocol "
                             f"({raw[:60]!r}); is grpo.vllm_url an lmforge vllm_server?")
         return reply
 
@@ -90,7 +97,7 @@ class ServerBackend:
     def load_weights(self, path: str) -> float:
         seconds = self.request("/load_weights", {"path": str(path)}).get("seconds")
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-            raise UserError(f"vLLM server {self.url}/load_weights: the reply has no seconds")
+            raise ServerFailure(f"vLLM server {self.url}/load_weights: the reply has no seconds")
         return float(seconds)
 
     def close(self) -> None:
@@ -124,16 +131,16 @@ def checked_completions(completions: Any, n: int, where: str) -> list[dict[str, 
     """A server's completions as the engine reads them: one per prompt, each ``token_ids`` (ints) and
     ``logprobs`` (one number per token, or null); anything else is one line, not a ``KeyError`` later."""
     if not isinstance(completions, list) or len(completions) != n:
-        raise UserError(f"{where}: expected {n} completions, the reply has "
+        raise ServerFailure(f"{where}: expected {n} completions, the reply has "
                         f"{len(completions) if isinstance(completions, list) else 'none'}")
     for c in completions:
         ids = c.get("token_ids") if isinstance(c, dict) else None
         lps = c.get("logprobs") if isinstance(c, dict) else None
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise UserError(f"{where}: a completion without a list of token_ids")
+            raise ServerFailure(f"{where}: a completion without a list of token_ids")
         if lps is not None and (not isinstance(lps, list) or len(lps) != len(ids)
                                 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in lps)):
-            raise UserError(f"{where}: a completion whose logprobs are not one number per token")
+            raise ServerFailure(f"{where}: a completion whose logprobs are not one number per token")
     return completions
 
 
@@ -209,9 +216,15 @@ class VllmEngine:
         path = self.snapshots.write(model, version)
         if dist.is_initialized():  # written before any rank reads it
             dist.barrier()
+        agree = getattr(self.backend, "agree", None)  # a pool of servers: the same ones on every rank
+        if agree is not None:
+            agree()
         if self.loads:
             self.backend.load_weights(str(path))
             self.snapshots.loaded(path)
+        if agree is not None:
+            agree()
+            self.backend.require()
         if self.shared and dist.is_initialized():  # no rank samples before the server has the new weights
             dist.barrier()
         self.version = version
