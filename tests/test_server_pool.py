@@ -203,3 +203,48 @@ def test_grpo_samples_through_two_servers_and_survives_one_dying(servers, tmp_pa
     assert len({r["step"] for r in steps}) == 3
     assert len(rb.prompts) == 2 and len(ra.prompts) == 3 * 4 - 2  # 4 rows a step: half of step 1, then all
     assert len(ra.loaded) >= 3 and len(rb.loaded) <= len(ra.loaded)
+
+
+# ------------------------------------------------------------------- vLLM's own server as a client sees it
+def _openai(reply_for: Any) -> tuple[str, ThreadingHTTPServer]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body = json.dumps(reply_for(req)).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}", server
+
+
+def test_vllm_api_completions_are_read_by_index_and_checked():
+    from lmforge.rl.engines.openai_backend import VllmApiBackend
+
+    seen: list[dict[str, Any]] = []
+
+    def reversed_choices(req: dict[str, Any]) -> dict[str, Any]:
+        seen.append(req)
+        n = len(req["prompt"])
+        return {"choices": [{"index": i, "token_ids": [req["prompt"][i][0], 9],
+                             "logprobs": {"token_logprobs": [-0.5, -1.5]}} for i in reversed(range(n))]}
+
+    url, server = _openai(reversed_choices)
+    bad_url, bad = _openai(lambda req: {"choices": [{"index": 0, "token_ids": [1], "logprobs": None}] * 2})
+    try:
+        out = VllmApiBackend(url).generate([[5], [6], [7]], max_new_tokens=2, temperature=1.0, stop_ids=[2])
+        assert out == [{"token_ids": [p, 9], "logprobs": [-0.5, -1.5]} for p in (5, 6, 7)]
+        assert seen[0]["stop_token_ids"] == [2] and seen[0]["ignore_eos"] is True and seen[0]["logprobs"] == 0
+        assert "seed" not in seen[0]  # one seed for a batch would give every sample of a prompt the same tokens
+        with pytest.raises(ServerFailure, match="expected 2 choices indexed 0 to 1"):
+            VllmApiBackend(bad_url).generate([[5], [6]], max_new_tokens=2, temperature=1.0)
+    finally:
+        for s in (server, bad):
+            s.shutdown()
+            s.server_close()

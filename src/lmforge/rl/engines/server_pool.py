@@ -19,9 +19,10 @@ still has, so no rank samples from a server that missed a load.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch.distributed as dist
 
@@ -118,6 +119,66 @@ class ServerPool:
                 self._drop(server, answer)
         done = [a for a in answers if not isinstance(a, ServerFailure)]
         return max(done) if done else time.perf_counter() - t0
+
+    def init_transfer(self, device: Any) -> None:
+        """Set up every server's weight-transfer group (in-memory sync); one that fails is dropped."""
+        for server in list(self.servers):
+            try:
+                server.init_transfer(device)
+            except ServerFailure as e:
+                self._drop(server, e)
+        self.require()
+
+    def push_weights(self, buckets: Iterable[list[tuple[str, Any]]]) -> int:
+        """One in-memory sync: every live server receives each bucket as it is made (:mod:`.weight_transfer`);
+        the bytes sent to each. A server whose transfer fails is dropped."""
+        members, live = list(self.servers), list(self.servers)
+        replies: dict[str, Any] = {}
+
+        def receive(server: Any) -> None:
+            try:
+                replies[server.url] = server.receive_weights()
+            except ServerFailure as e:
+                replies[server.url] = e
+
+        threads = [threading.Thread(target=receive, args=(s,), daemon=True) for s in members]
+        for t in threads:
+            t.start()
+        sent = 0
+
+        def each(step: Callable[[Any], Any]) -> None:
+            """``step`` started on every live server, then waited on (the sends overlap)."""
+            from lmforge.rl.engines.weight_transfer import wait
+
+            started = []
+            for server in list(live):
+                try:
+                    started.append((server, step(server)))
+                except (RuntimeError, OSError) as e:
+                    fail(server, e)
+            for server, pending in started:
+                try:
+                    wait(pending)
+                except (RuntimeError, OSError) as e:  # the group broke: the server died or left
+                    fail(server, e)
+
+        def fail(server: Any, e: BaseException) -> None:
+            if server in live:
+                live.remove(server)
+            self._drop(server, ServerFailure(f"vLLM server {server.url}: the weight transfer failed ({e})"[:400]))
+
+        for bucket in buckets:
+            each(lambda s: s.sender.send(bucket))
+            sent += sum(t.numel() * t.element_size() for _, t in bucket)
+        each(lambda s: s.sender.end())
+        for t, server in zip(threads, members):
+            t.join(server.timeout_s)
+        for server in list(self.servers):
+            reply = replies.get(server.url)
+            if not isinstance(reply, dict):
+                self._drop(server, reply if isinstance(reply, Exception) else
+                           ServerFailure(f"vLLM server {server.url}: no reply to the weight transfer"))
+        return sent
 
     def agree(self) -> None:
         """Keep the servers every rank still has (a collective on several ranks; nothing on one)."""

@@ -23,6 +23,11 @@ class EngineKeys(Section):
     ``LMFORGE_SERVER_SECRET`` and ``vllm_sync_dir`` = their ``--weights-dir``."""
     vllm_timeout_s: float = Field(3600.0, gt=0)
     """Seconds a rollout server may take to answer one request before it counts as failed."""
+    weight_sync: Literal["file", "memory"] = "file"
+    """How the policy's weights reach a vLLM server: ``file``, a safetensors snapshot in ``vllm_sync_dir`` the
+    server reads (the same machine, or a shared directory); ``memory``, sent from the trainer's rank 0 to
+    each server's worker over a process group of their own, in buckets of 256 MB (gloo on a CPU, NCCL on a
+    GPU; servers of ``python -m lmforge.rl.engines.vllm_api``). docs/rollout_engines.md has the costs."""
     vllm_python: str = ""
     """The Python of vLLM's environment, for the server lmforge starts (empty: this one)."""
     vllm_sync_dir: str = ""
@@ -57,4 +62,7 @@ class EngineKeys(Section):
     def _engine_keys_agree(self) -> "EngineKeys":
         if self.vllm_url and self.vllm_mode != "server":
             raise ValueError("grpo.vllm_url names a server: set grpo.vllm_mode=server")
+        if self.weight_sync == "memory" and (self.engine != "vllm" or self.vllm_mode != "server"):
+            raise ValueError("grpo.weight_sync=memory sends weights to a vLLM server: set grpo.engine=vllm and "
+                             "grpo.vllm_mode=server")
         return self

@@ -162,7 +162,8 @@ def _free_port() -> int:
 
 def start_server(python: str, model_dir: Path, *, weights_dir: Path, dtype: str, seed: int, max_model_len: int,
                  log: Path, timeout_s: float = 600.0) -> ServerBackend:
-    """Start :mod:`.vllm_server` with ``python`` (vLLM's environment) and wait until it answers. It loads
+    """Start vLLM's API server (:mod:`.vllm_api`) with ``python`` (vLLM's environment) and wait until it
+    answers. It loads
     weights only from ``weights_dir`` and only for requests carrying a fresh random secret, which only
     this process knows (the environment of the server's process carries it, not its command line)."""
     port = _free_port()
@@ -170,7 +171,9 @@ def start_server(python: str, model_dir: Path, *, weights_dir: Path, dtype: str,
     src = str(Path(__file__).resolve().parents[3])  # lmforge importable there without installing it
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     env[SECRET_ENV] = secret
-    cmd = [python, "-m", "lmforge.rl.engines.vllm_server", "--model", str(model_dir), "--port", str(port),
+    from lmforge.rl.engines.openai_backend import VllmApiBackend
+
+    cmd = [python, "-m", "lmforge.rl.engines.vllm_api", "--model", str(model_dir), "--port", str(port),
            "--dtype", dtype, "--seed", str(seed), "--max-model-len", str(max_model_len),
            "--weights-dir", str(weights_dir)]
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -179,7 +182,7 @@ def start_server(python: str, model_dir: Path, *, weights_dir: Path, dtype: str,
                                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     except OSError as e:
         raise UserError(f"grpo.vllm_python: cannot start {python} ({e.strerror})") from None
-    backend = ServerBackend(f"http://127.0.0.1:{port}", proc, secret=secret)
+    backend = VllmApiBackend(f"http://127.0.0.1:{port}", proc, secret=secret)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -200,10 +203,14 @@ class VllmEngine:
 
     name = "vllm"
 
-    def __init__(self, backend: Any, snapshots: WeightSnapshots, *, loads: bool, shared: bool) -> None:
+    def __init__(self, backend: Any, snapshots: WeightSnapshots, *, loads: bool, shared: bool,
+                 memory_dtype: Any = None) -> None:
+        """``memory_dtype``: sync in memory (:mod:`.weight_transfer`), the weights cast to it; None: by file."""
         self.backend, self.snapshots, self.loads, self.shared = backend, snapshots, loads, shared
+        self.memory_dtype = memory_dtype
         self.version = -1
         self.sync_seconds = 0.0
+        self.sync_bytes = 0
 
     def generate(self, prompts: Sequence[list[int]], sampling: SamplingSettings, *, seed: int,
                  logprobs: bool = False) -> list[Completion]:
@@ -213,15 +220,25 @@ class VllmEngine:
 
     def load_weights(self, model: nn.Module, version: int) -> None:
         t0 = time.perf_counter()
-        path = self.snapshots.write(model, version)
-        if dist.is_initialized():  # written before any rank reads it
-            dist.barrier()
         agree = getattr(self.backend, "agree", None)  # a pool of servers: the same ones on every rank
         if agree is not None:
             agree()
-        if self.loads:
-            self.backend.load_weights(str(path))
-            self.snapshots.loaded(path)
+        if self.memory_dtype is not None:
+            from lmforge.rl.engines.weight_transfer import hf_buckets
+
+            buckets = hf_buckets(model, self.memory_dtype)  # every rank gathers; rank 0 sends
+            if self.loads:
+                self.sync_bytes = self.backend.push_weights(buckets)
+            else:  # the same bytes counted on every rank (the metric is a mean over ranks)
+                self.sync_bytes = sum(t.numel() * t.element_size() for bucket in buckets for _, t in bucket)
+        else:
+            path = self.snapshots.write(model, version)
+            if dist.is_initialized():  # written before any rank reads it
+                dist.barrier()
+            if self.loads:
+                self.backend.load_weights(str(path))
+                self.snapshots.loaded(path)
+            self.sync_bytes = path.stat().st_size if path.exists() else 0
         if agree is not None:
             agree()
             self.backend.require()
