@@ -248,3 +248,15 @@ def test_vllm_api_completions_are_read_by_index_and_checked():
         for s in (server, bad):
             s.shutdown()
             s.server_close()
+
+
+def test_the_engine_keys_take_several_urls_and_memory_sync_needs_a_server():
+    from lmforge.config import load_config
+    from lmforge.recipes.grpo import GRPOConfig
+
+    g = load_config(GRPOConfig, None, ["--grpo.engine=vllm", "--grpo.vllm_mode=server",
+                                       "--grpo.vllm_url=http://a:1, http://b:2", "--grpo.weight_sync=memory"]).grpo
+    assert g.vllm_url == ["http://a:1", "http://b:2"] and g.weight_sync == "memory"
+    assert load_config(GRPOConfig, None, []).grpo.vllm_url == []
+    with pytest.raises((UserError, ValueError), match="grpo.weight_sync=memory sends weights to a vLLM server"):
+        load_config(GRPOConfig, None, ["--grpo.engine=vllm", "--grpo.weight_sync=memory"])

@@ -40,9 +40,8 @@ def model() -> Transformer:
 
 
 def _connect(worker: Worker) -> TransferSender:
-    def join(host: str, port: int, world_size: int) -> None:
-        threading.Thread(target=worker.lmforge_init_transfer, args=(host, port, world_size, 1, 60.0),
-                         daemon=True).start()
+    def join(host: str, port: int, world_size: int) -> None:  # returns once joined, as the server's reply does
+        worker.lmforge_init_transfer(host, port, world_size, 1, 60.0)
 
     return TransferSender("127.0.0.1", join, device=torch.device("cpu"), timeout_s=60.0)
 
