@@ -1,9 +1,12 @@
-"""The vLLM engine: colocated (a ``vllm.LLM`` in the trainer's process) or a server (HTTP).
+"""The vLLM engine: colocated (a ``vllm.LLM`` in the trainer's process) or servers (HTTP).
 
 Weight sync writes a safetensors snapshot of the policy (:mod:`.snapshot`) and has the engine reload it
-in place (:mod:`.vllm_worker`); on several ranks every rank takes part in gathering the weights, then
-each colocated engine loads them, or rank 0 alone tells the server (the others wait at a barrier so no
-rank samples from the old weights).
+in place (:mod:`.vllm_worker`), or sends the weights to servers over a process group
+(``grpo.weight_sync = "memory"``: :mod:`.weight_transfer`); on several ranks every rank takes part in
+gathering the weights, then each colocated engine loads them, or rank 0 alone syncs the servers (the
+others wait at a barrier so no rank samples from the old weights). Servers are reached through
+:class:`ServerBackend` (lmforge's small server) or :class:`~.openai_backend.VllmApiBackend` (vLLM's own),
+several of them through a :class:`~.server_pool.ServerPool`.
 """
 
 from __future__ import annotations
