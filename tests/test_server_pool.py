@@ -181,7 +181,7 @@ def test_grpo_samples_through_two_servers_and_survives_one_dying(servers, tmp_pa
     monkeypatch.setenv(server_guard.SECRET_ENV, SECRET)
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"Say {i}", "answer": "1"}) + "\n"
                                                     for i in range(8)))
-    (a, ra, _), (b, rb, sb) = servers(), servers()
+    (a, ra, _), (b, rb, _) = servers(), servers()
     original = rb.generate
 
     def dies_after_first(prompts: list[list[int]], **kw: Any) -> list[dict[str, Any]]:

@@ -57,8 +57,6 @@ def make_engine(rt: Runtime, g: Any, *, autocast: Any, own_copy: bool) -> Rollou
 
 
 def _vllm_engine(rt: Runtime, g: Any, snapshots: WeightSnapshots, dtype: str, seed: int) -> RolloutEngine:
-    from lmforge.rl.engines import vllm_engine
-
     if g.vllm_mode == "server" and g.vllm_url:
         from lmforge.rl.engines.openai_backend import connect
 
