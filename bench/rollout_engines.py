@@ -52,7 +52,7 @@ SYSTEMS = {
 def hf_dir(work: Path, name: str = "smollm2") -> Path:
     out = work / name
     code = ("import sys; from pathlib import Path; from lmforge.models.load import load_model, ModelSource; "
-            "from lmforge.export import write_hf_dir; lm = load_model(ModelSource.from_hf(sys.argv[1]), tokenizer=sys.argv[2]); "
+            "from lmforge.exporters import write_hf_dir; lm = load_model(ModelSource.from_hf(sys.argv[1]), tokenizer=sys.argv[2]); "
             "write_hf_dir(lm.model, lm.tokenizer, Path(sys.argv[3]))")
     subprocess.run([sys.executable, "-c", code, str(gguf_path()), str(TOKENIZER), str(out)], check=True,
                    env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))

@@ -1,4 +1,4 @@
-"""Tiny transformers models written to GGUF by lmforge's writer (:mod:`lmforge.export.gguf_write`), which
+"""Tiny transformers models written to GGUF by lmforge's writer (:mod:`lmforge.exporters.gguf_write`), which
 stores them as llama.cpp's converter does (llama.cpp's tensor names, the q/k row permutation of the
 ``llama`` architecture, Llama 3 RoPE as a ``rope_freqs`` tensor, Gemma 3's norm weights as ``1 + w``)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from lmforge.export.gguf_write import write_gguf as write_gguf_file
+from lmforge.exporters.gguf_write import write_gguf as write_gguf_file
 from lmforge.models.hf_config import args_from_hf_config
 
 

@@ -27,8 +27,8 @@ def main() -> None:
     from lmforge.rl.engines.base import SamplingSettings
     from lmforge.rl.engines.lmforge_engine import LmforgeEngine
     from lmforge.rl.engines.snapshot import WeightSnapshots
-    from lmforge.rl.engines import vllm_engine
-    from lmforge.export import write_hf_dir
+    from lmforge.rl.engines import openai_backend, vllm_engine
+    from lmforge.exporters import write_hf_dir
 
     torch.manual_seed(0)
     lm = load_model(ModelSource.from_hf(model_src), tokenizer=tokenizer)
@@ -37,7 +37,7 @@ def main() -> None:
     write_hf_dir(model, tok, work / "model")
     snapshots = WeightSnapshots(work / "sync", owned=True)
     if mode == "server":
-        backend = vllm_engine.start_server(vllm_python or sys.executable, work / "model", weights_dir=snapshots.dir,
+        backend = openai_backend.start_server(vllm_python or sys.executable, work / "model", weights_dir=snapshots.dir,
                                            dtype="float32", seed=0,
                                            max_model_len=512, log=work / "server.log")
     else:

@@ -157,7 +157,7 @@ def test_hf_export_refuses_a_foreign_directory_and_replaces_an_earlier_export_wh
     files is never implied); an earlier export is replaced by a swap once the new one is complete, so
     an export cut off (Ctrl-C) or failing (a full disk) leaves the earlier one byte-identical and no
     temporary directory. (A file in the way: tests/test_inference.py.)"""
-    import lmforge.export.exporters as export_mod
+    import lmforge.exporters.run_export as export_mod
 
     mine = tmp_path / "mine"
     mine.mkdir()

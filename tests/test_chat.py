@@ -8,7 +8,7 @@ from _chat_fixtures import CHATML_TEMPLATE, CONVERSATIONS, INDENTED_TEMPLATE, ma
 from lmforge.data.chat import BYTE_CHAT_TEMPLATE, ByteChatFormat, JinjaChatFormat, chat_format_for
 from lmforge.data.sft_data import tokenize_records
 from lmforge.errors import UserError
-from lmforge.export import byte_tokenizer_json
+from lmforge.exporters import byte_tokenizer_json
 from lmforge.inference import chat_prompt_ids
 from lmforge.models.tokenizer import ByteTokenizer, load_tokenizer
 

@@ -1,4 +1,4 @@
-"""GGUF out (lmforge.export.gguf_write, gguf_vocab, ``lmforge export --gguf``).
+"""GGUF out (lmforge.exporters.gguf_write, gguf_vocab, ``lmforge export --gguf``).
 
 * Tiny random models of each covered family, written f32 / f16: lmforge's GGUF reader gets the same
   tensors back (f32 bit-exact, f16 the fp16-rounded weights) and transformers' own GGUF loader, an
@@ -29,8 +29,8 @@ transformers = pytest.importorskip("transformers")
 
 from lmforge.models.args import ModelArgs  # noqa: E402
 from lmforge.models.gguf import load_gguf_model  # noqa: E402
-from lmforge.export.gguf_vocab import PRE_TOKENIZERS, add_tokenizer  # noqa: E402
-from lmforge.export.gguf_write import gguf_architecture  # noqa: E402
+from lmforge.exporters.gguf_vocab import PRE_TOKENIZERS, add_tokenizer  # noqa: E402
+from lmforge.exporters.gguf_write import gguf_architecture  # noqa: E402
 from lmforge.models.tokenizer import load_tokenizer  # noqa: E402
 
 TOKENIZERS = REPO / "tests" / "fixtures" / "tokenizers"
@@ -169,7 +169,7 @@ def test_real_tokenizer_metadata_tokenizes_like_tokenizer_json(tmp_path, fixture
 
 def test_pre_tokenizer_names_match_the_fixtures_and_transformers_gguf_splits():
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
-    from lmforge.export.gguf_vocab import _pre_name
+    from lmforge.exporters.gguf_vocab import _pre_name
 
     names = {f: _pre_name(json.loads((TOKENIZERS / f / "tokenizer.json").read_text()), f)
              for f in ("smollm2-135m-instruct", "qwen2.5-instruct")}
@@ -227,7 +227,7 @@ def test_bad_gguf_exports_are_one_line_and_write_nothing(lora_run, tmp_path, cap
     with pytest.raises(UserError, match="mixture-of-experts"):
         gguf_architecture(ModelArgs(n_experts=4, n_experts_per_token=2, hf_model_type="qwen3_moe"))
 
-    import lmforge.export.gguf_write as gw
+    import lmforge.exporters.gguf_write as gw
 
     def interrupted(self, **_):
         raise KeyboardInterrupt
@@ -289,7 +289,7 @@ def test_llama_cpp_runs_an_exported_smollm2_as_lmforge_does(tmp_path):
 
     from lmforge.data.chat import chat_format_for, stop_token_ids
     from lmforge.models.generate import generate
-    from lmforge.export.gguf_write import write_gguf
+    from lmforge.exporters.gguf_write import write_gguf
     from lmforge.models.hf import hf_state_dict_from_lmforge
     from lmforge.models.load import ModelSource, load_model
 

@@ -15,7 +15,7 @@ from lmforge.cli import main
 from lmforge.data.tasks import TaskExample, extract_answer, task_examples
 from lmforge.evaluation.harness import SHIPPED_TASKS, LMForgeLM, evaluate_tasks, flat_scores
 from lmforge.evaluation.tasks import task_accuracy
-from lmforge.export import export_hf
+from lmforge.exporters import export_hf
 from lmforge.inference import load_for_inference, sample_texts
 from lmforge.metrics.records import read_records
 

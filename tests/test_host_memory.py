@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from _helpers import cli_env
 from lmforge.models import gguf as gguf_module
 from lmforge.models.args import model_args_for
-from lmforge.export.gguf_write import write_gguf
+from lmforge.exporters.gguf_write import write_gguf
 from lmforge.models.hf import hf_state_dict_from_lmforge
 from lmforge.models.spec import spec_for_args
 from lmforge.planning.memory_probe import LiveTensorMemory

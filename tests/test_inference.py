@@ -9,7 +9,7 @@ import torch
 
 from _chat_fixtures import CONVERSATIONS, make_end_of_turn_tokenizer_dir, make_hf_model_dir
 from _helpers import run_lmforge
-from lmforge.export import export_hf
+from lmforge.exporters import export_hf
 from lmforge.inference import load_for_inference, sample_texts
 
 transformers = pytest.importorskip("transformers")

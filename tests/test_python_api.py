@@ -193,7 +193,7 @@ def test_in_memory_models_start_the_run(tmp_path):
     hf_model = transformers.LlamaForCausalLM(hf_cfg)
     # lr must be positive; 1e-30 moves no float32 weight of this size (nor does its weight decay)
     frozen = {**TINY, "training.steps": 1, "optimizer.lr": 1e-30, "eval.interval": 0, "schedule.warmup_steps": 0}
-    from lmforge.export import write_tokenizer_files
+    from lmforge.exporters import write_tokenizer_files
     from lmforge.models.tokenizer import load_tokenizer
 
     write_tokenizer_files(load_tokenizer("byte"), tmp_path)  # the byte tokenizer as transformers reads it

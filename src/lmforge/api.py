@@ -285,7 +285,7 @@ def export(run_dir: str | Path, *, hf: str | Path | None = None, gguf: str | Pat
         raise UserError("export: give hf=OUT_DIR, gguf=FILE and/or adapter=OUT_DIR")
     if base and not adapter:
         raise UserError("export: base goes with adapter")
-    from lmforge.export import export_adapter, export_gguf, export_hf
+    from lmforge.exporters import export_adapter, export_gguf, export_hf
 
     out: dict[str, Path] = {}
     if gguf:  # first: it checks its arguments (type, file) before anything is written
@@ -367,7 +367,7 @@ def _model_keys(model: Any, tokenizer: Any, out: Path, tokenizer_spec: str) -> d
 
     out.mkdir(parents=True, exist_ok=True)
     if isinstance(model, Transformer):
-        from lmforge.export import write_hf_dir
+        from lmforge.exporters import write_hf_dir
         from lmforge.models.tokenizer import load_tokenizer
 
         write_hf_dir(model, tokenizer if tokenizer is not None else load_tokenizer(tokenizer_spec), out)
@@ -376,7 +376,7 @@ def _model_keys(model: Any, tokenizer: Any, out: Path, tokenizer_spec: str) -> d
         if hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(out)
         else:
-            from lmforge.export import write_tokenizer_files
+            from lmforge.exporters import write_tokenizer_files
             from lmforge.models.tokenizer import load_tokenizer
 
             write_tokenizer_files(tokenizer if tokenizer is not None else load_tokenizer(tokenizer_spec), out)

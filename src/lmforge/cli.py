@@ -77,7 +77,7 @@ def _export(argv: list[str]) -> int:
         p.error("give --hf OUT_DIR, --gguf FILE and/or --adapter OUT_DIR")
     if a.base and not a.adapter:
         p.error("--base goes with --adapter")
-    from lmforge.export import export_adapter, export_gguf, export_hf
+    from lmforge.exporters import export_adapter, export_gguf, export_hf
 
     if a.gguf:  # first: it checks its arguments (type, file) before anything is written
         print(f"exported GGUF ({a.gguf_type}) to {export_gguf(a.run_dir, a.gguf, a.gguf_type)}")

@@ -19,7 +19,7 @@ sliding (unless ``attention.sliding_window_pattern`` says otherwise), local RoPE
 ``hidden_size / num_heads``; ``attention.scale`` when given).
 
 Training needs full-precision weights, so everything is dequantized on load (fp32, then ``dtype``)
-(:mod:`lmforge.export.gguf_write` writes GGUF files). The file's embedded tokenizer is not read: pair the weights with
+(:mod:`lmforge.exporters.gguf_write` writes GGUF files). The file's embedded tokenizer is not read: pair the weights with
 the model's Hugging Face tokenizer files (``model.tokenizer=DIR``).
 
 Everything the file declares is checked before it is used (:mod:`lmforge.models.gguf_checks`): its header's

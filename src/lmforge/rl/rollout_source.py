@@ -167,7 +167,8 @@ class RolloutSource:
               extra: dict[str, float]) -> Rollout:
         rt, engine = self.rt, self.engine
         assert engine is not None  # its last weight load: ~0 for lmforge's live engine, which loads nothing
-        extra = extra | {"rollout/staleness": float(version - batch.version), "rollout/sync_seconds": engine.sync_seconds}
+        extra = extra | {"rollout/staleness": float(version - batch.version), "rollout/sync_seconds": engine.sync_seconds,
+                         "rollout/sync_bytes": float(getattr(engine, "sync_bytes", 0))}
         reference = self.reference.model_for(rt.model.raw) if self.reference is not None else None
         return build_rollout(rt.model.raw, batch, self.settings, pad_id=rt.model.tokenizer.pad_id, reference=reference,
                              autocast=rt.model.autocast(), rollout_autocast=self.rollout_autocast(), gen_seconds=gen_seconds,

@@ -19,7 +19,7 @@ from lmforge.models.tokenizer import Tokenizer
 from lmforge.training.loop import EvalFn, Job, StepBatch
 from lmforge.recipes.jobs.next_token import LoaderSource
 from lmforge.objectives.reference import FrozenReference
-from lmforge.recipes.jobs.preference_recipe import PreferenceSection
+from lmforge.recipes.jobs.preference_sections import PreferenceSection
 from lmforge.runtime import Runtime
 
 PairBuilder = Callable[[str, Tokenizer, "ChatFormat | None", int, bool, Overlong],

@@ -1,4 +1,4 @@
-"""What every recipe on preference pairs declares: its config sections, the check of its training data,
+"""What every recipe on preference pairs declares: its config sections (:mod:`.preference_sections`), the check of its training data,
 and :class:`PreferenceRecipe`, the recipe base of DPO, KTO, ORPO and SimPO.
 
 Kept apart from :mod:`.preference` (the step source and the job, which need torch) so that these
@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import Field
-
-from lmforge.config import Config, Section
+from lmforge.config import Config
 from lmforge.data.inputs import train_spec
 from lmforge.errors import UserError
 from lmforge.recipes.base import Recipe
+from lmforge.recipes.jobs.preference_sections import BetaSection, PairDataSection, PreferenceSection
 
 if TYPE_CHECKING:
     from lmforge.objectives.reference import FrozenReference
@@ -22,31 +21,14 @@ if TYPE_CHECKING:
     from lmforge.training.loop import Job
 
 
-class PairDataSection(Section):
-    """How every recipe on preference pairs lays out its data (reward models too)."""
-
-    packing: bool = True
-    """Pack several pairs per row (isolated by document masks); false: one pair per row."""
-    chat_template: str | None = None
-    """A jinja file to use instead of the tokenizer's own chat template."""
-
-
-class PreferenceSection(PairDataSection):
-    """Options every preference recipe has (its own section adds the method's)."""
-
-    task_eval: bool = False
-    """Also score held-out exact match on the embedded tasks at every eval (for pairs built from them)."""
-
-
-class BetaSection(PreferenceSection):
-    beta: float = Field(0.1, gt=0)
-
-
 def check_preference_data(cfg: Config, method: str, records: str = "prompt, chosen, rejected") -> None:
     """Refuse, before anything is written, training data that cannot hold preference records."""
     if train_spec(cfg.data).kind != "path":
         raise UserError(f"data.train={cfg.data.train}: {method} trains on preference records (.jsonl/.parquet with "
                         f"{records}); examples/dpo_demo.py builds them from the embedded tasks")
+
+
+__all__ = ["BetaSection", "PairDataSection", "PreferenceRecipe", "PreferenceSection", "check_preference_data"]
 
 
 class PreferenceRecipe(Recipe):

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lmforge.errors import UserError
 from lmforge.rl.engines.base import RolloutEngine
 from lmforge.rl.engines.lmforge_engine import LmforgeEngine
 from lmforge.rl.engines.snapshot import WeightSnapshots, default_sync_dir, full_cpu_state
@@ -22,7 +23,7 @@ def rollout_dtype(rt: Runtime, g: Any) -> str:
 def write_model_dir(rt: Runtime, out: Path) -> None:
     """A Hugging Face directory of the current policy for an engine to start on (main rank writes)."""
     from lmforge.data.chat import stop_token_ids
-    from lmforge.export import write_tokenizer_files
+    from lmforge.exporters import write_tokenizer_files
     from lmforge.models.hf import save_hf_model
 
     state = full_cpu_state(rt.model.raw)  # a collective under FSDP2: every rank
@@ -56,11 +57,10 @@ def make_engine(rt: Runtime, g: Any, *, autocast: Any, own_copy: bool) -> Rollou
 
 
 def _vllm_engine(rt: Runtime, g: Any, snapshots: WeightSnapshots, dtype: str, seed: int) -> RolloutEngine:
-    from lmforge.rl.engines import vllm_engine
-
     if g.vllm_mode == "server" and g.vllm_url:
-        backend: Any = vllm_engine.ServerBackend(g.vllm_url)
-        return vllm_engine.VllmEngine(backend, snapshots, loads=rt.world.dist.is_main, shared=True)
+        from lmforge.rl.engines.openai_backend import connect
+
+        return _served(rt, g, snapshots, dtype, [connect(u, timeout_s=g.vllm_timeout_s) for u in g.vllm_url])
     model_dir = rt.world.run_dir / "engine_model"
     try:
         return _started_engine(rt, g, snapshots, dtype, seed, model_dir)
@@ -70,24 +70,53 @@ def _vllm_engine(rt: Runtime, g: Any, snapshots: WeightSnapshots, dtype: str, se
         raise
 
 
+def _served(rt: Runtime, g: Any, snapshots: WeightSnapshots, dtype: str, servers: list[Any]) -> RolloutEngine:
+    """An engine over rollout servers: each checked to serve this policy's model and tokenizer, and with
+    ``grpo.weight_sync=memory`` joined to rank 0 by a weight-transfer group."""
+    import torch
+
+    from lmforge.rl.engines import vllm_engine
+    from lmforge.rl.engines.openai_backend import VllmApiBackend, check_served_model
+    from lmforge.rl.engines.server_pool import ServerPool
+
+    pool = ServerPool(servers)
+    try:
+        for server in servers:
+            if isinstance(server, VllmApiBackend):
+                check_served_model(server, rt.model.args, rt.model.tokenizer)
+            elif g.weight_sync == "memory":
+                raise UserError(f"grpo.weight_sync=memory: {server.url} is not vLLM's API server with lmforge's "
+                                "routes (python -m lmforge.rl.engines.vllm_api)")
+        memory_dtype = None
+        if g.weight_sync == "memory":
+            memory_dtype = getattr(torch, dtype) if dtype != "auto" else torch.float32
+            if rt.world.dist.is_main:
+                pool.init_transfer(rt.world.dist.device if rt.world.dist.device.type == "cuda" else torch.device("cpu"))
+        return vllm_engine.VllmEngine(pool, snapshots, loads=rt.world.dist.is_main, shared=True, memory_dtype=memory_dtype)
+    except BaseException:
+        pool.close()
+        raise
+
+
 def _started_engine(rt: Runtime, g: Any, snapshots: WeightSnapshots, dtype: str, seed: int,
                     model_dir: Path) -> RolloutEngine:
     """An engine lmforge starts on ``model_dir``, a copy of the current policy written for it."""
     from lmforge.rl.engines import vllm_engine
+    from lmforge.rl.engines.openai_backend import VllmApiBackend, start_server
 
     max_len = rt.model.args.max_seq_len
     write_model_dir(rt, model_dir)
     if g.vllm_mode == "server":
         backend = None
         if rt.world.dist.is_main:
-            backend = vllm_engine.start_server(vllm_engine.python_for_server(g.vllm_python), model_dir,
-                                               weights_dir=snapshots.dir, dtype=dtype, seed=seed,
-                                               max_model_len=max_len, log=rt.world.run_dir / "vllm_server.log")
+            backend = start_server(vllm_engine.python_for_server(g.vllm_python), model_dir,
+                                   weights_dir=snapshots.dir, dtype=dtype, seed=seed,
+                                   max_model_len=max_len, log=rt.world.run_dir / "vllm_server.log")
         url = [(backend.url, backend.secret) if backend else None]
         if dist.is_initialized():  # the other ranks sample from it too, with its secret
             dist.broadcast_object_list(url, src=0)
-        backend = backend or vllm_engine.ServerBackend(str(url[0][0]), secret=url[0][1])
-        return vllm_engine.VllmEngine(backend, snapshots, loads=rt.world.dist.is_main, shared=True)
+        backend = backend or VllmApiBackend(str(url[0][0]), secret=url[0][1])
+        return _served(rt, g, snapshots, dtype, [backend])
     runner = vllm_engine.colocated_runner(model_dir, dtype=dtype, seed=seed, max_model_len=max_len,
                                           gpu_memory_utilization=g.vllm_gpu_memory_utilization)
     return vllm_engine.VllmEngine(runner, snapshots, loads=True, shared=False)

@@ -38,10 +38,13 @@ def check_engine_settings(g: Any) -> None:
         if importlib.util.find_spec("vllm") is None:
             raise UserError(f"grpo.engine=vllm with grpo.vllm_mode=colocate: {INSTALL}")
     elif g.vllm_url:
-        if not g.vllm_sync_dir:
+        if not g.vllm_sync_dir and g.weight_sync == "file":
             raise UserError("grpo.vllm_url: set grpo.vllm_sync_dir to the directory the server was started with "
                             "(its --weights-dir): the server loads weights from there only")
-        check_server(g.vllm_url)
+        if len(set(g.vllm_url)) != len(g.vllm_url):
+            raise UserError(f"grpo.vllm_url names a server twice: {g.vllm_url}")
+        for url in g.vllm_url:  # at the start every server must be there: a wrong address is a typo, not a fault
+            check_server(url, needs_weights_dir=g.weight_sync == "file")
     else:
         check_interpreter(python_for_server(g.vllm_python), "grpo.vllm_python")
 
@@ -71,14 +74,20 @@ def check_interpreter(python: str, key: str) -> None:
         raise UserError(f"{key}={python}: not a working Python ({tail})")
 
 
-def check_server(url: str) -> None:
-    """The server at ``url`` answers ``/health`` as lmforge's server, and will take this trainer's weight loads
-    (it has a shared secret, this process has the same one in ``LMFORGE_SERVER_SECRET``, and a weights directory)."""
+def check_server(url: str, needs_weights_dir: bool = True) -> None:
+    """The server at ``url`` answers as a rollout server (vLLM's API server with lmforge's routes, or
+    lmforge's own small server), and will take this trainer's weight loads (it has a shared secret, this
+    process has the same one in ``LMFORGE_SERVER_SECRET``, and a weights directory where files are synced)."""
     from lmforge.rl.engines.server_guard import SECRET_ENV
-    from lmforge.rl.engines.vllm_engine import ServerBackend
+    from lmforge.rl.engines.vllm_engine import ServerBackend, ServerFailure
 
     backend = ServerBackend(url, timeout_s=PROBE_TIMEOUT_S)
-    health = backend.request("/health")
+    try:
+        health = backend.request("/lmforge/health")
+    except UserError as e:
+        if isinstance(e, ServerFailure):  # unreachable, or not an HTTP JSON server at all
+            raise
+        health = backend.request("/health")  # lmforge's own server (rl/engines/vllm_server.py)
     if health.get("ok") is not True:
         raise UserError(f"grpo.vllm_url={url}: /health does not answer as an lmforge vllm_server")
     if not health.get("secret"):
@@ -86,6 +95,6 @@ def check_server(url: str) -> None:
                         f"with {SECRET_ENV} set (or --secret-file) and set the same {SECRET_ENV} here")
     if not health.get("authorized"):
         raise UserError(f"grpo.vllm_url={url}: the server's shared secret is not this process's {SECRET_ENV}")
-    if not health.get("weights_dir"):
+    if needs_weights_dir and not health.get("weights_dir"):
         raise UserError(f"grpo.vllm_url={url}: the server was started without --weights-dir (grpo.vllm_sync_dir), "
                         "so it refuses weight loads")

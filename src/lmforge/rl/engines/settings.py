@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from lmforge.config import Section
+from lmforge.config import Section, comma_separated
 
 
 class EngineKeys(Section):
@@ -16,9 +16,18 @@ class EngineKeys(Section):
     vllm_mode: Literal["colocate", "server"] = "colocate"
     """``colocate``: a ``vllm.LLM`` in each trainer process (vLLM must import there); ``server``: a vLLM
     server that lmforge starts (with ``vllm_python``) or that runs at ``vllm_url``."""
-    vllm_url: str = ""
-    """A running ``python -m lmforge.rl.engines.vllm_server`` (server mode); empty: lmforge starts one. Needs
-    the server's shared secret in ``LMFORGE_SERVER_SECRET`` and ``vllm_sync_dir`` = its ``--weights-dir``."""
+    vllm_url: list[str] = []
+    """Running rollout servers (server mode; one URL, or several as a list or ``a,b``): ``python -m
+    lmforge.rl.engines.vllm_server``; empty: lmforge starts one. Prompts are spread over them; one that fails
+    during the run is dropped with a warning (docs/rollout_engines.md). Needs the servers' shared secret in
+    ``LMFORGE_SERVER_SECRET`` and ``vllm_sync_dir`` = their ``--weights-dir``."""
+    vllm_timeout_s: float = Field(3600.0, gt=0)
+    """Seconds a rollout server may take to answer one request before it counts as failed."""
+    weight_sync: Literal["file", "memory"] = "file"
+    """How the policy's weights reach a vLLM server: ``file``, a safetensors snapshot in ``vllm_sync_dir`` the
+    server reads (the same machine, or a shared directory); ``memory``, sent from the trainer's rank 0 to
+    each server's worker over a process group of their own, in buckets of 256 MB (gloo on a CPU, NCCL on a
+    GPU; servers of ``python -m lmforge.rl.engines.vllm_api``). docs/rollout_engines.md has the costs."""
     vllm_python: str = ""
     """The Python of vLLM's environment, for the server lmforge starts (empty: this one)."""
     vllm_sync_dir: str = ""
@@ -45,8 +54,16 @@ class EngineKeys(Section):
     max_total_tokens: int = Field(0, ge=0)
     """Tokens after the prompt per episode, the environment's included (0: max_new_tokens x max_turns)."""
 
+    @field_validator("vllm_url", mode="before")
+    @classmethod
+    def _urls(cls, v: Any) -> Any:
+        return comma_separated(v)
+
     @model_validator(mode="after")
     def _engine_keys_agree(self) -> "EngineKeys":
         if self.vllm_url and self.vllm_mode != "server":
             raise ValueError("grpo.vllm_url names a server: set grpo.vllm_mode=server")
+        if self.weight_sync == "memory" and (self.engine != "vllm" or self.vllm_mode != "server"):
+            raise ValueError("grpo.weight_sync=memory sends weights to a vLLM server: set grpo.engine=vllm and "
+                             "grpo.vllm_mode=server")
         return self

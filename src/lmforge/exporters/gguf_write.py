@@ -153,7 +153,7 @@ def write_gguf(hf_state: dict[str, Tensor], args: ModelArgs, path: str | Path, *
                gguf_type: str = "f32", name: str = "lmforge", metadata: Callable[[Any], None] | None = None) -> Path:
     """Write ``hf_state`` (Hugging Face tensor names, as the family's adapter gives them) as a GGUF file.
 
-    ``tokenizer`` adds the vocabulary and chat template (:mod:`lmforge.export.gguf_vocab`);
+    ``tokenizer`` adds the vocabulary and chat template (:mod:`lmforge.exporters.gguf_vocab`);
     ``metadata(writer)`` may add further keys before anything is written.
     """
     if gguf_type not in GGUF_TYPES:
@@ -169,7 +169,7 @@ def write_gguf(hf_state: dict[str, Tensor], args: ModelArgs, path: str | Path, *
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_hyperparameters(writer, args, arch)
     if tokenizer is not None:
-        from lmforge.export.gguf_vocab import add_tokenizer
+        from lmforge.exporters.gguf_vocab import add_tokenizer
 
         add_tokenizer(writer, tokenizer, args.vocab_size)
     if metadata is not None:

@@ -70,14 +70,14 @@ def write_hf_dir(model: Transformer, tokenizer: Tokenizer, out: Path) -> None:
 
 
 def export_gguf(source: str | Path, out_file: str | Path, gguf_type: str = "f16") -> Path:
-    """Write a GGUF file (:mod:`lmforge.export.gguf_write`) for a run, checkpoint or Hugging Face
+    """Write a GGUF file (:mod:`lmforge.exporters.gguf_write`) for a run, checkpoint or Hugging Face
     directory; a LoRA run's adapters are merged into its base weights.
 
     ``out_file`` must not exist. The file is written under a new temporary name beside it
     (``.NAME.XXXXXXXX.partial``, never a name a user's file may have) and renamed when complete, so an
     interrupted or failed export never leaves a half-written file at ``out_file``.
     """
-    from lmforge.export.gguf_write import GGUF_TYPES, gguf_architecture, write_gguf
+    from lmforge.exporters.gguf_write import GGUF_TYPES, gguf_architecture, write_gguf
     from lmforge.models.hf import hf_state_dict_from_lmforge
     from lmforge.models.hf_config import check_exportable
 
