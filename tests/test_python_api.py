@@ -248,3 +248,20 @@ def test_a_plugin_package_adds_a_recipe(tmp_path):
     run = read_run("toy", tmp_path / "toy")
     assert run.step == 2 and [r["note"] for r in run.records("toy")] == ["hi"]
     assert run.records("setup")[0]["trainer"] == "toy"
+
+
+def test_a_plugin_package_adds_a_family_and_a_rollout_engine(tmp_path):
+    """The same package's ``lmforge.families`` entry point registers a family (its named size builds a
+    model of its own ``model_type``) and its ``lmforge.engines`` entry point an engine GRPO can name;
+    without the package, neither is known."""
+    code = ("from lmforge.models.args import model_args_for; from lmforge.models.spec import spec_for_args; "
+            "from lmforge.rl.engines.factory import engine_kind; a = model_args_for('toy-tiny', 320); "
+            "print(spec_for_args(a).name, a.dim, engine_kind('toy').live_weights)")
+    with_plugin = cli_env({"PYTHONPATH": f"{REPO / 'src'}:{FIXTURES / 'plugin_recipe'}"})
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=with_plugin, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["toyllama", "64", "True"]
+    without = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=cli_env({"PYTHONPATH": str(REPO / "src")}),
+                             capture_output=True, text=True, timeout=300)
+    assert without.returncode != 0 and "unknown model size 'toy-tiny'" in without.stderr

@@ -211,9 +211,14 @@ _ARGS_CLASSES: dict[str, type[ModelArgs]] = {}
 
 
 def load_families() -> None:
-    """Register the built-in families on first use: every registry lookup (sizes, argument classes,
-    specs) calls this, so importing ``lmforge.models`` stays light (no torch) until a model is needed."""
+    """Register the built-in families on first use, then those of installed packages (the
+    ``lmforge.families`` entry point: a module that registers its spec when imported, see
+    :mod:`lmforge.plugins`). Every registry lookup (sizes, argument classes, specs) calls this, so
+    importing ``lmforge.models`` stays light (no torch) until a model is needed."""
     import lmforge.models.families  # noqa: F401
+    from lmforge.plugins import load_entry_points
+
+    load_entry_points("lmforge.families")
 
 
 def register_args_class(model_type: str, cls: type[ModelArgs]) -> None:

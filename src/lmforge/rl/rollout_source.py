@@ -34,7 +34,7 @@ from lmforge.errors import UserError
 from lmforge.models.tokenizer import Tokenizer
 from lmforge.objectives.grpo import PolicyBatch
 from lmforge.rl.engines.base import RolloutEngine
-from lmforge.rl.engines.factory import make_engine, rollout_dtype
+from lmforge.rl.engines.factory import engine_kind, make_engine, rollout_dtype
 from lmforge.rl.engines.lmforge_engine import LmforgeEngine
 from lmforge.rl.episode_groups import load_environment, sample_episode_groups
 from lmforge.rl.rewards import WeightedReward
@@ -76,9 +76,10 @@ class RolloutSource:
         self.engine: RolloutEngine | None = None
         """Built at the first rollout (after a resume has loaded the weights it starts from)."""
         self.queue = RolloutQueue(g.async_steps) if g.async_steps else None
-        self.engine_logprobs = g.engine != "lmforge" or self.queue is not None
+        live = engine_kind(g.engine).live_weights
+        self.engine_logprobs = not live or self.queue is not None
         """Keep the sampler's own log-probs: another engine's, or older weights' (the behaviour policy)."""
-        if self.queue is not None and g.engine == "lmforge" and (_is_fsdp(rt.model.module) or _is_fsdp(rt.model.raw)):
+        if self.queue is not None and live and (_is_fsdp(rt.model.module) or _is_fsdp(rt.model.raw)):
             raise UserError("grpo.async_steps with grpo.engine=lmforge needs whole weights on every rank (one process "
                             "or DDP): under FSDP2 use grpo.engine=vllm")
         self.rollout: Rollout | None = None

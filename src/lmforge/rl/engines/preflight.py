@@ -28,6 +28,9 @@ _FINDS_VLLM = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spe
 
 def check_engine_settings(g: Any) -> None:
     """Every engine setting of ``g`` (a run's ``[grpo]`` section) that can be checked without starting it."""
+    from lmforge.rl.engines.factory import engine_kind
+
+    engine_kind(g.engine)  # an unknown name is one line here, before anything is written
     if g.engine != "vllm":
         return
     from lmforge.rl.engines.vllm_engine import INSTALL, python_for_server

