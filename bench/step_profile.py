@@ -3,6 +3,7 @@
     python bench/step_profile.py --size small --dtype bfloat16          # top ops by self time
     python bench/step_profile.py --size small --dtype float32 --rows 30
     python bench/step_profile.py --size small --ab                       # fp32 vs bf16 step times, auto's pick
+    python bench/step_profile.py --size small --vs-bare --threads 1      # the trainer's step vs a bare one
 
 The step is the trainer's own: the pretraining objective's loss (chunked cross-entropy through the
 model's output head), ``gradient_computation`` under the run's autocast, then ``run_optimizer_step``
@@ -18,8 +19,10 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import loadavg, machine  # noqa: E402
@@ -76,6 +79,52 @@ class Step:
             torch.cuda.synchronize()
 
 
+def bare_step(size: str, seq_len: int, batch: int, device: torch.device, clip: bool = False,
+              head: bool = False) -> Callable[[], None]:
+    """A bare fp32 step (forward, full-logits cross-entropy, backward, one-group fused AdamW, zero_grad) on
+    the batch a :class:`Step` uses; ``clip`` adds the trainer's grad clipping, ``head`` its chunked loss."""
+    s = Step(size, "float32", seq_len, batch, device)
+    opt = torch.optim.AdamW(s.model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), fused=True)
+
+    def step() -> None:
+        if head:
+            objective, stats = s.objective.loss_fn(s.model, s.batch)
+            loss = objective / stats.target_tokens
+        else:
+            loss = F.cross_entropy(s.model(s.batch.input_ids).float().flatten(0, 1), s.batch.labels.flatten())
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(s.model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def vs_bare(a: argparse.Namespace, device: torch.device) -> None:
+    """The trainer's step pieces against a bare step and the bare step plus each piece, interleaved, in
+    process CPU seconds (what other processes on a shared machine do not change); min and median."""
+    steps: dict[str, Callable[[], None]] = {
+        "bare": bare_step(a.size, a.seq_len, a.batch, device),
+        "bare + grad clip": bare_step(a.size, a.seq_len, a.batch, device, clip=True),
+        "bare + chunked loss": bare_step(a.size, a.seq_len, a.batch, device, head=True),
+        "trainer step": Step(a.size, "float32", a.seq_len, a.batch, device)}
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for f in steps.values():
+        f(), f()
+    names = list(steps)
+    for r in range(a.steps):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            for _ in range(3):
+                t0 = time.process_time()
+                steps[k]()
+                times[k].append(time.process_time() - t0)
+    lo = min(times["bare"])
+    for k, ts in times.items():
+        print(f"{k:<20} min {min(ts) * 1e3:8.1f} ms  median {statistics.median(ts) * 1e3:8.1f} ms  "
+              f"bare/this (min) {lo / min(ts):.3f}")
+    print(f"load after: {loadavg()}")
+
+
 def time_steps(step: Step, n: int) -> list[float]:
     out = []
     for _ in range(n):
@@ -95,10 +144,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=5, help="profiled steps (after 3 warm-up steps)")
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--ab", action="store_true", help="only time fp32 and bf16 steps, interleaved")
+    p.add_argument("--vs-bare", action="store_true", help="the trainer's fp32 step vs a bare one (CPU seconds)")
     a = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(a.threads)
     print(f"{machine(device)}; {torch.get_num_threads()} threads; load {loadavg()}")
+    if a.vs_bare:
+        vs_bare(a, device)
+        return
     if a.ab:
         steps = {d: Step(a.size, d, a.seq_len, a.batch, device) for d in ("float32", "bfloat16")}
         times: dict[str, list[float]] = {d: [] for d in steps}

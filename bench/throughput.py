@@ -28,6 +28,12 @@ excluded, and everything inside the loop, logging included, is counted).
 * hf: ``transformers.Trainer`` with ``LlamaForCausalLM`` of the same configuration (SDPA
   attention), its default optimizer, no saving, no eval, logging every 10 steps.
 
+``--clock cpu``: the window in process CPU seconds (``time.process_time``, every thread of the process)
+instead of wall seconds, so the other processes of a shared machine do not enter it; the rows are then
+tokens per CPU-second (with N threads about 1/N of the wall rate), and the ratios are what to read. An
+lmforge window's CPU stamps are taken where its wall stamps are, at the end of ``record_step`` of the
+steps ``--warmup`` and ``--steps``; they include its prefetch and TensorBoard threads.
+
 ``--defaults``: each system as it comes out of the box instead of at identical settings: lmforge with its
 config defaults (``training.dtype=auto``, its optimizer and schedule defaults), the Hugging Face Trainer
 with ``TrainingArguments`` defaults (on a CPU: fp32 and its default optimizer; only saving and
@@ -58,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import append_benchmark, loadavg, machine, markdown_table, median, spread  # noqa: E402
 
 from lmforge.config import Config, parse_overrides, validate_config  # noqa: E402
+from lmforge.metrics.logger import MetricLogger  # noqa: E402
 from lmforge.metrics.records import read_records  # noqa: E402
 from lmforge.data.corpus import embedded_corpus  # noqa: E402
 from lmforge.data.packing import PackedTokenDataset, collate  # noqa: E402
@@ -68,6 +75,7 @@ from lmforge.models.tokenizer import load_tokenizer  # noqa: E402
 LOG_EVERY = 10
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LR, WD, BETAS = 3e-3, 0.1, (0.9, 0.95)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 @dataclass
@@ -83,6 +91,8 @@ class Setup:
     args: ModelArgs
     dataset: PackedTokenDataset
     model_overrides: dict = field(default_factory=dict)
+    clock: str = "wall"
+    """``wall`` or ``cpu`` (see ``--clock``)."""
     defaults: bool = False
     """Each system with its own defaults (``--defaults``) rather than the identical settings above."""
     hf_dtype: str = ""
@@ -129,11 +139,24 @@ def run_lmforge(s: Setup, overrides: list[str]) -> tuple[float, float, str]:
             "run": {"dir": run_dir},
         }
         cfg = validate_config(Config, merge(data, parse_overrides([f"--{o}" for o in overrides])), "bench")
-        with contextlib.redirect_stdout(io.StringIO()):
-            run_recipe(get_recipe("pretrain"), cfg)
+        stamps: dict[int, float] = {}
+        record_step = MetricLogger.record_step
+
+        def stamped(self, step, *args, **kw):  # noqa: ANN001, ANN202
+            out = record_step(self, step, *args, **kw)
+            if step in (s.warmup, s.steps):
+                stamps[step] = CLOCKS[s.clock]()
+            return out
+
+        MetricLogger.record_step = stamped
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                run_recipe(get_recipe("pretrain"), cfg)
+        finally:
+            MetricLogger.record_step = record_step
         train = {r["step"]: r for r in read_records(run_dir, "train")}
         dtype = read_records(run_dir, "setup")[-1]["dtype"]
-    t0, t1 = train[s.warmup]["time"], train[s.steps]["time"]
+    t0, t1 = (train[s.warmup]["time"], train[s.steps]["time"]) if s.clock == "wall" else (stamps[s.warmup], stamps[s.steps])
     own = [r["tokens_per_sec_per_device"] for k, r in train.items() if k > s.warmup]
     return s.window_tokens / (t1 - t0), median(own), dtype
 
@@ -162,9 +185,9 @@ def run_bare(s: Setup) -> float:
         opt.zero_grad(set_to_none=True)
         if step == s.warmup:
             sync(s.device)
-            t0 = time.perf_counter()
+            t0 = CLOCKS[s.clock]()
     sync(s.device)
-    return s.window_tokens / (time.perf_counter() - t0)
+    return s.window_tokens / (CLOCKS[s.clock]() - t0)
 
 
 def hf_config(args: ModelArgs):
@@ -197,7 +220,7 @@ def run_hf(s: Setup) -> float:
         def on_step_end(self, args, state, control, **kw):
             if state.global_step in (s.warmup, s.steps):
                 sync(s.device)
-                stamps[state.global_step] = time.perf_counter()
+                stamps[state.global_step] = CLOCKS[s.clock]()
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(hf_config(s.args))
@@ -253,6 +276,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model override for every system, e.g. n_layers=8")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="lmforge_set",
                    help="config override for every lmforge run, e.g. metrics.tensorboard=false")
+    p.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
+                   help="window in wall seconds, or in process CPU seconds (robust on a shared machine)")
     p.add_argument("--defaults", action="store_true",
                    help="each system with its own defaults (lmforge: training.dtype=auto; HF: TrainingArguments)")
     p.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
@@ -277,7 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     dataset = PackedTokenDataset(embedded_corpus("train"), tok, a.seq_len)
     model_overrides = {k: v for k, v in (parse_overrides([f"--{m}" for m in a.model]) or {}).items()}
     setups = [Setup(size, a.seq_len, a.batch, a.steps, a.warmup, device, a.dtype, a.compile,
-                    model_args_for(size, tok.vocab_size, **model_overrides), dataset, model_overrides, a.defaults)
+                    model_args_for(size, tok.vocab_size, **model_overrides), dataset, model_overrides, a.clock,
+                    a.defaults)
               for size in a.sizes.split(",")]
     variants = dict(v.split(":", 1) for v in a.variant)
     systems = [x for x in a.systems.split(",") if x] + [f"lmforge[{n}]" for n in variants]
@@ -340,12 +366,14 @@ def main(argv: list[str] | None = None) -> None:
             dtype = row_dtype[(s.size, name)]
             rows.append([s.size, f"{params / 1e6:.1f}M", name, dtype, f"{m:,.0f}", spread(xs),
                          f"{m / bare:.3f}" if bare == bare else "-", f"{m / hf:.2f}" if hf == hf else "-",
-                         f"{100 * m * fpt / peaks[dtype]:.1f}%", f"{median(own):,.0f}" if own else "-"])
+                         f"{100 * m * fpt / peaks[dtype]:.1f}%" if a.clock == "wall" else "-",
+                         f"{median(own):,.0f}" if own else "-"])
     table = markdown_table(header, rows)
     print()
     print(table)
     settings = (f"seq_len {a.seq_len}, batch {a.batch}, {a.steps} steps per run timed from step {a.warmup}, "
                 f"{a.repeats} interleaved repeats, device {device}"
+                + (", clock: process CPU seconds (tokens per CPU-second)" if a.clock == "cpu" else "")
                 + (f", {torch.get_num_threads()} threads" if device.type == "cpu" else "")
                 + (f", each system's defaults (lmforge training.dtype=auto; HF TrainingArguments: "
                    f"{setups[0].hf_dtype or '-'}, optim {setups[0].hf_optim or '-'})" if a.defaults else

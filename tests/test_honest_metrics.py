@@ -255,6 +255,33 @@ def test_auto_dtype_rule(monkeypatch):
     assert precision.choose_dtype("auto", torch.device("cuda", 0), 1000) == ("bfloat16", "auto: the GPU supports bf16")
 
 
+def test_explicit_bf16_warns_where_cpu_bf16_matmuls_are_slow(monkeypatch):
+    from lmforge.training import precision
+
+    cpu = torch.device("cpu")
+    # an Intel Xeon with AVX512-BF16 and no AMX: bf16 matmuls at 0.54x the fp32 rate
+    monkeypatch.setattr(precision, "cpu_bf16_matmul_rates", lambda device: (1.4e11, 2.6e11))
+    dtype, why = precision.choose_dtype("bfloat16", cpu, 10**9)
+    assert dtype == "bfloat16"  # the user's choice stands; only a warning is added
+    assert "warning" in why and "0.54x the fp32 rate" in why and "0.140 vs 0.260 TFLOP/s" in why
+    monkeypatch.setattr(precision, "cpu_bf16_matmul_rates", lambda device: (4e11, 1e11))  # fast bf16: no warning
+    assert precision.choose_dtype("bfloat16", cpu, 10**9) == ("bfloat16", "training.dtype")
+    monkeypatch.setattr(precision, "cpu_bf16_matmul_rates", lambda device: (0.9e11, 1e11))  # near even: no warning
+    assert precision.choose_dtype("bfloat16", cpu, 10**9) == ("bfloat16", "training.dtype")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert precision.choose_dtype("bfloat16", torch.device("cuda", 0), 10**9) == ("bfloat16", "training.dtype")
+
+
+def test_explicit_bf16_warning_on_the_setup_line(tmp_path, monkeypatch, capsys):
+    from lmforge.training import precision
+
+    monkeypatch.setattr(precision, "cpu_bf16_matmul_rates", lambda device: (1.4e11, 2.6e11))
+    _pretrain_in_process(tmp_path / "run", 1, "debug", dtype="bfloat16")
+    setup = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("setup:"))
+    assert "dtype=bfloat16" in setup
+    assert "warning: bf16 matmuls run at 0.54x the fp32 rate" in setup and "(0.140 vs 0.260 TFLOP/s measured)" in setup
+
+
 def test_auto_dtype_in_the_setup_record(tmp_path, monkeypatch):
     monkeypatch.setenv("LMFORGE_CACHE_DIR", str(tmp_path / "cache"))
     rt, records = _pretrain_in_process(tmp_path / "run", 1, "debug", compile="auto")

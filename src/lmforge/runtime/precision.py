@@ -33,6 +33,10 @@ CPU_BF16_MIN_SPEEDUP = 1.5
 Break-even is near 1.0-1.1 for ``small`` (half of an fp32 step is matmuls; bf16 adds ~4% casts);
 the margin keeps a noisy measurement from choosing the slower dtype."""
 
+CPU_BF16_SLOW_RATIO = 0.8
+"""Under this bf16/fp32 matmul rate an explicit ``training.dtype=bfloat16`` on a CPU gets a warning: its
+steps are then likely slower than fp32 ones (0.55x the rate made a ``small`` step 0.66x as fast)."""
+
 
 @lru_cache(maxsize=1)
 def cpu_has_fast_bf16() -> bool:
@@ -61,6 +65,8 @@ def cpu_bf16_matmul_rates(device: torch.device) -> tuple[float, float]:
 
 def choose_dtype(setting: str, device: torch.device, non_embedding_params: int) -> tuple[str, str]:
     """The autocast dtype (``"float32"`` or ``"bfloat16"``) for ``training.dtype = setting`` and why."""
+    if setting == "bfloat16" and device.type == "cpu":
+        return setting, _explicit_cpu_bf16_reason(device)
     if setting != "auto":
         return setting, "training.dtype"
     if device.type == "cuda":
@@ -81,3 +87,15 @@ def choose_dtype(setting: str, device: torch.device, non_embedding_params: int) 
     if bf16 < CPU_BF16_MIN_SPEEDUP * fp32:
         return "float32", f"auto: {rates}, under the {CPU_BF16_MIN_SPEEDUP:g}x bf16 needs"
     return "bfloat16", f"auto: {millions:.1f}M non-embedding parameters; {rates}"
+
+
+def _explicit_cpu_bf16_reason(device: torch.device) -> str:
+    """``training.dtype`` for an explicit bf16 on a CPU, with a warning where bf16 matmuls measured
+    clearly slower than fp32: the user asked for bf16 expecting speed, and on such a CPU (one without
+    native bf16, or one whose AVX512-BF16 is slow) fp32 is the faster choice."""
+    bf16, fp32 = cpu_bf16_matmul_rates(device)
+    if bf16 >= CPU_BF16_SLOW_RATIO * fp32:
+        return "training.dtype"
+    return (f"training.dtype; warning: bf16 matmuls run at {bf16 / fp32:.2f}x the fp32 rate on this CPU "
+            f"({bf16 / 1e12:.3f} vs {fp32 / 1e12:.3f} TFLOP/s measured), so bf16 steps are likely slower "
+            f"than fp32 here (training.dtype=auto or float32 trains in fp32)")

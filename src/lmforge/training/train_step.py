@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lmforge import distributed as dist_utils
 from lmforge.data.packing import Batch
@@ -99,12 +100,11 @@ def run_optimizer_step(
         from lmforge.parallel.pipeline_step import pipeline_clip_grad_norm_
 
         norm = pipeline_clip_grad_norm_(model, max_grad_norm)  # type: ignore[arg-type]
-    elif len(meshes := {getattr(p.grad, "device_mesh", None) for p in model.parameters() if p.grad is not None}) > 1:
+    elif _on_several_meshes(params := [p for p in model.parameters() if p.grad is not None]):
         from lmforge.parallel.expert_parallel import clip_grad_norm  # experts and the rest on two meshes
 
         norm = clip_grad_norm(model.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
     else:
-        params = [p for p in model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
         if hasattr(norm, "full_tensor"):  # FSDP2 and tensor parallelism return a DTensor
             norm = norm.full_tensor()
@@ -116,6 +116,13 @@ def run_optimizer_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm
+
+
+def _on_several_meshes(params: list[torch.Tensor]) -> bool:
+    """Whether the gradients live on more than one device mesh (expert parallelism). One pass over the
+    parameters per step, shared with the clip, and none at all for plain tensors (the common case)."""
+    meshes = {g.device_mesh for p in params if isinstance(g := p.grad, DTensor)}
+    return len(meshes) > 1 or (len(meshes) == 1 and any(not isinstance(p.grad, DTensor) for p in params))
 
 
 def compute_global_loss(stats: LossStats) -> dict[str, torch.Tensor]:
