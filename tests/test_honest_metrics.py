@@ -256,7 +256,7 @@ def test_auto_dtype_rule(monkeypatch):
 
 
 def test_explicit_bf16_warns_where_cpu_bf16_matmuls_are_slow(monkeypatch):
-    from lmforge.training import precision
+    from lmforge.runtime import precision
 
     cpu = torch.device("cpu")
     # an Intel Xeon with AVX512-BF16 and no AMX: bf16 matmuls at 0.54x the fp32 rate
@@ -273,7 +273,7 @@ def test_explicit_bf16_warns_where_cpu_bf16_matmuls_are_slow(monkeypatch):
 
 
 def test_explicit_bf16_warning_on_the_setup_line(tmp_path, monkeypatch, capsys):
-    from lmforge.training import precision
+    from lmforge.runtime import precision
 
     monkeypatch.setattr(precision, "cpu_bf16_matmul_rates", lambda device: (1.4e11, 2.6e11))
     _pretrain_in_process(tmp_path / "run", 1, "debug", dtype="bfloat16")
