@@ -61,14 +61,16 @@ class Run:
 
 
 def train(recipe: str, config: str | Path | Mapping[str, Any] | None = None,
-          overrides: Mapping[str, Any] | None = None) -> Run:
+          overrides: Mapping[str, Any] | None = None, *, started: float | None = None) -> Run:
     """Run ``recipe`` (``pretrain``, ``sft``, ``dpo``, ``grpo``, ...: ``lmforge.recipes.recipes()``).
 
     ``config`` is a TOML file or a dict of sections (``{"training": {"steps": 3}}``); ``overrides``
     go on top, as dotted keys (``{"training.steps": 3}``) or nested dicts, with the values the TOML
-    would hold. The same as ``lmforge RECIPE --config FILE --training.steps=3``.
+    would hold. The same as ``lmforge RECIPE --config FILE --training.steps=3``. ``started`` (default:
+    this call) is when goodput's ``setup`` begins; the CLI passes its process's start, so the
+    interpreter's start and the imports count as the run's setup.
     """
-    return Trainer(recipe, config=config, overrides=overrides).train()
+    return Trainer(recipe, config=config, overrides=overrides).train(started=started)
 
 
 class Trainer:
@@ -120,9 +122,10 @@ class Trainer:
 
         return validate_config(self.recipe.config, self._config_dict() if data is None else data, self.source)
 
-    def train(self) -> Run:
-        """Write the in-memory parts into the run directory, run the recipe, put process state back."""
-        started = time.time()
+    def train(self, *, started: float | None = None) -> Run:
+        """Write the in-memory parts into the run directory, run the recipe, put process state back
+        (``started``: as for :func:`train`)."""
+        started = time.time() if started is None else started
         run_dir = Path(self.cfg.run.dir)
         data = self._config_dict()
         inputs = run_dir / "inputs"

@@ -27,7 +27,9 @@ def _train(name: str, argv: list[str]) -> int:
                                      epilog="Any config key can be overridden: --training.steps=50")
     parser.add_argument("--config", help="TOML config file (configs/*.toml)")
     args, overrides = parser.parse_known_args(argv)
-    run = train(name, args.config, parse_overrides(overrides))
+    from lmforge.process import PROCESS_START
+
+    run = train(name, args.config, parse_overrides(overrides), started=PROCESS_START)
     if os.environ.get("RANK", "0") == "0":
         print(run_files_note(run.run_dir))
     return 0
