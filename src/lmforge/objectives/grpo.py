@@ -24,6 +24,7 @@ from lmforge import distributed as dist_utils
 from lmforge.objectives.policy_losses import PolicyLoss, check_policy_loss, policy_terms
 from lmforge.losses.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobHead
 from lmforge.losses.stats import LossStats
+from lmforge.models.layers.routing_replay import replay_routes
 
 Aggregation = Literal["grpo", "dapo", "dr_grpo"]
 AdvantageScale = Literal["group", "batch", "none"]
@@ -53,11 +54,15 @@ class PolicyBatch:
     rollout_logprobs: Tensor | None = None
     """[B, T] log-probs of the sampled tokens as the sampler computed them (its own precision or
     engine); only present with the truncated importance-sampling correction (``grpo.tis_cap``)."""
+    routes: Tensor | None = None
+    """[n_moe_layers, B, T, k] the experts the rollout engine sent each input token to (``grpo.router_replay``):
+    every forward over this batch replays them (:mod:`lmforge.models.layers.routing_replay`)."""
 
     def to(self, device: torch.device | str) -> "PolicyBatch":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return PolicyBatch(move(self.input_ids), move(self.targets), move(self.mask), move(self.advantages),
-                           move(self.old_logprobs), move(self.ref_logprobs), move(self.rollout_logprobs))
+                           move(self.old_logprobs), move(self.ref_logprobs), move(self.rollout_logprobs),
+                           move(self.routes))
 
 
 def policy_rows(prompts: list[list[int]], completions: list[list[int]], keep: list[bool], pad_id: int,
@@ -170,11 +175,12 @@ def policy_logprobs(model: nn.Module, batch: PolicyBatch, temperature: float, *,
 
     Only completion positions (``mask > 0``) are computed, ``chunk_tokens`` rows of logits at a time
     (see :mod:`lmforge.losses.chunked_loss`); every other position holds 0. Differentiable when
-    called with grad enabled.
+    called with grad enabled. A batch with ``routes`` sends every token to the experts recorded there.
     """
     head = TargetLogprobHead(batch.targets, batch.mask > 0, chunk_tokens=chunk_tokens, temperature=temperature,
                              entropy=entropy)
-    out = model(batch.input_ids, head=head)
+    with replay_routes(model, batch.routes):
+        out = model(batch.input_ids, head=head)
     shape = batch.targets.shape
     ent = None if out.entropy is None else out.dense(out.entropy, shape)
     return out.dense(out.logprobs, shape), ent

@@ -133,6 +133,9 @@ class SampledGroups:
     template text between turns); None: every completion token is the policy's."""
     metrics: dict[str, float] = field(default_factory=dict)
     """This rank's means of per-episode statistics (multi-turn), combined over ranks when laid out."""
+    routes: list[Any] | None = None
+    """Per completion: the experts the engine routed its prompt + completion tokens to
+    (:attr:`lmforge.rl.engines.base.Completion.routes`; ``grpo.router_replay``), None: not recorded."""
 
     def __len__(self) -> int:
         return len(self.records)
@@ -152,14 +155,15 @@ class SampledGroups:
                              pick(self.truncated), pick(self.total), {k: pick(v) for k, v in self.per_function.items()},
                              logprobs=None if self.logprobs is None else pick(self.logprobs), version=self.version,
                              completion_masks=None if self.completion_masks is None else pick(self.completion_masks),
-                             metrics=dict(self.metrics))
+                             metrics=dict(self.metrics), routes=None if self.routes is None else pick(self.routes))
 
     @staticmethod
     def concat(parts: Sequence["SampledGroups"], group_size: int) -> "SampledGroups":
         out = SampledGroups(group_size, [], [], [], [], [], [], [], {},
                             logprobs=[] if parts and all(p.logprobs is not None for p in parts) else None,
                             version=min((p.version for p in parts), default=0),
-                            completion_masks=[] if parts and all(p.completion_masks is not None for p in parts) else None)
+                            completion_masks=[] if parts and all(p.completion_masks is not None for p in parts) else None,
+                            routes=[] if parts and all(p.routes is not None for p in parts) else None)
         rows = sum(len(p.completion_ids) for p in parts)
         for key in {k for p in parts for k in p.metrics}:  # means weighted by rows
             out.metrics[key] = sum(p.metrics.get(key, 0.0) * len(p.completion_ids) for p in parts) / max(rows, 1)
@@ -168,6 +172,8 @@ class SampledGroups:
                 out.logprobs += p.logprobs  # type: ignore[operator]
             if out.completion_masks is not None:
                 out.completion_masks += p.completion_masks  # type: ignore[operator]
+            if out.routes is not None:
+                out.routes += p.routes  # type: ignore[operator]
             out.records += p.records
             out.prompt_ids += p.prompt_ids
             out.completion_ids += p.completion_ids
@@ -210,8 +216,10 @@ def sample_groups(
     fields["completion_length"] = [len(c) for c in completion_ids]
     scores = score_completions(rewards, prompts, completions, fields)
     logprobs = [list(c.logprobs or []) for c in completions_out] if engine_logprobs else None
+    routes = [c.routes for c in completions_out]
     return SampledGroups(G, list(records), [list(p) for p in prompt_ids], completion_ids, prompts, completions,
-                         truncated, scores.total, scores.per_function, gen_seconds, logprobs, metrics=scores.metrics)
+                         truncated, scores.total, scores.per_function, gen_seconds, logprobs, metrics=scores.metrics,
+                         routes=routes if routes and all(r is not None for r in routes) else None)
 
 
 def build_rollout(
@@ -232,6 +240,8 @@ def build_rollout(
         keep = [not (s.mask_truncated and t) for t in groups.truncated[start:end]]
         masks = None if groups.completion_masks is None else groups.completion_masks[start:end]
         mb = policy_rows(rows[start:end], groups.completion_ids[start:end], keep, pad_id, advantages[start:end], device, masks)
+        if groups.routes is not None:  # before any forward over the batch: they all replay the engine's experts
+            mb.routes = dense_routes(groups.routes[start:end], mb.input_ids.shape, device)
         if s.need_old_logprobs:
             with autocast:
                 mb.old_logprobs = token_logprobs(policy, mb, s.temperature, s.chunk_tokens)
@@ -308,6 +318,19 @@ def dense_logprobs(prompts: list[list[int]], logprobs: list[list[float]], shape:
     out = torch.zeros(shape)
     for i, (p, lp) in enumerate(zip(prompts, logprobs)):
         out[i, len(p) - 1: len(p) - 1 + len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    return out.to(device)
+
+
+def dense_routes(routes: list[Tensor], shape: torch.Size, device: torch.device) -> Tensor:
+    """Per-row recorded experts ``[L, n_i, k]`` as one ``[L, B, T, k]`` tensor for a batch of input ``shape``
+    ``[B, T]``; a row's padding positions (after its tokens: nothing real attends to them) take experts
+    ``0..k-1``."""
+    L, _, k = routes[0].shape
+    out = torch.arange(k, dtype=routes[0].dtype).expand(L, shape[0], shape[1], k).clone()
+    for i, r in enumerate(routes):
+        if r.shape[0] != L or r.shape[1] > shape[1]:
+            raise ValueError(f"recorded routes of shape {tuple(r.shape)} for a row of {shape[1]} tokens and {L} MoE layers")
+        out[:, i, : r.shape[1]] = r
     return out.to(device)
 
 

@@ -31,6 +31,7 @@ from lmforge import distributed as dist_utils
 from lmforge.data.chat import ChatFormat, chat_format_for, stop_token_ids
 from lmforge.data.record_formats import prompt_messages
 from lmforge.errors import UserError
+from lmforge.models.layers.routing_replay import has_moe_layers
 from lmforge.models.tokenizer import Tokenizer
 from lmforge.objectives.grpo import PolicyBatch
 from lmforge.rl.engines.base import RolloutEngine
@@ -77,8 +78,12 @@ class RolloutSource:
         """Built at the first rollout (after a resume has loaded the weights it starts from)."""
         self.queue = RolloutQueue(g.async_steps) if g.async_steps else None
         live = engine_kind(g.engine).live_weights
-        self.engine_logprobs = not live or self.queue is not None
-        """Keep the sampler's own log-probs: another engine's, or older weights' (the behaviour policy)."""
+        self.engine_logprobs = not live or self.queue is not None or g.router_replay
+        """Keep the sampler's own log-probs: another engine's, older weights', or those of the pass whose
+        routing is replayed (the behaviour policy)."""
+        if g.router_replay and not has_moe_layers(rt.model.raw):
+            raise UserError(f"grpo.router_replay=true: the model ({rt.model.args.hf_model_type or 'llama'}) has no "
+                            "mixture-of-experts layers, so there is no routing to replay")
         if self.queue is not None and live and (_is_fsdp(rt.model.module) or _is_fsdp(rt.model.raw)):
             raise UserError("grpo.async_steps with grpo.engine=lmforge needs whole weights on every rank (one process "
                             "or DDP): under FSDP2 use grpo.engine=vllm")

@@ -167,6 +167,11 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs)
 
 
+def _in_backward() -> bool:
+    """Inside autograd's backward pass (where activation checkpointing recomputes a forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -201,10 +206,15 @@ class Router(nn.Linear):
                                                 else bias.to(device))
         return self
 
-    def route(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def route(self, flat: Tensor, replay: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(weights [N, k] fp32, chosen experts [N, k], probabilities [N, E] fp32 for the balancing terms,
         logits [N, E] fp32) for tokens ``flat`` [N, dim]. Sigmoid routing (DeepSeek-V3) computes its logits
-        in fp32 from fp32 weights, as the reference does: its choice compares scores shifted by small biases."""
+        in fp32 from fp32 weights, as the reference does: its choice compares scores shifted by small biases.
+
+        ``replay`` [N, k]: the experts to use instead of choosing (routing replay,
+        :mod:`lmforge.models.layers.routing_replay`); their weights still come from these logits by the
+        family's rule, so the router keeps its gradient. Where the replayed experts are the ones this
+        router would choose, the result is bit-identical to choosing them."""
         cfg = self.cfg
         if cfg.scoring == "sigmoid":
             weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
@@ -212,29 +222,42 @@ class Router(nn.Linear):
         else:
             logits = self(flat).float()
         if cfg.scoring == "topk_softmax":  # gpt-oss: the k best logits, then a softmax over those k
-            top, chosen = torch.topk(logits, cfg.top_k, dim=-1)
+            if replay is not None:
+                chosen = replay
+                top = logits.gather(1, chosen)
+            else:
+                top, chosen = torch.topk(logits, cfg.top_k, dim=-1)
             return torch.softmax(top, dim=-1), chosen, torch.softmax(logits, dim=-1), logits
         if cfg.scoring == "softmax":
             probs = scores = torch.softmax(logits, dim=-1)
         else:  # sigmoid (DeepSeek-V3): independent affinities; their normalised form feeds the balancing terms
             scores = torch.sigmoid(logits)
             probs = scores / scores.sum(-1, keepdim=True)
+        if replay is not None:
+            chosen, weights = replay, scores.gather(1, replay)
+        else:
+            chosen, weights = self._choose(scores)
+        if cfg.norm_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if cfg.scoring == "sigmoid" else 0.0))
+        if cfg.scaling != 1.0:
+            weights = weights * cfg.scaling
+        return weights, chosen, probs, logits
+
+    def _choose(self, scores: Tensor) -> tuple[Tensor, Tensor]:
+        """(the top-k experts [N, k], their scores [N, k]): the best scores, shifted by the correction
+        bias where there is one, within the ``topk_groups`` groups whose two best scores sum highest."""
+        cfg = self.cfg
         choice = scores if self.correction_bias is None else scores + self.correction_bias
-        if cfg.n_groups > 1:  # keep the topk_groups groups whose two best scores sum highest
+        if cfg.n_groups > 1:
             grouped = choice.view(-1, cfg.n_groups, cfg.n_experts // cfg.n_groups)
             best = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(-1)
             keep = torch.zeros_like(best).scatter_(1, best.topk(cfg.topk_groups, dim=-1)[1], 1.0).bool()
             choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(-1, cfg.n_experts)
         if choice is scores:
             weights, chosen = torch.topk(scores, cfg.top_k, dim=-1)
-        else:
-            chosen = torch.topk(choice, cfg.top_k, dim=-1)[1]
-            weights = scores.gather(1, chosen)
-        if cfg.norm_topk:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if cfg.scoring == "sigmoid" else 0.0))
-        if cfg.scaling != 1.0:
-            weights = weights * cfg.scaling
-        return weights, chosen, probs, logits
+            return chosen, weights
+        chosen = torch.topk(choice, cfg.top_k, dim=-1)[1]
+        return chosen, scores.gather(1, chosen)
 
 
 class MoEFeedForward(nn.Module):
@@ -252,6 +275,12 @@ class MoEFeedForward(nn.Module):
         self.expert_parallel: Callable[[GroupedExperts, Tensor, Tensor], Tensor] | None = None
         """Set by :func:`lmforge.parallel.expert_parallel.apply_ep`: runs the experts on sorted slots
         (same signature and result as ``experts(x, counts)``) with each run on the rank owning its expert."""
+        self.replay: Tensor | None = None
+        """[N, k] experts to send the next forward's tokens to instead of routing them (set and cleared by
+        :func:`lmforge.models.layers.routing_replay.replay_routes`)."""
+        self._replayed: Tensor | None = None
+        """The experts the last forward replayed: what its recomputation under activation checkpointing
+        (which runs inside backward, after the replay was cleared) must replay again."""
 
     def weight_groups(self) -> tuple[list[Tensor], list[Tensor]]:
         """(matrices reading the block's input, matrices writing the residual stream), for the init."""
@@ -264,7 +293,12 @@ class MoEFeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, chosen, probs, logits = self.router.route(flat)
+        replay = self.replay if self.replay is not None else (self._replayed if _in_backward() else None)
+        if replay is not None and replay.shape != (flat.shape[0], self.top_k):
+            raise ValueError(f"routing replay of {tuple(replay.shape)} experts for {flat.shape[0]} tokens "
+                             f"of top-{self.top_k} routing")
+        self._replayed = replay
+        weights, chosen, probs, logits = self.router.route(flat, None if replay is None else replay.to(flat.device, torch.long))
         slots = chosen.reshape(-1)
         order = torch.argsort(slots, stable=True)
         counts = torch.bincount(slots, minlength=self.n_experts)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 if TYPE_CHECKING:  # the package is imported by the GRPO config (engine keys), which loads without torch
     from torch import nn
@@ -26,6 +26,10 @@ class Completion:
     """log p of each sampled token under the distribution the engine sampled from (softmax of the
     logits at the sampling temperature), as the engine computed it; None when the engine does not
     report them (the trainer then computes them itself where it needs them)."""
+    routes: Any = None
+    """[n_moe_layers, len(prompt) + len(token_ids) - 1, k] int16 tensor: the experts each MoE layer sent each
+    input token of prompt + completion to, in the pass that gave ``logprobs`` (``grpo.router_replay``);
+    None when not asked for or not known."""
 
     def truncated(self, s: SamplingSettings) -> bool:
         """Cut off at ``max_new_tokens`` without a stop token."""

@@ -52,7 +52,7 @@ class EngineKind:
 def _lmforge(rt: Runtime, g: Any, autocast: Any, own_copy: bool) -> RolloutEngine:
     return LmforgeEngine(pad_id=rt.model.tokenizer.pad_id, autocast=autocast, copy_weights=own_copy,
                          lockstep=rt.world.dist.world_size > 1 and not own_copy,
-                         chunk_tokens=rt.cfg.training.loss_chunk_tokens)
+                         chunk_tokens=rt.cfg.training.loss_chunk_tokens, record_routes=g.router_replay)
 
 
 def _vllm(rt: Runtime, g: Any, autocast: Any, own_copy: bool) -> RolloutEngine:

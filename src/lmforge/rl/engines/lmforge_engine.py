@@ -11,7 +11,10 @@ Two ways to hold the weights:
 
 Log-probs of the sampled tokens (``SamplingSettings`` asks with ``logprobs=True``) come from one
 teacher-forced pass over prompt + completion in the engine's precision, the same numbers the decoder
-sampled from up to kernel differences (the decoder itself does not keep them).
+sampled from up to kernel differences (the decoder itself does not keep them). With ``record_routes``
+(``grpo.router_replay``, a mixture-of-experts policy) that pass also records the experts every MoE layer
+sent each token to (:func:`lmforge.models.layers.routing_replay.recorded_routes`): the routing the
+behaviour log-probs were computed with, which the trainer's forwards then replay.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ class LmforgeEngine:
     name = "lmforge"
 
     def __init__(self, *, pad_id: int, autocast: Any = None, lockstep: bool = False, copy_weights: bool = False,
-                 chunk_tokens: int = 1024) -> None:
+                 chunk_tokens: int = 1024, record_routes: bool = False) -> None:
         self.pad_id, self.autocast, self.lockstep = pad_id, autocast, lockstep
+        self.record_routes = record_routes
         self.copy_weights, self.chunk_tokens = copy_weights, chunk_tokens
         self.model: nn.Module | None = None
         self.version = -1
@@ -62,26 +66,43 @@ class LmforgeEngine:
             ids = generate(self.model, [list(p) for p in prompts], sampling.max_new_tokens,
                            stop_ids=list(sampling.stop_ids), pad_id=self.pad_id, temperature=sampling.temperature,
                            top_p=sampling.top_p, generator=generator, lockstep=self.lockstep)
-            lps = self.sampled_logprobs(prompts, ids, sampling.temperature) if logprobs else [None] * len(ids)
-        return [Completion(c, lp) for c, lp in zip(ids, lps)]
+            if logprobs or self.record_routes:
+                lps, routes = self.teacher_forced(prompts, ids, sampling.temperature)
+            else:
+                lps, routes = [None] * len(ids), [None] * len(ids)
+        return [Completion(c, lp if logprobs else None, r) for c, lp, r in zip(ids, lps, routes)]
 
-    @torch.no_grad()
     def sampled_logprobs(self, prompts: Sequence[list[int]], completions: list[list[int]],
                          temperature: float) -> list[list[float]]:
         """log p of each completion token under softmax(logits / temperature), teacher-forced."""
+        return self.teacher_forced(prompts, completions, temperature)[0]
+
+    @torch.no_grad()
+    def teacher_forced(self, prompts: Sequence[list[int]], completions: list[list[int]],
+                       temperature: float) -> tuple[list[list[float]], list[Any]]:
+        """log p of each completion token under softmax(logits / temperature), teacher-forced, and with
+        ``record_routes`` each row's experts per MoE layer and input token (else None per row)."""
+        from lmforge.models.layers.routing_replay import recorded_routes
         from lmforge.objectives.grpo import policy_rows, token_logprobs
 
         device = next(self.model.parameters()).device
         out: list[list[float]] = []
+        routes: list[Any] = []
         for lo in range(0, len(prompts), 16):
             p, c = [list(x) for x in prompts[lo:lo + 16]], completions[lo:lo + 16]
-            if all(len(x) == 0 for x in c):
+            if all(len(x) == 0 for x in c) and not self.record_routes:
                 out += [[] for _ in c]
+                routes += [None] * len(c)
                 continue
             batch = policy_rows(p, c, [True] * len(c), self.pad_id, torch.zeros(len(c)), device)
             dense = token_logprobs(self.model, batch, temperature, self.chunk_tokens).float().cpu()
             out += [dense[i, len(pi) - 1: len(pi) - 1 + len(ci)].tolist() for i, (pi, ci) in enumerate(zip(p, c))]
-        return out
+            if self.record_routes:
+                rec = recorded_routes(self.model, len(c))
+                routes += [rec[:, i, : len(pi) + len(ci) - 1].clone() for i, (pi, ci) in enumerate(zip(p, c))]
+            else:
+                routes += [None] * len(c)
+        return out, routes
 
     def close(self) -> None:
         self.model = None

@@ -43,6 +43,12 @@ class EngineKeys(Section):
     """Sample this many rollouts ahead while the current update trains (0: synchronous). A rollout is then
     sampled by weights up to ``async_steps x num_iterations`` optimizer steps old; the loss's ratio is
     taken against the current policy and ``tis_cap`` weights each token by pi_old / pi_sampler."""
+    router_replay: bool = False
+    """Mixture-of-experts policies: the rollout engine records the experts every MoE layer sent each token to,
+    and the trainer's forwards over the rollout send the tokens to those experts instead of routing them
+    again (their weights still come from the trainer's router logits, so the router keeps learning), so a
+    near-tie that another precision or kernel breaks the other way cannot move the log-probs the ratio
+    compares. lmforge's engine only (vLLM does not report its routing); docs/rollout_engines.md."""
 
     environment: str = ""
     """Multi-turn episodes with tools instead of one completion per prompt: ``gsm8k_calculator`` (GSM8K
@@ -67,4 +73,12 @@ class EngineKeys(Section):
         if self.weight_sync == "memory" and (self.engine != "vllm" or self.vllm_mode != "server"):
             raise ValueError("grpo.weight_sync=memory sends weights to a vLLM server: set grpo.engine=vllm and "
                              "grpo.vllm_mode=server")
+        if self.router_replay and self.engine != "lmforge":
+            if self.engine == "vllm":
+                raise ValueError("grpo.router_replay needs the experts the engine routed each token to, and vLLM does "
+                                 "not report them: use grpo.engine=lmforge, or grpo.router_replay=false")
+            raise ValueError(f"grpo.router_replay: engine {self.engine!r} records no routing; use grpo.engine=lmforge")
+        if self.router_replay and self.environment:
+            raise ValueError("grpo.router_replay with grpo.environment is not supported: the environment's tokens "
+                             "are not routed by the engine's pass")
         return self
