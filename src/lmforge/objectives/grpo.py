@@ -24,7 +24,7 @@ from lmforge import distributed as dist_utils
 from lmforge.objectives.policy_losses import PolicyLoss, check_policy_loss, policy_terms
 from lmforge.losses.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobHead
 from lmforge.losses.stats import LossStats
-from lmforge.models.layers.routing_replay import replay_routes
+from lmforge.models.layers.routing_replay import replay_disagreement, replay_routes
 
 Aggregation = Literal["grpo", "dapo", "dr_grpo"]
 AdvantageScale = Literal["group", "batch", "none"]
@@ -246,6 +246,9 @@ class GRPOLoss:
                 sums["rollout_gap_sum"] = ((old - batch.rollout_logprobs).abs() * mask).sum()
             if tis is not None:
                 sums["tis_weight_sum"] = (tis * mask).sum()
+            flips = replay_disagreement(model, batch.input_ids.shape) if batch.routes is not None else None
+            if flips is not None:  # how often the trainer would have routed a completion token elsewhere
+                sums["route_flip_sum"] = (flips * (mask > 0)).sum()
             stats = LossStats(objective.detach(), aggregation_weight(mask, self.aggregation, self.max_new_tokens),
                               mask.sum(), sums)
         return objective, stats
@@ -268,7 +271,8 @@ def update_metrics(totals: dict[str, Tensor]) -> dict[str, Tensor]:
         "grpo/clip_high": totals["clip_high_count"] / tokens,
         "grpo/entropy": totals["entropy_sum"] / tokens,
     } | ({"grpo/rollout_logprob_gap": totals["rollout_gap_sum"] / tokens} if "rollout_gap_sum" in totals else {}) \
-      | ({"grpo/tis_weight": totals["tis_weight_sum"] / tokens} if "tis_weight_sum" in totals else {})
+      | ({"grpo/tis_weight": totals["tis_weight_sum"] / tokens} if "tis_weight_sum" in totals else {}) \
+      | ({"grpo/route_flips": totals["route_flip_sum"] / tokens} if "route_flip_sum" in totals else {})
 
 
 class GRPOObjective:

@@ -190,6 +190,8 @@ class Router(nn.Linear):
             raise ValueError(f"RouterConfig: {cfg.n_experts} experts do not split into {cfg.n_groups} groups "
                              f"with topk_groups={cfg.topk_groups}")
         self.cfg = cfg
+        self.disagreement: Tensor | None = None
+        """[N] bool, after a forward that replayed experts: the tokens this router would have sent elsewhere."""
         if cfg.correction_bias:
             self.register_buffer("correction_bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
         else:
@@ -221,10 +223,12 @@ class Router(nn.Linear):
             logits = F.linear(flat.float(), weight.float(), None if self.bias is None else self.bias.float())
         else:
             logits = self(flat).float()
+        self.disagreement = None
         if cfg.scoring == "topk_softmax":  # gpt-oss: the k best logits, then a softmax over those k
             if replay is not None:
                 chosen = replay
                 top = logits.gather(1, chosen)
+                self._disagree(torch.topk(logits.detach(), cfg.top_k, dim=-1)[1], replay)
             else:
                 top, chosen = torch.topk(logits, cfg.top_k, dim=-1)
             return torch.softmax(top, dim=-1), chosen, torch.softmax(logits, dim=-1), logits
@@ -235,6 +239,7 @@ class Router(nn.Linear):
             probs = scores / scores.sum(-1, keepdim=True)
         if replay is not None:
             chosen, weights = replay, scores.gather(1, replay)
+            self._disagree(self._choose(scores.detach())[0], replay)
         else:
             chosen, weights = self._choose(scores)
         if cfg.norm_topk:
@@ -242,6 +247,10 @@ class Router(nn.Linear):
         if cfg.scaling != 1.0:
             weights = weights * cfg.scaling
         return weights, chosen, probs, logits
+
+    def _disagree(self, own: Tensor, replay: Tensor) -> None:
+        """Keep, per token, whether this router would have chosen other experts than the replayed ones."""
+        self.disagreement = (own.sort(-1).values != replay.sort(-1).values).any(-1)
 
     def _choose(self, scores: Tensor) -> tuple[Tensor, Tensor]:
         """(the top-k experts [N, k], their scores [N, k]): the best scores, shifted by the correction

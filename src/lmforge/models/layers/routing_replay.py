@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from lmforge.models.layers.moe import MoEFeedForward
 
-__all__ = ["moe_layers", "recorded_routes", "replay_routes", "has_moe_layers"]
+__all__ = ["moe_layers", "recorded_routes", "replay_routes", "has_moe_layers", "replay_disagreement"]
 
 
 def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
@@ -63,3 +63,12 @@ def replay_routes(model: nn.Module, routes: Tensor | None) -> Iterator[None]:
     finally:
         for m in layers:
             m.replay = None
+
+
+def replay_disagreement(model: nn.Module, shape: torch.Size) -> Tensor | None:
+    """``[B, T]`` fp32: the share of MoE layers whose router would have sent each token of the last forward
+    (of input ``shape``) to other experts than the ones it replayed; None when that forward replayed none."""
+    flags = [m.router.disagreement for m in moe_layers(model)]
+    if not flags or any(f is None for f in flags):
+        return None
+    return torch.stack([f.reshape(shape) for f in flags]).float().mean(0)  # type: ignore[union-attr]
