@@ -17,7 +17,9 @@ GRPO loss does) twice: re-routing every token itself, and replaying the engine's
 * ``flips``: the share of (token, MoE layer) pairs whose fp32 top-k set differs from the engine's.
 
 With ``--rollout-dtype float32`` the engine and the trainer compute in the same precision: both gaps
-are ~0 (the control).
+are 0 (the control). ``--router-spread S`` makes the routers nearly tie, as a large model's many experts
+often do: every expert's row is one shared random direction (std 0.5) plus ``S`` x 0.5 of its own, router
+biases 0; the shared part's bf16 rounding then decides between experts far more often.
 """
 
 from __future__ import annotations
@@ -64,16 +66,25 @@ def hf_config(family: str):  # noqa: ANN201 - a transformers config
     raise ValueError(family)
 
 
-def tiny_model(family: str, seed: int, where: Path) -> torch.nn.Module:
+def tiny_model(family: str, seed: int, where: Path, spread: float) -> torch.nn.Module:
     import transformers
 
     from lmforge.models.hf import load_hf_model
+    from lmforge.models.layers.routing_replay import moe_layers
 
     torch.manual_seed(seed)
     hf = transformers.AutoModelForCausalLM.from_config(hf_config(family))
     out = where / f"{family}-{seed}"
     hf.save_pretrained(out)
-    return load_hf_model(out)
+    model = load_hf_model(out)
+    if spread:
+        with torch.no_grad():
+            for m in moe_layers(model):
+                w = m.router.weight
+                w.copy_(0.5 * (torch.randn(1, w.shape[1]) + spread * torch.randn(w.shape)))
+                if m.router.bias is not None:
+                    m.router.bias.zero_()
+    return model
 
 
 def measure(model: torch.nn.Module, seed: int, args: argparse.Namespace) -> tuple[float, float, float, float, float]:
@@ -118,19 +129,22 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rollout-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--router-spread", type=float, default=0.0,
+                    help="near-tied routers: a shared direction plus this share of each expert's own (0: as initialised)")
     ap.add_argument("--append", action="store_true", help="append the table to BENCHMARKS.md")
     args = ap.parse_args()
     torch.set_num_threads(2)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families.split(","):
-            runs = [measure(tiny_model(family, s, Path(tmp)), s, args) for s in range(args.seeds)]
+            runs = [measure(tiny_model(family, s, Path(tmp), args.router_spread), s, args) for s in range(args.seeds)]
             mean = [sum(r[i] for r in runs) / len(runs) for i in range(5)]
             rows.append([family, f"{mean[0]:.2e}", f"{mean[1]:.2e}", f"{max(r[2] for r in runs):.2e}",
-                         f"{max(r[3] for r in runs):.2e}", f"{mean[4]:.1%}", f"{mean[0] / max(mean[1], 1e-12):.1f}x"])
+                         f"{max(r[3] for r in runs):.2e}", f"{mean[4]:.1%}", f"{mean[0] / mean[1]:.1f}x" if mean[1] else "-"])
     table = markdown_table(["family", "gap re-routed", "gap replayed", "max re-routed", "max replayed",
                             "flips", "gap falls"], rows)
-    body = (f"`python bench/router_replay_gap.py --rollout-dtype {args.rollout_dtype}`: {args.rollout_dtype} rollouts "
+    spread = f" --router-spread {args.router_spread:g}" if args.router_spread else ""
+    body = (f"`python bench/router_replay_gap.py --rollout-dtype {args.rollout_dtype}{spread}`: {args.rollout_dtype} rollouts "
             f"vs the fp32 trainer, {args.prompts}x{args.samples} completions of {args.new_tokens} tokens, mean over "
             f"{args.seeds} seeds (max: over all), {machine(torch.device('cpu'))}.\n\n{table}\n")
     print(body)

@@ -7,7 +7,10 @@ Two ways to hold the weights:
   free, since there is nothing to copy.
 * **snapshot** (``copy_weights=True``, asynchronous GRPO): the engine keeps its own full copy, so the
   trainer can update its parameters while a rollout is being sampled from older ones; ``load_weights``
-  copies the current ones in.
+  copies the current ones in. A policy with LoRA adapters has a frozen base that never changes after the
+  first copy: later loads copy only the tensors that can change (the adapters, and buffers such as a
+  router's correction bias), which the copy's own adapter layers then apply live, unmerged.
+  ``sync_bytes`` counts what the last load copied.
 
 Log-probs of the sampled tokens (``SamplingSettings`` asks with ``logprobs=True``) come from one
 teacher-forced pass over prompt + completion in the engine's precision, the same numbers the decoder
@@ -42,6 +45,10 @@ class LmforgeEngine:
         self.model: nn.Module | None = None
         self.version = -1
         self.sync_seconds = 0.0
+        self.sync_bytes = 0
+        """Bytes the last ``load_weights`` copied (0 for live weights)."""
+        self.changing: list[str] | None = None
+        """The state-dict entries a load copies after the first (None: all of them)."""
 
     def load_weights(self, model: nn.Module, version: int) -> None:
         t0 = time.perf_counter()
@@ -49,10 +56,15 @@ class LmforgeEngine:
             self.model = model
         elif self.model is None:
             self.model = copy.deepcopy(model).requires_grad_(False)
+            self.changing = changing_tensors(model)
+            self.sync_bytes = sum(_nbytes(t) for t in self.model.state_dict().values())
         else:
+            mine, theirs = self.model.state_dict(), model.state_dict()
+            names = self.changing if self.changing is not None else list(theirs)
             with torch.no_grad():
-                for mine, theirs in zip(self.model.state_dict().values(), model.state_dict().values()):
-                    mine.copy_(theirs)
+                for name in names:
+                    mine[name].copy_(theirs[name])
+            self.sync_bytes = sum(_nbytes(theirs[n]) for n in names)
         self.version = version
         self.sync_seconds = time.perf_counter() - t0
 
@@ -106,3 +118,19 @@ class LmforgeEngine:
 
     def close(self) -> None:
         self.model = None
+
+
+def changing_tensors(model: nn.Module) -> list[str] | None:
+    """The state-dict names of a LoRA policy that training can change: every entry but its frozen
+    parameters (the base weights, which ``requires_grad`` says are frozen); None for a policy without
+    adapters (all of them: its parameters may be frozen only for a while)."""
+    from lmforge.models.lora import has_adapters
+
+    if not has_adapters(model):
+        return None
+    frozen = {id(p) for p in model.parameters() if not p.requires_grad}
+    return [name for name, t in model.state_dict(keep_vars=True).items() if id(t) not in frozen]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
