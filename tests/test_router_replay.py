@@ -210,3 +210,22 @@ def test_router_replay_on_a_dense_model_is_one_line(tiny_task, capfd):
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert rc == 2 and len(lines) == 1 and "has no mixture-of-experts layers" in lines[0], err[-1500:]
+
+
+def test_a_lora_policys_reference_view_replays_too(moe):
+    """Under LoRA the KL reference is the policy with its adapters off (BaseModelView, not a module of its
+    own): its forward over a rollout replays the same experts."""
+    import copy
+
+    pytest.importorskip("peft")
+    from lmforge.config import LoraSection
+    from lmforge.models.lora import BaseModelView, apply_lora
+
+    family, model = moe
+    if family != "mixtral":
+        pytest.skip("one family is enough: the view is the same for all")
+    policy = apply_lora(copy.deepcopy(model), LoraSection(enabled=True, rank=2))
+    batch, _, routes = bf16_rollout(policy, n=4, new_tokens=8)
+    batch.routes = routes
+    token_logprobs(BaseModelView(policy), batch, 1.0)
+    assert torch.equal(recorded_routes(policy, 4), routes)

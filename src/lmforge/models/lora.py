@@ -110,6 +110,10 @@ class BaseModelView:
         with torch.no_grad(), adapters_disabled(self.model):
             return self.model(*args, **kwargs)
 
+    def modules(self) -> Iterator[nn.Module]:
+        """The model's modules (the base shares them): where routing replay finds the MoE layers."""
+        return self.model.modules()
+
 
 def merge_adapters(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight and put the plain module back (in place); a 4-bit
