@@ -168,7 +168,8 @@ class GroupedExperts(nn.Module):
 
 
 def _in_backward() -> bool:
-    """Inside autograd's backward pass (where activation checkpointing recomputes a forward)."""
+    """Inside autograd's backward pass (where activation checkpointing recomputes a forward): torch's
+    graph-task id is -1 outside one (``torch.utils.checkpoint`` asks the same to tell a recomputation)."""
     return torch._C._current_graph_task_id() != -1
 
 

@@ -33,6 +33,7 @@ def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
 
 
 def has_moe_layers(model: nn.Module) -> bool:
+    """Whether ``model`` routes anything (a dense model has nothing to record or replay)."""
     return any(isinstance(m, MoEFeedForward) for m in model.modules())
 
 
