@@ -202,6 +202,25 @@ def test_grpo_with_router_replay_logs_the_gap_and_resumes_exactly(tiny_task, moe
     assert [after[4][k] for k in keys] == pytest.approx([train[4][k] for k in keys], rel=1e-5)
 
 
+def test_async_rollouts_replay_the_samplers_routes_and_resume_exactly(tiny_task, moe_start):
+    """async_steps=1: the engine's copy (one update older) records the routes; 2 steps + resume to 3 (a
+    round and its routes in flight at the checkpoint) logs what 3 straight steps log."""
+    from test_grpo import _grpo
+
+    common = dict(model_size=None, model_n_layers=None, model_dim=None, model_n_heads=None, model_n_kv_heads=None,
+                  training_global_batch_size=8, training_micro_batch_size=8, grpo_num_generations=4,
+                  grpo_max_new_tokens=4, grpo_async_steps=1, grpo_tis_cap=2.0, optimizer_lr=1e-2,
+                  grpo_router_replay=True, checkpoint_interval=2, tasks_eval_examples=0, model_from_hf=str(moe_start))
+    straight, _ = _grpo(tiny_task, {"a": dict(common, training_steps=3, checkpoint_enabled=False),
+                                    "b": dict(common, training_steps=2)})
+    [resumed] = _grpo(tiny_task, {"b": dict(common, training_steps=3)})
+    a = {r["step"]: r for r in straight if r["kind"] == "train"}
+    b = {r["step"]: r for r in resumed if r["kind"] == "train"}
+    assert a[3]["rollout/staleness"] == 1.0 and a[3]["grpo/route_flips"] > 0  # older weights' routes replayed
+    keys = ("loss", "reward/mean", "grad_norm", "grpo/rollout_logprob_gap", "grpo/route_flips")
+    assert [b[3][k] for k in keys] == pytest.approx([a[3][k] for k in keys], rel=1e-5)
+
+
 def test_router_replay_on_a_dense_model_is_one_line(tiny_task, capfd):
     from _helpers import lmforge_in_process
     from test_grpo import _grpo_args
