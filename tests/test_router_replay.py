@@ -248,3 +248,16 @@ def test_a_lora_policys_reference_view_replays_too(moe):
     batch.routes = routes
     token_logprobs(BaseModelView(policy), batch, 1.0)
     assert torch.equal(recorded_routes(policy, 4), routes)
+
+
+def test_router_replay_with_a_sharded_sequence_layout_is_one_line():
+    from lmforge.config import ParallelSection
+    from lmforge.errors import UserError
+    from lmforge.rl.rollout_source import check_replay_layout
+
+    check_replay_layout(ParallelSection())
+    check_replay_layout(ParallelSection(tp=2, sequence_parallel=False))
+    for kwargs, named in ((dict(cp=2), "parallel.cp=2"), (dict(pp=2), "parallel.pp=2"),
+                          (dict(tp=2), "parallel.tp=2 with parallel.sequence_parallel")):
+        with pytest.raises(UserError, match=f"grpo.router_replay with {named} is not supported"):
+            check_replay_layout(ParallelSection(**kwargs))

@@ -84,6 +84,8 @@ class RolloutSource:
         if g.router_replay and not has_moe_layers(rt.model.raw):
             raise UserError(f"grpo.router_replay=true: the model ({rt.model.args.hf_model_type or 'llama'}) has no "
                             "mixture-of-experts layers, so there is no routing to replay")
+        if g.router_replay:
+            check_replay_layout(rt.cfg.parallel)
         if self.queue is not None and live and (_is_fsdp(rt.model.module) or _is_fsdp(rt.model.raw)):
             raise UserError("grpo.async_steps with grpo.engine=lmforge needs whole weights on every rank (one process "
                             "or DDP): under FSDP2 use grpo.engine=vllm")
@@ -287,6 +289,18 @@ class RolloutSource:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+
+
+def check_replay_layout(p: Any) -> None:
+    """Routing replay hands every MoE layer the routes of whole sequences: a layout whose MoE layers see a
+    shard of each sequence (context or pipeline parallel, tensor parallel with sequence parallelism) is
+    refused in one line rather than failing on a shape inside the first forward."""
+    shards = [f"parallel.{k}={getattr(p, k)}" for k in ("cp", "pp") if getattr(p, k) > 1]
+    if p.tp > 1 and p.sequence_parallel:
+        shards.append(f"parallel.tp={p.tp} with parallel.sequence_parallel")
+    if shards:
+        raise UserError(f"grpo.router_replay with {', '.join(shards)} is not supported: the MoE layers see shards "
+                        "of each sequence, and the recorded routes are of whole sequences")
 
 
 def _is_fsdp(model: nn.Module) -> bool:
