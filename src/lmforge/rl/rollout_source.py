@@ -30,6 +30,7 @@ from torch import nn
 from lmforge import distributed as dist_utils
 from lmforge.data.chat import ChatFormat, chat_format_for, stop_token_ids
 from lmforge.data.record_formats import prompt_messages
+from lmforge.config import ParallelSection
 from lmforge.errors import UserError
 from lmforge.models.layers.routing_replay import has_moe_layers
 from lmforge.models.tokenizer import Tokenizer
@@ -291,7 +292,7 @@ class RolloutSource:
             self.engine = None
 
 
-def check_replay_layout(p: Any) -> None:
+def check_replay_layout(p: ParallelSection) -> None:
     """Routing replay hands every MoE layer the routes of whole sequences: a layout whose MoE layers see a
     shard of each sequence (context or pipeline parallel, tensor parallel with sequence parallelism) is
     refused in one line rather than failing on a shape inside the first forward."""
