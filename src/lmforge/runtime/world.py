@@ -13,7 +13,7 @@ from lmforge import distributed as dist_utils
 from lmforge.checkpoint.runlock import hold_run_lock
 from lmforge.errors import UserError
 from lmforge.parallel.dimensions import used
-from lmforge.parallel.dims import ParallelDims, sub_mesh
+from lmforge.parallel.dims import ParallelDims
 from lmforge.parallel.layout_checks import check_same_layout_on_every_rank
 
 
@@ -40,18 +40,17 @@ def start_world(device: str, threads: int, layout: ParallelDims, parallel: Any, 
     """Join the process group, agree on the layout, build the mesh and claim the run directory.
 
     The ranks that sum token counts and average gradients (data and context shards: tensor- and
-    pipeline-parallel neighbours see the same tokens) become the reduce group of
-    :func:`lmforge.distributed.all_reduce_sum`.
+    pipeline-parallel neighbours see the same tokens) are this rank's ``dist.reduce``: every sum of the
+    run is taken over it.
     """
     if threads:
         torch.set_num_threads(threads)
     info = dist_utils.init_distributed(device)
     check_same_layout_on_every_rank(parallel)
-    info = replace(info, batch_share=layout.batch_share(info.rank), batch_shares=layout.batch_shares)
     claim_run_dir(run_dir, info.is_main)
     mesh = layout.build_mesh(info.device.type)
-    group = layout.reduce_group_name()
-    dist_utils.set_reduce_group(sub_mesh(mesh, group).get_group() if group else None, layout.reduce_world)
+    info = replace(info, batch_share=layout.batch_share(info.rank), batch_shares=layout.batch_shares,
+                   reduce=layout.reduce_group(mesh))
     return World(info, layout, mesh, run_dir)
 
 
