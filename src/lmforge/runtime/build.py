@@ -62,7 +62,7 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
     """Check, then the world, then the model, then the services (see the module's docstring)."""
     plan = check_run(cfg)
     t = cfg.training
-    world = start_world(t.device, t.threads, plan.layout, cfg.parallel, RunDir(cfg.run.dir).root)
+    world = start_world(t.device, t.threads, plan.layout, cfg.parallel, plan.run_dir)
     model = build_model_bundle(cfg, world, plan.source, trainer, services.head)
     return with_services(cfg, world, model, trainer, services)
 
