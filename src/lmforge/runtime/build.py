@@ -24,9 +24,7 @@ from lmforge.optim.optimizers import make_optimizer
 from lmforge.runtime.check import check_run
 from lmforge.runtime.guard import Guard
 from lmforge.runtime.model_bundle import ModelBundle, build_model_bundle
-from lmforge.runtime.services import (
-    RecipeServices, StepHook, build_checkpoints, build_guard, build_metrics, log_setup,
-)
+from lmforge.runtime.services import RecipeServices, StepHook, build_checkpoints, log_setup
 from lmforge.runtime.world import World, start_world
 
 
@@ -62,17 +60,23 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
     """Check, then the world, then the model, then the services (see the module's docstring)."""
     plan = check_run(cfg)
     t = cfg.training
-    world = start_world(t.device, t.threads, plan.layout, cfg.parallel, plan.run_dir)
+    world = start_world(t.device, t.threads, plan.layout, cfg.parallel, plan.run.root)
     model = build_model_bundle(cfg, world, plan.source, trainer, services.head)
-    return with_services(cfg, world, model, trainer, services)
+    return with_services(cfg, plan.run, world, model, trainer, services)
 
 
-def with_services(cfg: Config, world: World, model: ModelBundle, trainer: str, services: RecipeServices) -> Runtime:
+def with_services(cfg: Config, run: RunDir, world: World, model: ModelBundle, trainer: str,
+                  services: RecipeServices) -> Runtime:
+    """The optimizer, the metrics (and the setup line), the guard and the checkpoint tiers around
+    ``model``, each from its own section, in that order: a model the optimizer refuses stops the run
+    before anything is logged, and the setup line comes before what the tiers report."""
+    info, t = world.dist, cfg.training
     optimizer = make_optimizer(model.module, cfg.optimizer)
-    run = RunDir(world.run_dir)
-    metrics = build_metrics(cfg, world.dist, run, model.flops_per_token, model.peak_flops, services.process_start)
+    metrics = MetricLogger.from_section(cfg.metrics, run.root, rank=info.rank, world_size=info.world_size,
+                                        device=info.device, steps=t.steps, max_tokens=t.max_tokens,
+                                        flops_per_token=model.flops_per_token, peak_flops=model.peak_flops,
+                                        config=cfg.to_dict(), process_start=services.process_start)
     log_setup(cfg, world, model, metrics, trainer, services.notes_for(model.args))
-    return Runtime(cfg, world, model, optimizer, metrics,
-                   build_checkpoints(cfg, world.dist, run, metrics, trainer, services),
-                   build_guard(cfg, metrics, world.dist.device), services.step_hooks)
-
+    guard = Guard.from_section(t, cfg.checkpoint, metrics, info.device.type)
+    checkpoints = build_checkpoints(cfg, info, run, metrics, trainer, services)
+    return Runtime(cfg, world, model, optimizer, metrics, checkpoints, guard, services.step_hooks)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from lmforge.checkpoint import RunDir
 from lmforge.config import Config
@@ -24,7 +23,7 @@ class RunPlan:
     """How the launched processes divide the work."""
     source: ModelSource
     """Where the starting weights come from."""
-    run_dir: Path
+    run: RunDir
     """The run directory (``run.dir``), checked for a fresh start; claimed by the world."""
 
 
@@ -41,5 +40,5 @@ def check_run(cfg: Config) -> RunPlan:
     source = ModelSource.from_section(cfg.model, cfg.training.seed)
     check_qlora(cfg.lora, sharded=bool(layout.shards))
     check_optimizer(cfg, sharded=bool(layout.shards))
-    return RunPlan(layout, source, run.root)
+    return RunPlan(layout, source, run)
 
