@@ -80,10 +80,8 @@ def _read_holder(fd: int) -> str:
     return text or "holder unknown"
 
 
-def prepare_run_dir(run_dir: Path, is_main: bool) -> None:
+def _prepare_run_dir(run_dir: Path) -> None:
     """Create the run directory, or fail with one line when it cannot be written."""
-    if not is_main:
-        return
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".write_test"
@@ -99,7 +97,7 @@ def claim_run_dir(run_dir: Path, is_main: bool) -> None:
     problem = None
     if is_main:
         try:
-            prepare_run_dir(run_dir, True)
+            _prepare_run_dir(run_dir)
             hold_run_lock(run_dir)
         except UserError as e:
             problem = str(e)
