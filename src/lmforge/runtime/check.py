@@ -28,11 +28,12 @@ class RunPlan:
 
 
 def check_run(cfg: Config) -> RunPlan:
-    """The run's layout over the launched processes and its model's source, once every start-up rule
-    that needs neither holds.
+    """The run's plan: its layout over the launched processes, its model's source and its run directory,
+    once every start-up rule that needs no process group and no model holds (a fresh start in a
+    directory of checkpoints, the LoRA and optimizer rules that depend on the layout).
 
     The world size is read from torchrun's environment (``WORLD_SIZE``), so the layout is checked
-    before any process group exists.
+    before any process group exists; the later phases take the plan instead of working it out again.
     """
     run = RunDir(cfg.run.dir)
     check_fresh_start(cfg, run)
