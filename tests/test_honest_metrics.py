@@ -148,7 +148,7 @@ def test_tflops_from_step_flops_and_memory_field(tmp_path):
 def test_no_checkpoint_of_a_diverged_step_between_log_steps(tmp_path, monkeypatch):
     """On an accelerator the non-finite guard reads the loss on log steps only; a save on a step in
     between must still check first: the run stops without saving, and says nothing untrue."""
-    import lmforge.runtime.services as services
+    import lmforge.runtime.build as build
     import lmforge.training.loop as loop
     from lmforge.checkpoint import RunDir, list_checkpoints
     from lmforge.config import Config, validate_config
@@ -164,7 +164,7 @@ def test_no_checkpoint_of_a_diverged_step_between_log_steps(tmp_path, monkeypatc
             super().__init__(*args, **kwargs)
             self.every_step = False
 
-    monkeypatch.setattr(services, "Guard", LogStepsOnly)
+    monkeypatch.setattr(build, "Guard", LogStepsOnly)
     calls = {"n": 0}
 
     def nan_at_step_3(model, batch):

@@ -188,6 +188,9 @@ def process_state_restored(run_dir: str | Path) -> Iterator[None]:
     variables, ``sys.path``, the working directory, the run directory's lock (if the run took it) and
     the process group (if the run created it).
 
+    The ranks a run sums over are held by its world (``rt.world.dist.reduce``), not by the process, so
+    nothing of them outlives the run.
+
     Not undone: allocator settings of ``training.release_host_memory`` (they change speed and memory,
     never results), compiled graphs cached by ``torch.compile`` and the registry of model families.
     """

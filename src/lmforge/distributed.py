@@ -16,6 +16,41 @@ from torch import nn
 from lmforge.errors import UserError
 
 
+@dataclass(frozen=True)
+class ReduceGroup:
+    """The ranks whose tokens differ (data and context shards): where token counts and losses are summed
+    and over which gradients are averaged.
+
+    Tensor- and pipeline-parallel neighbours see the same tokens, so summing a token count over every
+    rank would count it once per neighbour. The run's group is built with the mesh
+    (:meth:`lmforge.parallel.dims.ParallelDims.reduce_group`), held by its :class:`DistInfo` and passed
+    to every sum; the default, :data:`EVERY_RANK`, is torch's own default (the whole process group),
+    right whenever no dimension splits the model.
+    """
+
+    group: object = None
+    """The process group (None: every rank)."""
+    ranks: int = 0
+    """How many ranks it holds (0: every rank)."""
+
+    @property
+    def size(self) -> int:
+        """Ranks whose gradients are averaged (and whose token counts are summed)."""
+        return self.ranks or world_size()
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the group (a no-op alone). Returns a new tensor; stays on device, no host sync."""
+        if not dist.is_initialized() or self.size == 1:
+            return t
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t
+
+
+EVERY_RANK = ReduceGroup()
+"""Every rank of the process group (one process alone: itself)."""
+
+
 @dataclass
 class DistInfo:
     rank: int
@@ -27,6 +62,8 @@ class DistInfo:
     neighbours read the same share); set with the mesh, -1 until then (then ``rank``)."""
     batch_shares: int = 0
     """How many shares a global batch is cut into (0 until the mesh is known: then ``world_size``)."""
+    reduce: ReduceGroup = EVERY_RANK
+    """The ranks this rank sums token counts and losses with (set with the mesh; every rank until then)."""
 
     def __post_init__(self) -> None:
         if self.batch_share < 0:
@@ -103,32 +140,6 @@ def rank() -> int:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-_REDUCE_GROUP: list = [None, 0]
-"""[process group, size] of the ranks holding different tokens (None: every rank), see set_reduce_group."""
-
-
-def set_reduce_group(group: object, size: int) -> None:
-    """Make :func:`all_reduce_sum` and :func:`data_world_size` span ``group`` (``size`` ranks): the ranks
-    whose tokens differ (data and context shards). Tensor- and pipeline-parallel neighbours see the same
-    tokens, so summing a token count over every rank would count it once per neighbour."""
-    _REDUCE_GROUP[0], _REDUCE_GROUP[1] = group, size
-
-
-def reduce_world_size() -> int:
-    """Ranks whose gradients are averaged (and whose token counts are summed): the world by default."""
-    return _REDUCE_GROUP[1] or world_size()
-
-
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over the reduce group (a no-op alone). Returns a new tensor; stays on device,
-    no host sync."""
-    if not dist.is_initialized() or reduce_world_size() == 1:
-        return t
-    t = t.clone()
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_REDUCE_GROUP[0])
-    return t
 
 
 def all_reduce_max(value: float) -> float:

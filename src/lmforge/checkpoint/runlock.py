@@ -6,6 +6,9 @@ when the holding process dies, however it dies (SIGKILL included), so a stale ``
 a crashed run never blocks a restart. The file holds the holder's pid and host, only to name it in
 the refusal message.
 
+:func:`claim_run_dir` is how a run takes its directory: rank 0 creates and locks it, and every rank
+learns whether that worked.
+
 Within one process the lock is re-entrant: sequential runs in the same Python process (tests,
 notebooks) may reuse a run directory; a different process is refused.
 """
@@ -17,6 +20,7 @@ import os
 import socket
 from pathlib import Path
 
+from lmforge.distributed import broadcast_object
 from lmforge.errors import UserError
 
 LOCK_FILE = ".lock"
@@ -74,3 +78,29 @@ def _read_holder(fd: int) -> str:
     except OSError:
         text = ""
     return text or "holder unknown"
+
+
+def _prepare_run_dir(run_dir: Path) -> None:
+    """Create the run directory, or fail with one line when it cannot be written."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"run.dir={run_dir}: cannot write the run directory ({e.strerror or e})") from None
+
+
+def claim_run_dir(run_dir: Path, is_main: bool) -> None:
+    """Rank 0 creates the run directory and locks it for this run (see the module docstring); if either fails,
+    every rank raises the same one-line error instead of the others waiting in a collective."""
+    problem = None
+    if is_main:
+        try:
+            _prepare_run_dir(run_dir)
+            hold_run_lock(run_dir)
+        except UserError as e:
+            problem = str(e)
+    problem = broadcast_object(problem)
+    if problem:
+        raise UserError(problem)

@@ -42,7 +42,7 @@ def evaluate_loss(rt: Runtime, batches: Iterable[Batch], loss_fn: LossFn) -> dic
     model.train(was_training)
     if totals is None:
         raise UserError("eval produced no batches: the validation set is smaller than one eval batch")
-    return compute_global_loss(totals)
+    return compute_global_loss(totals, rt.world.dist.reduce)
 
 
 def validation_eval(objective: Any, val_set: SampleDataset | None, tasks: Any = None,

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from lmforge import distributed as dist_utils
+from lmforge.distributed import EVERY_RANK, ReduceGroup
 from lmforge.config import TasksSection
 from lmforge.data.chat import chat_format_for, stop_token_ids
 from lmforge.data.tasks import TaskExample, is_correct, task_examples, task_share
@@ -28,12 +29,13 @@ from lmforge.runtime import Runtime
 
 def task_accuracy(model: Transformer, tokenizer: Tokenizer, examples: Sequence[TaskExample], *,
                   max_new_tokens: int = 32, batch_size: int = 32, rank: int = 0,
-                  world_size: int = 1) -> dict[str, float]:
+                  world_size: int = 1, reduce: ReduceGroup = EVERY_RANK) -> dict[str, float]:
     """Greedy exact-match accuracy overall (``"all"``) and per task, from one generation pass.
 
     With ``world_size > 1`` every rank calls this with the same examples and decodes only its
     contiguous share, padded to the same size (so all ranks run the same batches, decoding in
-    lockstep); the hits are summed over ranks and every rank returns the scores of all examples.
+    lockstep); the hits are summed over the ranks of ``reduce`` and every rank returns the scores of all
+    examples.
     """
     if not examples:
         return {"all": 0.0}
@@ -60,7 +62,7 @@ def task_accuracy(model: Transformer, tokenizer: Tokenizer, examples: Sequence[T
             for t in (0, tasks.index(examples[i].task)):
                 counts[0, t] += ok
                 counts[1, t] += 1
-    counts = dist_utils.all_reduce_sum(counts.to(device)).cpu()
+    counts = reduce.sum(counts.to(device)).cpu()
     return {task: float(counts[0, t] / counts[1, t]) for t, task in enumerate(tasks)}
 
 
@@ -87,7 +89,8 @@ class TaskEval:
             return {}
         with dist_utils.full_parameters(rt.model.raw) as model:  # FSDP2: gathered once for the whole pass
             acc = task_accuracy(model, rt.model.tokenizer, self.examples, max_new_tokens=self.max_new_tokens,
-                                batch_size=self.batch_size, rank=rt.world.dist.batch_share, world_size=rt.world.dist.batch_shares)
+                                batch_size=self.batch_size, rank=rt.world.dist.batch_share,
+                                world_size=rt.world.dist.batch_shares, reduce=rt.world.dist.reduce)
         return {"exact_match": acc.pop("all")} | {f"exact_match_{task}": v for task, v in acc.items()}
 
 

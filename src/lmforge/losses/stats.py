@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmforge import distributed as dist_utils
+from lmforge.distributed import EVERY_RANK, ReduceGroup
 
 
 @dataclass
@@ -40,13 +40,14 @@ class LossStats:
                          self.target_tokens + other.target_tokens,
                          {k: self.sums[k] + other.sums[k] for k in self.sums})
 
-    def global_totals(self) -> dict[str, torch.Tensor]:
-        """Every count summed over the data-parallel ranks in one all-reduce; ``loss`` is the global mean
-        over ``loss_weight`` and ``total_weights`` the global target tokens."""
+    def global_totals(self, reduce: ReduceGroup = EVERY_RANK) -> dict[str, torch.Tensor]:
+        """Every count summed over the ranks of ``reduce`` (the run's ``world.dist.reduce``) in one
+        all-reduce; ``loss`` is the global mean over ``loss_weight`` and ``total_weights`` the global
+        target tokens."""
         keys = sorted(self.sums)
         parts = [self.loss_sum, self.loss_weight, self.target_tokens, *(self.sums[k] for k in keys)]
         local = torch.cat([p.float().reshape(-1) for p in parts])
-        summed = dist_utils.all_reduce_sum(local).split([p.numel() for p in parts])
+        summed = reduce.sum(local).split([p.numel() for p in parts])
         loss_sum, weight, tokens = (t.reshape(()) for t in summed[:3])
         return {"loss": loss_sum / weight.clamp(min=1), "total_weights": tokens, "loss_weight": weight,
                 **{k: t.reshape(self.sums[k].shape) for k, t in zip(keys, summed[3:])}}

@@ -33,7 +33,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -41,6 +41,11 @@ from lmforge.checkpoint.layout import RunDir
 from lmforge.metrics.lines import PROCESS_START, format_train_line, format_value, to_python  # noqa: F401
 from lmforge.errors import UserError
 from lmforge.metrics.device_stats import device_synchronizer, peak_memory_bytes
+from lmforge.metrics.progress import progress_bar
+from lmforge.metrics.sinks import WandbSink
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lmforge.config import MetricsSection
 
 
 
@@ -114,6 +119,22 @@ class MetricLogger:
         self.progress: Any = progress
         if not defer:
             self.open()
+
+    @classmethod
+    def from_section(cls, section: "MetricsSection", run_dir: Path, *, rank: int, world_size: int,
+                     device: torch.device, steps: int, max_tokens: int, flops_per_token: float, peak_flops: float,
+                     config: dict[str, Any], process_start: float | None = None) -> "MetricLogger":
+        """A run's logger as its ``[metrics]`` section asks: the progress bar (``progress``), W&B (``wandb``,
+        rank 0, given the run's ``config``), TensorBoard, the log interval; records held until :meth:`open`
+        (a trainer opens once its start-up checks have passed). ``steps`` and ``max_tokens`` are the run's
+        budgets the progress bar counts towards; ``flops_per_token`` and ``peak_flops`` give MFU."""
+        is_main = rank == 0
+        bar = progress_bar(section.progress, steps, max_tokens, is_main=is_main)
+        sinks = [WandbSink.start(run_dir, config)] if section.wandb and is_main else []
+        return cls(run_dir, rank=rank, world_size=world_size, log_every=section.log_every,
+                   flops_per_token=flops_per_token, peak_flops=peak_flops, tensorboard=section.tensorboard,
+                   console=bar.write if bar else None, process_start=process_start, sinks=sinks, progress=bar,
+                   defer=True, device=device)
 
     def open(self) -> None:
         """Start writing the run directory's metrics.jsonl and TensorBoard files.

@@ -15,9 +15,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
-from lmforge.checkpoint import RunDir, STATE_FILE, load_model_weights, read_trainer_state, resolve_checkpoint
+from lmforge.checkpoint import (
+    RunDir, STATE_FILE, list_checkpoints, load_model_weights, read_trainer_state, resolve_checkpoint,
+)
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
 from lmforge.models.heads import attach_head, head_of
@@ -25,6 +27,9 @@ from lmforge.models.hub import is_hub_name, resolve_hub_model
 from lmforge.models.model import Transformer
 from lmforge.models.spec import spec_for_args
 from lmforge.models.tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lmforge.config import ModelSection
 
 SourceKind = Literal["init", "hf", "hub", "gguf", "checkpoint"]
 
@@ -63,6 +68,21 @@ class ModelSource:
             except UserError as e:
                 raise UserError(f"{key}={value}: no such local directory, and {e}") from None
         return cls("gguf" if value.lower().endswith(".gguf") else "hf", value)
+
+    @classmethod
+    def from_section(cls, m: "ModelSection", seed: int) -> "ModelSource":
+        """Where a run's starting weights come from, as its ``[model]`` section names them: a Hugging Face
+        directory or Hub model (pinned to its commit), an lmforge checkpoint, or a fresh initialization
+        with the run's seed. Resolved once, before anything runs, so a wrong name is one line."""
+        if m.from_hf:  # a Hugging Face directory, a llama.cpp .gguf file (lmforge.models.gguf) or a Hub name
+            return cls.from_hf(m.from_hf)
+        if m.from_checkpoint:
+            p = Path(m.from_checkpoint)
+            if not (p / STATE_FILE).is_file() and not list_checkpoints(RunDir(p).checkpoints):
+                raise UserError(f"model.from_checkpoint={p}: no checkpoint there; train the starting model first "
+                                f"(e.g. lmforge pretrain --config configs/debug.toml --run.dir={p})")
+            return cls("checkpoint", str(resolve_checkpoint(p).resolve()))
+        return cls("init", str(seed))
 
     @classmethod
     def at(cls, path: str | Path) -> "ModelSource":

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lmforge.distributed import EVERY_RANK, ReduceGroup
 from lmforge.data.packing import IGNORE_INDEX, Batch
 from lmforge.losses.chunked_divergence import DivergenceSums, Divergence, chunked_divergence
 from lmforge.losses.chunked_loss import DEFAULT_CHUNK_TOKENS
@@ -115,8 +116,8 @@ class DistillObjective:
         self.loss_fn = DistillLoss(teacher, settings)
         self.console_keys = ("divergence", "ce", "distill/on_policy")
 
-    def normalizer(self, microbatches: list[Batch]) -> Tensor:
-        return global_target_count(microbatches)
+    def normalizer(self, microbatches: list[Batch], reduce: ReduceGroup = EVERY_RANK) -> Tensor:
+        return global_target_count(microbatches, reduce)
 
     def log_values(self, totals: dict[str, Tensor]) -> dict[str, Tensor]:
         targets = totals["total_weights"].clamp(min=1)

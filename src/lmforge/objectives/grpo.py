@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from lmforge import distributed as dist_utils
+from lmforge.distributed import EVERY_RANK, ReduceGroup
 from lmforge.objectives.policy_losses import PolicyLoss, check_policy_loss, policy_terms
 from lmforge.losses.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobHead
 from lmforge.losses.stats import LossStats
@@ -85,12 +85,12 @@ def policy_rows(prompts: list[list[int]], completions: list[list[int]], keep: li
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale: AdvantageScale,
-                     std: AdvantageStd = "population") -> tuple[Tensor, Tensor]:
+                     std: AdvantageStd = "population", reduce: ReduceGroup = EVERY_RANK) -> tuple[Tensor, Tensor]:
     """Advantages A_i and the number of groups whose rewards are all equal.
 
     A_i = r_i - mean_{j in group(i)} r_j, then divided by
       * ``group``: std_{j in group(i)} r_j + eps   (GRPO),
-      * ``batch``: std over the whole batch (all ranks) + eps,
+      * ``batch``: std over the whole batch (the ranks of ``reduce``) + eps,
       * ``none``:  nothing (Dr. GRPO: the std division favours groups with little spread).
     ``std="population"`` divides the variance by its count (G for a group), ``"sample"`` by count - 1
     (Bessel's correction: TRL's and verl's form, larger by sqrt(G / (G - 1)), 1.07 at G = 8).
@@ -105,7 +105,7 @@ def group_advantages(rewards: Tensor, group_size: int, scale: AdvantageScale,
         centered = centered / (r.std(dim=1, unbiased=std == "sample", keepdim=True) + STD_EPS)
     elif scale == "batch":
         flat = rewards.float()
-        sums = dist_utils.all_reduce_sum(torch.stack([flat.new_tensor(flat.numel()), flat.sum(), (flat ** 2).sum()]))
+        sums = reduce.sum(torch.stack([flat.new_tensor(flat.numel()), flat.sum(), (flat ** 2).sum()]))
         mean = sums[1] / sums[0]
         var = (sums[2] / sums[0] - mean ** 2).clamp(min=0)
         if std == "sample":
@@ -254,10 +254,12 @@ class GRPOLoss:
         return objective, stats
 
 
-def loss_normalizer(batches: list[PolicyBatch], aggregation: Aggregation, max_new_tokens: int) -> Tensor:
-    """The global denominator of the loss: the shares of :func:`aggregation_weight` over all ranks."""
+def loss_normalizer(batches: list[PolicyBatch], aggregation: Aggregation, max_new_tokens: int,
+                    reduce: ReduceGroup = EVERY_RANK) -> Tensor:
+    """The global denominator of the loss: the shares of :func:`aggregation_weight` over the ranks of
+    ``reduce``."""
     local = torch.stack([aggregation_weight(b.mask, aggregation, max_new_tokens) for b in batches]).sum()
-    return dist_utils.all_reduce_sum(local)
+    return reduce.sum(local)
 
 
 def update_metrics(totals: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -293,8 +295,8 @@ class GRPOObjective:
                                 tis_cap=tis_cap, policy_loss=policy_loss)
         self.aggregation, self.max_new_tokens = aggregation, max_new_tokens
 
-    def normalizer(self, microbatches: list[PolicyBatch]) -> Tensor:
-        return loss_normalizer(microbatches, self.aggregation, self.max_new_tokens)
+    def normalizer(self, microbatches: list[PolicyBatch], reduce: ReduceGroup = EVERY_RANK) -> Tensor:
+        return loss_normalizer(microbatches, self.aggregation, self.max_new_tokens, reduce)
 
     def log_values(self, totals: dict[str, Tensor]) -> dict[str, Tensor]:
         return {"loss": totals["loss"], "total_weights": totals["total_weights"]} | update_metrics(totals)

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from lmforge import distributed as dist_utils
+from lmforge.distributed import EVERY_RANK, ReduceGroup
 from lmforge.data.packing import IGNORE_INDEX, Batch
 from lmforge.data.preference_data import pair_values, pairs_in
 from lmforge.objectives.pairwise import sequence_logprobs
@@ -65,9 +65,10 @@ class KTOLoss:
         with torch.no_grad():
             return sequence_logprobs(self.reference.model_for(model), batch, self.chunk_tokens)
 
-    def prepare(self, model: nn.Module, microbatches: list[Batch]) -> None:
-        """The step's reference point over all microbatches and ranks, and each microbatch's reference
-        log-probs, for the gradient pass that follows (no host sync: device tensors throughout)."""
+    def prepare(self, model: nn.Module, microbatches: list[Batch], reduce: ReduceGroup = EVERY_RANK) -> None:
+        """The step's reference point over all microbatches and the ranks of ``reduce``, and each
+        microbatch's reference log-probs, for the gradient pass that follows (no host sync: device
+        tensors throughout)."""
         refs, kl_sum, kl_count = [], None, 0
         with torch.no_grad():
             for mb in microbatches:
@@ -78,7 +79,7 @@ class KTOLoss:
                 kl_sum = diff if kl_sum is None else kl_sum + diff
                 kl_count += pairs_in(mb)
         assert kl_sum is not None, "a step has at least one microbatch"
-        totals = dist_utils.all_reduce_sum(torch.stack([kl_sum.float(), kl_sum.new_tensor(float(kl_count))]))
+        totals = reduce.sum(torch.stack([kl_sum.float(), kl_sum.new_tensor(float(kl_count))]))
         z0 = (totals[0] / totals[1].clamp(min=1)).clamp(min=0)
         self.prepared = {id(mb): (ref, z0) for mb, ref in zip(microbatches, refs)}
 
@@ -122,11 +123,11 @@ class KTOObjective:
         self.loss_fn = KTOLoss(reference, beta=beta, desirable_weight=desirable_weight,
                                undesirable_weight=undesirable_weight, chunk_tokens=chunk_tokens)
 
-    def normalizer(self, microbatches: list[Batch]) -> Tensor:
+    def normalizer(self, microbatches: list[Batch], reduce: ReduceGroup = EVERY_RANK) -> Tensor:
         with self.autocast() or nullcontext():  # the same precision as the gradient pass
-            self.loss_fn.prepare(self.model, microbatches)
+            self.loss_fn.prepare(self.model, microbatches, reduce)
         local = torch.tensor(float(sum(pairs_in(mb) for mb in microbatches)), device=microbatches[0].input_ids.device)
-        return dist_utils.all_reduce_sum(local)
+        return reduce.sum(local)
 
     def log_values(self, totals: dict[str, Tensor]) -> dict[str, Tensor]:
         examples = totals["loss_weight"].clamp(min=1)

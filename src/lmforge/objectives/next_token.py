@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from lmforge.distributed import EVERY_RANK, ReduceGroup
 from lmforge.models.args import ModelArgs
 
 from lmforge.data.packing import IGNORE_INDEX, Batch
@@ -56,8 +57,8 @@ class NextTokenObjective:
     def __init__(self, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, router: RouterLossWeights | None = None) -> None:
         self.loss_fn = functools.partial(cross_entropy_loss, chunk_tokens=chunk_tokens, router=router)
 
-    def normalizer(self, microbatches: list[Batch]) -> torch.Tensor:
-        return global_target_count(microbatches)
+    def normalizer(self, microbatches: list[Batch], reduce: ReduceGroup = EVERY_RANK) -> torch.Tensor:
+        return global_target_count(microbatches, reduce)
 
     def log_values(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``loss``, ``total_weights`` (target tokens), ``accuracy`` (argmax hits per target) and, for a

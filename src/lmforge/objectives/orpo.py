@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lmforge import distributed as dist_utils
+from lmforge.distributed import EVERY_RANK, ReduceGroup
 from lmforge.data.packing import IGNORE_INDEX, Batch
 from lmforge.objectives.pairwise import PairLogps, PairTerms, PairwiseLoss, PairwiseObjective
 from lmforge.losses.chunked_loss import DEFAULT_CHUNK_TOKENS
@@ -103,12 +103,12 @@ class ORPOObjective(PairwiseObjective):
     def __init__(self, *, beta: float, nll: NLLNorm = "pair", chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
         super().__init__(ORPOLoss(beta=beta, nll=nll, chunk_tokens=chunk_tokens))
 
-    def normalizer(self, microbatches: list[Batch]) -> Tensor:
-        """The step's pairs; for ``nll="token"`` also the step's chosen tokens, over all ranks."""
-        pairs = super().normalizer(microbatches)
+    def normalizer(self, microbatches: list[Batch], reduce: ReduceGroup = EVERY_RANK) -> Tensor:
+        """The step's pairs; for ``nll="token"`` also the step's chosen tokens, over the ranks of ``reduce``."""
+        pairs = super().normalizer(microbatches, reduce)
         loss = self.loss_fn
         if loss.nll == "token":
-            tokens = dist_utils.all_reduce_sum(torch.stack([chosen_tokens(mb) for mb in microbatches]).sum().float())
+            tokens = reduce.sum(torch.stack([chosen_tokens(mb) for mb in microbatches]).sum().float())
             scale = pairs / tokens.clamp(min=1)
             loss.step_scale = {id(mb): scale for mb in microbatches}
         return pairs

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lmforge import distributed as dist_utils
+from lmforge.distributed import EVERY_RANK, ReduceGroup
 from lmforge.data.packing import IGNORE_INDEX, Batch
 from lmforge.data.preference_data import pairs_in, sequence_index
 from lmforge.losses.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobHead
@@ -122,9 +122,9 @@ class PairwiseObjective:
     def __init__(self, loss_fn: PairwiseLoss) -> None:
         self.loss_fn = loss_fn
 
-    def normalizer(self, microbatches: list[Batch]) -> Tensor:
+    def normalizer(self, microbatches: list[Batch], reduce: ReduceGroup = EVERY_RANK) -> Tensor:
         local = torch.tensor(float(sum(pairs_in(mb) for mb in microbatches)), device=microbatches[0].input_ids.device)
-        return dist_utils.all_reduce_sum(local)
+        return reduce.sum(local)
 
     def log_values(self, totals: dict[str, Tensor]) -> dict[str, Tensor]:
         """``totals`` from ``compute_global_loss``: ``loss`` is already the summed objective divided by

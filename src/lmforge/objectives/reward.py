@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lmforge import distributed as dist_utils
+from lmforge.distributed import EVERY_RANK, ReduceGroup
 from lmforge.data.packing import IGNORE_INDEX, Batch
 from lmforge.data.preference_data import pair_values, pairs_in
 from lmforge.models.heads import ScoreHead, last_positions, score_layer
@@ -92,9 +92,9 @@ class RewardObjective:
     def __init__(self, center_coefficient: float = 0.0) -> None:
         self.loss_fn = RewardLoss(center_coefficient)
 
-    def normalizer(self, microbatches: list[Batch]) -> Tensor:
+    def normalizer(self, microbatches: list[Batch], reduce: ReduceGroup = EVERY_RANK) -> Tensor:
         local = torch.tensor(float(sum(pairs_in(mb) for mb in microbatches)), device=microbatches[0].input_ids.device)
-        return dist_utils.all_reduce_sum(local)
+        return reduce.sum(local)
 
     def log_values(self, totals: dict[str, Tensor]) -> dict[str, Tensor]:
         """``pair_accuracy``: share of pairs scored chosen > rejected (ties half); ``score/margin``: mean

@@ -21,6 +21,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from lmforge.distributed import ReduceGroup
 from lmforge.errors import UserError
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -188,6 +189,12 @@ class ParallelDims:
         if not grads:
             return None
         return grads[0] if len(grads) == 1 else "data"
+
+    def reduce_group(self, mesh: Any) -> ReduceGroup:
+        """The ranks of ``mesh`` (this layout's :meth:`build_mesh`) that sum token counts and losses and
+        average gradients: the run's :class:`~lmforge.distributed.ReduceGroup`, held by its ``DistInfo``."""
+        name = self.reduce_group_name()
+        return ReduceGroup(sub_mesh(mesh, name).get_group() if name else None, self.reduce_world)
 
     @property
     def kind(self) -> str:

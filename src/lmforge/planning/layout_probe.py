@@ -39,12 +39,11 @@ def measure_layout_step(args: ModelArgs, layout: ParallelDims, *, seq_len: int, 
     ``layout`` over the current process group (AdamW, the chunked cross-entropy)."""
     import torch.distributed as dist
 
-    from lmforge import distributed as dist_utils
     from lmforge.config import ParallelSection
     from lmforge.data.packing import Batch
     from lmforge.models.spec import spec_for_args
     from lmforge.objectives.next_token import NextTokenObjective
-    from lmforge.parallel.dims import ParallelDims, sub_mesh
+    from lmforge.parallel.dims import ParallelDims
     from lmforge.planning.memory_probe import LiveTensorMemory
     from lmforge.parallel.plans import ParallelOptions, parallelize_decoder
     from lmforge.optim.adamw import build_optimizer
@@ -56,8 +55,7 @@ def measure_layout_step(args: ModelArgs, layout: ParallelDims, *, seq_len: int, 
     dims = ParallelDims.from_config(section, world)
     device = torch.device("cpu")
     mesh = dims.build_mesh(device.type)
-    group = dims.reduce_group_name()
-    dist_utils.set_reduce_group(sub_mesh(mesh, group).get_group() if group else None, dims.reduce_world)
+    reduce = dims.reduce_group(mesh)
     torch.manual_seed(seed)
     model = spec_for_args(args).build(args)
     model.init_weights(seed=seed)
@@ -84,8 +82,8 @@ def measure_layout_step(args: ModelArgs, layout: ParallelDims, *, seq_len: int, 
             del ids, mine
             tracker.track([(mb.input_ids, mb.labels, mb.position_ids, mb.document_ids) for mb in mbs])
             tracker.reset_peak()
-            stats = gradient_computation(wrapped, mbs, objective.loss_fn, objective.normalizer(mbs), autocast)
+            stats = gradient_computation(wrapped, mbs, objective.loss_fn, objective.normalizer(mbs, reduce), autocast,
+                                         reduce)
             run_optimizer_step(wrapped, optimizer, 1e-3, 1.0)
             del stats, mbs
-    dist_utils.set_reduce_group(None, 0)
     return RankPeak(rank, tracker.peak, params)

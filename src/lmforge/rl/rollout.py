@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from lmforge import distributed as dist_utils
+from lmforge.distributed import EVERY_RANK, ReduceGroup
 from lmforge.rl.engines.base import Completion, RolloutEngine, SamplingSettings
 from lmforge.rl.engines.lmforge_engine import LmforgeEngine
 from lmforge.objectives.grpo import (
@@ -225,15 +226,16 @@ def sample_groups(
 def build_rollout(
     policy: nn.Module, groups: SampledGroups, s: RolloutSettings, *, pad_id: int, reference: nn.Module | None,
     autocast: Any, rollout_autocast: Any = None, gen_seconds: float = 0.0, started: float | None = None,
-    extra_metrics: dict[str, float] | None = None,
+    extra_metrics: dict[str, float] | None = None, reduce: ReduceGroup = EVERY_RANK,
 ) -> Rollout:
-    """Lay out sampled groups for the loss: advantages, microbatches, pi_old / reference / rollout log-probs."""
+    """Lay out sampled groups for the loss: advantages, microbatches, pi_old / reference / rollout log-probs;
+    batch statistics are taken over the ranks of ``reduce`` (the run's ``world.dist.reduce``)."""
     G = s.num_generations
     t0 = time.perf_counter() if started is None else started
     rows = [p for p in groups.prompt_ids for _ in range(G)]
     device = next(policy.parameters()).device
     reward_t = torch.tensor(groups.total, dtype=torch.float32, device=device)
-    advantages, zero_std = group_advantages(reward_t, G, s.advantage_scale, s.advantage_std)
+    advantages, zero_std = group_advantages(reward_t, G, s.advantage_scale, s.advantage_std, reduce)
     batches = []
     for start in range(0, len(rows), s.micro_batch_size):
         end = start + s.micro_batch_size
@@ -257,12 +259,11 @@ def build_rollout(
 
     lengths = [len(c) for c in groups.completion_ids]
     metrics = rollout_metrics(groups.total, groups.per_function, lengths, groups.truncated, int(zero_std),
-                              len(groups), gen_seconds, time.perf_counter() - t0, device)
+                              len(groups), gen_seconds, time.perf_counter() - t0, device, reduce)
     if groups.metrics:  # every rank holds as many episodes: the mean of the ranks' means
         keys = sorted(groups.metrics)
-        sums = dist_utils.all_reduce_sum(torch.tensor([groups.metrics[k] for k in keys], dtype=torch.float64,
-                                                      device=device)).tolist()
-        metrics |= {k: v / dist_utils.reduce_world_size() for k, v in zip(keys, sums)}
+        sums = reduce.sum(torch.tensor([groups.metrics[k] for k in keys], dtype=torch.float64, device=device)).tolist()
+        metrics |= {k: v / reduce.size for k, v in zip(keys, sums)}
     return Rollout(batches, groups.prompts, groups.completions, groups.total, groups.per_function,
                    metrics | (extra_metrics or {}), tokens=sum(b.input_ids.numel() for b in batches),
                    sequence_lengths=[len(p) + len(c) - 1 for p, c in zip(rows, groups.completion_ids)])
@@ -336,14 +337,14 @@ def dense_routes(routes: list[Tensor], shape: torch.Size, device: torch.device) 
 
 def rollout_metrics(total: list[float], per_fn: dict[str, list[float]], lengths: list[int], truncated: list[bool],
                     zero_std_groups: int, groups: int, gen_seconds: float, seconds: float,
-                    device: torch.device | str = "cpu") -> dict[str, float]:
-    """Reward and completion statistics of one rollout, combined over all ranks."""
+                    device: torch.device | str = "cpu", reduce: ReduceGroup = EVERY_RANK) -> dict[str, float]:
+    """Reward and completion statistics of one rollout, combined over the ranks of ``reduce``."""
     names = sorted(per_fn)
     fn_sums = [sum(v for v in per_fn[n] if not math.isnan(v)) for n in names]
     fn_counts = [sum(1 for v in per_fn[n] if not math.isnan(v)) for n in names]
     local = [len(total), sum(total), sum(x * x for x in total), zero_std_groups, groups, sum(lengths),
              sum(truncated), *fn_sums, *fn_counts]
-    g = dist_utils.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=device)).tolist()
+    g = reduce.sum(torch.tensor(local, dtype=torch.float64, device=device)).tolist()
     n, rsum, rsq, zero, ngroups, nlen, ntrunc = g[:7]
     k = len(names)
     mean = rsum / n

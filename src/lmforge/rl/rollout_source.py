@@ -167,8 +167,8 @@ class RolloutSource:
             fill = max(share - len(batch), 0)  # the cap was reached: top up with groups plain GRPO would use
             batch = SampledGroups.concat([batch.take(range(min(len(batch), share))), reserve.take(range(fill))],
                                          g.num_generations)
-            counts = dist_utils.all_reduce_sum(torch.tensor([float(rounds * share), float(len(reserve) - fill)],
-                                                            dtype=torch.float64, device=rt.world.dist.device)).tolist()
+            counts = rt.world.dist.reduce.sum(torch.tensor([float(rounds * share), float(len(reserve) - fill)],
+                                                           dtype=torch.float64, device=rt.world.dist.device)).tolist()
             extra |= {"grpo/prompts_drawn": counts[0], "grpo/dropped_groups": counts[1], "grpo/sampling_rounds": rounds}
         return self.build(batch, version, t0, gen_seconds, extra)
 
@@ -181,7 +181,7 @@ class RolloutSource:
         reference = self.reference.model_for(rt.model.raw) if self.reference is not None else None
         return build_rollout(rt.model.raw, batch, self.settings, pad_id=rt.model.tokenizer.pad_id, reference=reference,
                              autocast=rt.model.autocast(), rollout_autocast=self.rollout_autocast(), gen_seconds=gen_seconds,
-                             started=t0, extra_metrics=extra)
+                             started=t0, extra_metrics=extra, reduce=rt.world.dist.reduce)
 
     @contextmanager
     def serving(self, version: int) -> Iterator[None]:

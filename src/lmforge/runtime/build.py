@@ -1,12 +1,17 @@
 """The runtime every recipe trains on, built in four phases.
 
-1. **check** (:mod:`.check`): the config alone, pure; nothing is written.
+1. **check** (:mod:`.check`): the config alone, pure; nothing is written. It settles a
+   :class:`~lmforge.runtime.check.RunPlan` (the layout, the model's source, the run directory) that
+   the later phases take instead of working it out again.
 2. **world** (:mod:`.world`): process group, layout, mesh, reduce group, the claimed run directory.
-3. **model** (:mod:`.model_bundle`): loaded, adapted, checked, laid out over the mesh, compiled.
-4. **services** (:mod:`.services`): optimizer, metrics, checkpoint tiers, the step guard, and what the
-   recipe adds.
+3. **model** (:mod:`.model_bundle`): loaded, adapted, checked, compiled where that pays, laid out over
+   the mesh.
+4. **services** (:mod:`.services`, built in :func:`build_runtime`): optimizer, metrics, the step
+   guard, checkpoint tiers, each from its own section, and what the recipe adds.
 
-The :class:`Runtime` holds what the phases built and is never changed afterwards.
+Each phase takes the plan, what the phases before it built and its own config sections, and calls
+down the layers in one line. The :class:`Runtime` holds what the phases built and is never changed
+afterwards.
 """
 
 from __future__ import annotations
@@ -24,9 +29,7 @@ from lmforge.optim.optimizers import make_optimizer
 from lmforge.runtime.check import check_run
 from lmforge.runtime.guard import Guard
 from lmforge.runtime.model_bundle import ModelBundle, build_model_bundle
-from lmforge.runtime.services import (
-    RecipeServices, StepHook, build_checkpoints, build_guard, build_metrics, log_setup,
-)
+from lmforge.runtime.services import RecipeServices, StepHook, build_checkpoints, log_setup
 from lmforge.runtime.world import World, start_world
 
 
@@ -59,20 +62,22 @@ class Runtime:
 
 
 def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeServices()) -> Runtime:
-    """Check, then the world, then the model, then the services (see the module's docstring)."""
+    """Check, then the world, then the model, then the services (see the module's docstring).
+
+    The services come in one straight line, each from its own section: the optimizer first (a model it
+    refuses stops the run before anything is logged), the metrics and the setup line, the guard, then
+    the checkpoint tiers (whatever they report comes after the setup line)."""
     plan = check_run(cfg)
     t = cfg.training
-    world = start_world(t.device, t.threads, plan.layout, cfg.parallel, RunDir(cfg.run.dir).root)
-    model = build_model_bundle(cfg, world, plan.source, trainer, services.head)
-    return with_services(cfg, world, model, trainer, services)
-
-
-def with_services(cfg: Config, world: World, model: ModelBundle, trainer: str, services: RecipeServices) -> Runtime:
+    world = start_world(t.device, t.threads, plan.layout, cfg.parallel, plan.run.root)
+    model = build_model_bundle(cfg, plan, world, trainer, services.head)
+    info = world.dist
     optimizer = make_optimizer(model.module, cfg.optimizer)
-    run = RunDir(world.run_dir)
-    metrics = build_metrics(cfg, world.dist, run, model.flops_per_token, model.peak_flops, services.process_start)
+    metrics = MetricLogger.from_section(cfg.metrics, plan.run.root, rank=info.rank, world_size=info.world_size,
+                                        device=info.device, steps=t.steps, max_tokens=t.max_tokens,
+                                        flops_per_token=model.flops_per_token, peak_flops=model.peak_flops,
+                                        config=cfg.to_dict(), process_start=services.process_start)
     log_setup(cfg, world, model, metrics, trainer, services.notes_for(model.args))
-    return Runtime(cfg, world, model, optimizer, metrics,
-                   build_checkpoints(cfg, world.dist, run, metrics, trainer, services),
-                   build_guard(cfg, metrics, world.dist.device), services.step_hooks)
-
+    guard = Guard.from_section(t, cfg.checkpoint, metrics, info.device.type)
+    checkpoints = build_checkpoints(cfg, info, plan.run, metrics, trainer, services)
+    return Runtime(cfg, world, model, optimizer, metrics, checkpoints, guard, services.step_hooks)

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
-from lmforge.checkpoint import STATE_FILE, RunDir, list_checkpoints, resolve_checkpoint
-from lmforge.config import Config, ModelSection
-from lmforge.errors import UserError
+from lmforge.checkpoint import RunDir
+from lmforge.config import Config
 from lmforge.models.load import ModelSource
 from lmforge.models.qlora import check_qlora
 from lmforge.optim.optimizers import check_optimizer
@@ -25,32 +23,23 @@ class RunPlan:
     """How the launched processes divide the work."""
     source: ModelSource
     """Where the starting weights come from."""
+    run: RunDir
+    """The run directory (``run.dir``), checked for a fresh start; claimed by the world."""
 
 
 def check_run(cfg: Config) -> RunPlan:
-    """The run's layout over the launched processes and its model's source, once every start-up rule
-    that needs neither holds.
+    """The run's plan: its layout over the launched processes, its model's source and its run directory,
+    once every start-up rule that needs no process group and no model holds (a fresh start in a
+    directory of checkpoints, the LoRA and optimizer rules that depend on the layout).
 
     The world size is read from torchrun's environment (``WORLD_SIZE``), so the layout is checked
-    before any process group exists.
+    before any process group exists; the later phases take the plan instead of working it out again.
     """
-    check_fresh_start(cfg, RunDir(cfg.run.dir))
+    run = RunDir(cfg.run.dir)
+    check_fresh_start(cfg, run)
     layout = ParallelDims.from_config(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
-    source = model_source(cfg.model, cfg.training.seed)
+    source = ModelSource.from_section(cfg.model, cfg.training.seed)
     check_qlora(cfg.lora, sharded=bool(layout.shards))
     check_optimizer(cfg, sharded=bool(layout.shards))
-    return RunPlan(layout, source)
+    return RunPlan(layout, source, run)
 
-
-def model_source(m: ModelSection, seed: int) -> ModelSource:
-    """Where a run's starting weights come from: a Hugging Face directory or Hub model (pinned to its
-    commit), an lmforge checkpoint, or a fresh initialization with the run's seed."""
-    if m.from_hf:  # a Hugging Face directory, a llama.cpp .gguf file (lmforge.models.gguf) or a Hub name
-        return ModelSource.from_hf(m.from_hf)
-    if m.from_checkpoint:
-        p = Path(m.from_checkpoint)
-        if not (p / STATE_FILE).is_file() and not list_checkpoints(RunDir(p).checkpoints):
-            raise UserError(f"model.from_checkpoint={p}: no checkpoint there; train the starting model first "
-                            f"(e.g. lmforge pretrain --config configs/debug.toml --run.dir={p})")
-        return ModelSource("checkpoint", str(resolve_checkpoint(p).resolve()))
-    return ModelSource("init", str(seed))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from lmforge.config import CheckpointSection, TrainingSection
 from lmforge.errors import UserError
 from lmforge.metrics import MetricLogger, to_python
 
@@ -31,6 +32,13 @@ class Guard:
         self.latest: tuple[int, dict[str, Any], dict[str, Any] | None] | None = None
         """(step, values, logged record) of the last finished step: what :meth:`before_save` checks."""
         self._checked = 0
+
+    @classmethod
+    def from_section(cls, training: TrainingSection, checkpoint: CheckpointSection, metrics: MetricLogger,
+                     device_type: str) -> "Guard":
+        """The guard ``[training]`` asks for (``nonfinite``, ``spike_factor``), checking saves where
+        ``[checkpoint]`` makes any."""
+        return cls(metrics, training.nonfinite, training.spike_factor, device_type, checkpoint.enabled)
 
     @property
     def skips_nonfinite(self) -> bool:

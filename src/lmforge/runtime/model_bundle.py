@@ -11,7 +11,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmforge.checkpoint import RunDir
 from lmforge.config import Config
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
@@ -24,6 +23,7 @@ from lmforge.models.spec import ModelSpec, spec_for_args
 from lmforge.models.tokenizer import Tokenizer
 from lmforge.parallel import ParallelOptions, parallelize_decoder
 from lmforge.parallel.layout_checks import check_layout
+from lmforge.runtime.check import RunPlan
 from lmforge.runtime.compile_cache import choose_compile, enable_compile_caches, mark_compiled, shape_key
 from lmforge.runtime.host_memory import map_large_buffers, trim
 from lmforge.runtime.precision import choose_dtype
@@ -83,13 +83,13 @@ def build_model(cfg: Config, source: ModelSource) -> LoadedModel:
     return loaded
 
 
-def build_model_bundle(cfg: Config, world: World, source: ModelSource, trainer: str,
-                       head: str | None) -> ModelBundle:
-    """The model of the run, from ``source``, ready to train over ``world``."""
+def build_model_bundle(cfg: Config, plan: RunPlan, world: World, trainer: str, head: str | None) -> ModelBundle:
+    """The model of the run, from the plan's source, ready to train over ``world``: checked against the
+    layout and against the checkpoints in the plan's run directory before it is laid out."""
     info = world.dist
     torch.manual_seed(cfg.training.seed)
     host_memory = map_large_buffers() if cfg.training.release_host_memory else "off"
-    loaded = build_model(cfg, source)
+    loaded = build_model(cfg, plan.source)
     if cfg.training.release_host_memory:
         trim()  # what loading freed (a GGUF's dequantization buffers, a state dict's renamed copies)
     model, args = loaded.model, loaded.args
@@ -106,8 +106,7 @@ def build_model_bundle(cfg: Config, world: World, source: ModelSource, trainer: 
     elif head_of(model):
         raise UserError(f"{loaded.source} is a reward model (a {head_of(model)} head, no trained vocabulary "
                         f"layer): `lmforge {trainer}` needs a language model to start from")
-    check_layout(world.layout, args, cfg)
-    check_resume_compatible(RunDir(world.run_dir), args, description)
+    check_resume_compatible(plan.run, args, description)
     model.to(info.device)
     dtype, dtype_why = choose_dtype(cfg.training.dtype, info.device, model.num_params(exclude_embeddings=True))
     spec = spec_for_args(args)
@@ -116,10 +115,10 @@ def build_model_bundle(cfg: Config, world: World, source: ModelSource, trainer: 
         cfg.metrics.peak_tflops * 1e12 if cfg.metrics.peak_tflops else None)
     fpt = spec.flops_per_token(args, cfg.data.seq_len, adapter_params)
     compile_on, compile_why = _choose_compile(cfg, args, world, dtype, fpt * cfg.data.seq_len, peak, model)
-    module = parallelize(model, spec, cfg, world, bf16=dtype == "bfloat16", compile=compile_on)
     notes = {"dtype": dtype, "dtype_reason": dtype_why, "compile": "on" if compile_on else "off",
              "compile_reason": compile_why, "activation_offload": _offload_note(cfg, info.device),
              "host_memory": host_memory, "peak_source": peak_src}
+    module = parallelize(model, spec, cfg, world, bf16=dtype == "bfloat16", compile=compile_on)
     return ModelBundle(loaded.tokenizer, args, spec, model, module, loaded.source, description, dtype,
                        adapter_params, fpt, peak, info.device.type, notes)
 
@@ -127,7 +126,10 @@ def build_model_bundle(cfg: Config, world: World, source: ModelSource, trainer: 
 def parallelize(model: Transformer, spec: ModelSpec, cfg: Config, world: World, bf16: bool,
                 compile: bool | None = None) -> nn.Module:
     """Lay the model out over the mesh with its family's plan (the decoder plan unless the family
-    brings its own); ``compile`` None: ``training.compile`` as set (``auto`` resolved by the caller)."""
+    brings its own), once every model-splitting degree has been checked against the model's shape, the
+    data's sequence length and the batch (one line naming the key, never a shape error in a collective);
+    ``compile`` None: ``training.compile`` as set (``auto`` resolved by the caller)."""
+    check_layout(world.layout, model.args, cfg)
     plan = spec.parallelize or parallelize_decoder
     t, p, device = cfg.training, cfg.parallel, world.dist.device
     offload = t.activation_offload and device.type == "cuda"  # on a CPU activations already live in host memory

@@ -65,37 +65,38 @@ def cpu_bf16_matmul_rates(device: torch.device) -> tuple[float, float]:
 
 def choose_dtype(setting: str, device: torch.device, non_embedding_params: int) -> tuple[str, str]:
     """The autocast dtype (``"float32"`` or ``"bfloat16"``) for ``training.dtype = setting`` and why."""
-    if setting == "bfloat16" and device.type == "cpu":
-        return setting, _explicit_cpu_bf16_reason(device)
+    if device.type == "cpu" and setting in ("auto", "bfloat16"):
+        return _cpu_dtype(setting, device, non_embedding_params)
     if setting != "auto":
         return setting, "training.dtype"
     if device.type == "cuda":
         if torch.cuda.is_bf16_supported():
             return "bfloat16", "auto: the GPU supports bf16"
         return "float32", "auto: the GPU has no bf16"
-    if device.type != "cpu":
-        return "float32", f"auto: no bf16 rule for {device.type}"
-    if not cpu_has_fast_bf16():
-        return "float32", "auto: this CPU has no native bf16 (AVX512-BF16/AMX)"
+    return "float32", f"auto: no bf16 rule for {device.type}"
+
+
+def _cpu_dtype(setting: str, device: torch.device, non_embedding_params: int) -> tuple[str, str]:
+    """``auto`` or ``bfloat16`` on a CPU, where the answer depends on this CPU's measured matmul rates
+    (measured here, once): ``auto`` picks bf16 only for a model large enough on a CPU whose bf16 is clearly
+    faster; an explicit bf16 is kept, with a warning where bf16 matmuls measured clearly slower than fp32
+    (the user asked for bf16 expecting speed, and on such a CPU fp32 is the faster choice)."""
     millions = non_embedding_params / 1e6
-    if non_embedding_params < CPU_BF16_MIN_PARAMS:
-        return "float32", (f"auto: {millions:.1f}M non-embedding parameters, under the "
-                           f"{CPU_BF16_MIN_PARAMS / 1e6:g}M from which bf16 is faster on CPU")
+    if setting == "auto":
+        if not cpu_has_fast_bf16():
+            return "float32", "auto: this CPU has no native bf16 (AVX512-BF16/AMX)"
+        if non_embedding_params < CPU_BF16_MIN_PARAMS:
+            return "float32", (f"auto: {millions:.1f}M non-embedding parameters, under the "
+                               f"{CPU_BF16_MIN_PARAMS / 1e6:g}M from which bf16 is faster on CPU")
     bf16, fp32 = cpu_bf16_matmul_rates(device)
-    rates = (f"bf16 matmuls {bf16 / fp32:.2f}x the fp32 rate on this CPU "
-             f"({bf16 / 1e12:.3f} vs {fp32 / 1e12:.3f} TFLOP/s measured)")
+    measured = f"({bf16 / 1e12:.3f} vs {fp32 / 1e12:.3f} TFLOP/s measured)"
+    if setting == "bfloat16":
+        if bf16 >= CPU_BF16_SLOW_RATIO * fp32:
+            return setting, "training.dtype"
+        return setting, (f"training.dtype; warning: bf16 matmuls run at {bf16 / fp32:.2f}x the fp32 rate on this "
+                         f"CPU {measured}, so bf16 steps are likely slower than fp32 here (training.dtype=auto or "
+                         f"float32 trains in fp32)")
+    rates = f"bf16 matmuls {bf16 / fp32:.2f}x the fp32 rate on this CPU {measured}"
     if bf16 < CPU_BF16_MIN_SPEEDUP * fp32:
         return "float32", f"auto: {rates}, under the {CPU_BF16_MIN_SPEEDUP:g}x bf16 needs"
     return "bfloat16", f"auto: {millions:.1f}M non-embedding parameters; {rates}"
-
-
-def _explicit_cpu_bf16_reason(device: torch.device) -> str:
-    """``training.dtype`` for an explicit bf16 on a CPU, with a warning where bf16 matmuls measured
-    clearly slower than fp32: the user asked for bf16 expecting speed, and on such a CPU (one without
-    native bf16, or one whose AVX512-BF16 is slow) fp32 is the faster choice."""
-    bf16, fp32 = cpu_bf16_matmul_rates(device)
-    if bf16 >= CPU_BF16_SLOW_RATIO * fp32:
-        return "training.dtype"
-    return (f"training.dtype; warning: bf16 matmuls run at {bf16 / fp32:.2f}x the fp32 rate on this CPU "
-            f"({bf16 / 1e12:.3f} vs {fp32 / 1e12:.3f} TFLOP/s measured), so bf16 steps are likely slower "
-            f"than fp32 here (training.dtype=auto or float32 trains in fp32)")

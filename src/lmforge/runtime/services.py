@@ -1,5 +1,8 @@
 """Phase 4 of a run: the services around the model. The optimizer, the MetricLogger (and its setup
-line), the checkpoint tiers and the step guard, plus what a recipe adds (:class:`RecipeServices`)."""
+line), the checkpoint tiers and the step guard, plus what a recipe adds (:class:`RecipeServices`).
+Each is built from its own section: the MetricLogger from ``[metrics]``
+(:meth:`~lmforge.metrics.MetricLogger.from_section`), the guard from ``[training]``
+(:meth:`~lmforge.runtime.guard.Guard.from_section`), the optimizer from ``[optimizer]``, the tiers here."""
 
 from __future__ import annotations
 
@@ -14,10 +17,7 @@ from lmforge.checkpoint import Checkpointer, RunDir
 from lmforge.checkpoint.tiers import CheckpointTiers
 from lmforge.config import Config
 from lmforge.metrics import MetricLogger
-from lmforge.metrics.progress import progress_bar
-from lmforge.metrics.sinks import WandbSink
 from lmforge.models.lora import trainable_parameters
-from lmforge.runtime.guard import Guard
 from lmforge.runtime.model_bundle import ModelBundle
 from lmforge.runtime.world import World
 
@@ -49,20 +49,10 @@ class RecipeServices:
         return self.setup_notes(args) if self.setup_notes else {}
 
 
-def build_metrics(cfg: Config, info: dist_utils.DistInfo, run: RunDir, fpt: float, peak: float,
-                  process_start: float | None) -> MetricLogger:
-    """The MetricLogger, with the model's FLOPs per token and the device's peak for MFU."""
-    bar = progress_bar(cfg.metrics.progress, cfg.training.steps, cfg.training.max_tokens, is_main=info.is_main)
-    sinks = [WandbSink.start(run.root, cfg.to_dict())] if cfg.metrics.wandb and info.is_main else []
-    return MetricLogger(run.root, rank=info.rank, world_size=info.world_size, log_every=cfg.metrics.log_every,
-                        flops_per_token=fpt, peak_flops=peak, tensorboard=cfg.metrics.tensorboard,
-                        console=bar.write if bar else None, process_start=process_start, sinks=sinks,
-                        progress=bar, defer=True, device=info.device)
-
-
 def build_checkpoints(cfg: Config, info: dist_utils.DistInfo, run: RunDir, metrics: MetricLogger,
                       trainer: str, services: RecipeServices) -> CheckpointTiers:
-    """The durable tier in the run directory, plus a fast tier where the recipe asks for one."""
+    """The durable tier in the run directory as ``[checkpoint]`` asks, plus a fast tier where the recipe
+    asks for one (its ``snapshot_root`` reads the whole config: the elastic mode's section)."""
     report = lambda line: metrics.record_event("checkpoint_damaged", 0, line)  # noqa: E731
     durable = Checkpointer(run.root, cfg.checkpoint.keep, on_damaged=cfg.checkpoint.on_damaged, report=report)
     fast = None
@@ -74,10 +64,6 @@ def build_checkpoints(cfg: Config, info: dist_utils.DistInfo, run: RunDir, metri
             fast = Checkpointer(run.root, services.snapshot_keep, on_damaged=cfg.checkpoint.on_damaged,
                                 report=report, root=root)
     return CheckpointTiers(durable, fast)
-
-
-def build_guard(cfg: Config, metrics: MetricLogger, device: torch.device) -> Guard:
-    return Guard(metrics, cfg.training.nonfinite, cfg.training.spike_factor, device.type, cfg.checkpoint.enabled)
 
 
 def log_setup(cfg: Config, world: World, model: ModelBundle, metrics: MetricLogger, trainer: str,

@@ -10,10 +10,9 @@ from typing import Any
 import torch
 
 from lmforge import distributed as dist_utils
-from lmforge.checkpoint.runlock import hold_run_lock
-from lmforge.errors import UserError
+from lmforge.checkpoint.runlock import claim_run_dir
 from lmforge.parallel.dimensions import used
-from lmforge.parallel.dims import ParallelDims, sub_mesh
+from lmforge.parallel.dims import ParallelDims
 from lmforge.parallel.layout_checks import check_same_layout_on_every_rank
 
 
@@ -40,44 +39,16 @@ def start_world(device: str, threads: int, layout: ParallelDims, parallel: Any, 
     """Join the process group, agree on the layout, build the mesh and claim the run directory.
 
     The ranks that sum token counts and average gradients (data and context shards: tensor- and
-    pipeline-parallel neighbours see the same tokens) become the reduce group of
-    :func:`lmforge.distributed.all_reduce_sum`.
+    pipeline-parallel neighbours see the same tokens) are this rank's ``dist.reduce``: every sum of the
+    run is taken over it.
     """
     if threads:
         torch.set_num_threads(threads)
     info = dist_utils.init_distributed(device)
     check_same_layout_on_every_rank(parallel)
-    info = replace(info, batch_share=layout.batch_share(info.rank), batch_shares=layout.batch_shares)
-    claim_run_dir(run_dir, info.is_main)
     mesh = layout.build_mesh(info.device.type)
-    group = layout.reduce_group_name()
-    dist_utils.set_reduce_group(sub_mesh(mesh, group).get_group() if group else None, layout.reduce_world)
+    info = replace(info, batch_share=layout.batch_share(info.rank), batch_shares=layout.batch_shares,
+                   reduce=layout.reduce_group(mesh))
+    claim_run_dir(run_dir, info.is_main)
     return World(info, layout, mesh, run_dir)
 
-
-def prepare_run_dir(run_dir: Path, is_main: bool) -> None:
-    """Create the run directory, or fail with one line when it cannot be written."""
-    if not is_main:
-        return
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write_test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise UserError(f"run.dir={run_dir}: cannot write the run directory ({e.strerror or e})") from None
-
-
-def claim_run_dir(run_dir: Path, is_main: bool) -> None:
-    """Rank 0 creates the run directory and locks it for this run (see runlock); if either fails,
-    every rank raises the same one-line error instead of the others waiting in a collective."""
-    problem = None
-    if is_main:
-        try:
-            prepare_run_dir(run_dir, True)
-            hold_run_lock(run_dir)
-        except UserError as e:
-            problem = str(e)
-    problem = dist_utils.broadcast_object(problem)
-    if problem:
-        raise UserError(problem)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from lmforge import distributed as dist_utils
+from lmforge.distributed import EVERY_RANK, ReduceGroup
 from lmforge.training.checkpointing import resume, save
 from lmforge.training.signals import StopSignals
 from lmforge.runtime import Runtime
@@ -75,7 +76,8 @@ class Objective(Protocol):
     watch_spikes: bool
     """Whether a loss far above its running mean means trouble (not for losses near 0 of either sign)."""
 
-    def normalizer(self, microbatches: list[Any]) -> torch.Tensor: ...
+    def normalizer(self, microbatches: list[Any], reduce: ReduceGroup = EVERY_RANK) -> torch.Tensor:
+        """The step's global normalizer: summed over the microbatches and the ranks of ``reduce``."""
     def log_values(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
 
 
@@ -83,7 +85,7 @@ def train(rt: Runtime, source: StepSource, objective: Objective, evaluate: EvalF
     """Run steps until a budget or a stop request ends the run; eval and checkpoint on schedule."""
     state = resume(rt, source)
     rt.open_run_dir()  # every start-up check has passed: only now is the run directory written
-    guard = rt.guard
+    guard, reduce = rt.guard, rt.world.dist.reduce
     if not objective.watch_spikes:
         guard.spike_factor = 0.0
     with StopSignals(state):
@@ -94,12 +96,13 @@ def train(rt: Runtime, source: StepSource, objective: Objective, evaluate: EvalF
             step = state.step + 1
             with rt.metrics.waiting_for_data() as wait:
                 batch = source.next_step(step)
-            normalizer = objective.normalizer(batch.microbatches)
-            stats = gradient_computation(rt.model.module, batch.microbatches, objective.loss_fn, normalizer, rt.model.autocast())
+            normalizer = objective.normalizer(batch.microbatches, reduce)
+            stats = gradient_computation(rt.model.module, batch.microbatches, objective.loss_fn, normalizer,
+                                         rt.model.autocast(), reduce)
             grad_norm = run_optimizer_step(rt.model.module, rt.optimizer, lr := lr_at(rt, step), rt.cfg.optimizer.grad_clip,
                                            skip_nonfinite=guard.skips_nonfinite)
             state.step = step
-            totals = compute_global_loss(stats)
+            totals = compute_global_loss(stats, reduce)
             if rt.model.spec.after_optimizer_step is not None:  # the family's own update, e.g. MoE bias balancing
                 rt.model.spec.after_optimizer_step(rt.model.raw, rt.model.args, totals)
             values = objective.log_values(totals) | batch.metrics | {"lr": lr, "grad_norm": grad_norm}

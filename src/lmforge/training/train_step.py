@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lmforge import distributed as dist_utils
+from lmforge.distributed import EVERY_RANK, ReduceGroup
 from lmforge.data.packing import Batch
 from lmforge.parallel.pipeline import Pipeline
 from lmforge.losses.stats import LossStats, accumulate
@@ -42,10 +43,12 @@ def gradient_computation(
     loss_fn: LossFn,
     normalizer: torch.Tensor,
     autocast: torch.autocast | None = None,
+    reduce: ReduceGroup = EVERY_RANK,
 ) -> LossStats:
     """Accumulate gradients of ``sum(objective) / normalizer`` over this rank's microbatches.
 
-    ``normalizer`` must already be global (see :func:`global_target_count`). Gradient sync between
+    ``normalizer`` must already be global over ``reduce``, the run's ``world.dist.reduce`` (see
+    :func:`global_target_count`), and the objective is scaled by its size. Gradient sync between
     ranks happens once, on the last microbatch: the backward pass runs inside the no-sync block
     too, because that is when DDP and FSDP2 read the flag (the reduction is launched by backward
     hooks). Returns the summed statistics (device tensors).
@@ -58,8 +61,8 @@ def gradient_computation(
         from lmforge.parallel.pipeline_step import pipeline_gradient_computation
 
         return pipeline_gradient_computation(model, microbatches, loss_fn, normalizer, autocast,  # type: ignore[arg-type]
-                                             dist_utils.reduce_world_size())
-    scale = dist_utils.reduce_world_size() / normalizer.clamp(min=1)
+                                             reduce.size)
+    scale = reduce.size / normalizer.clamp(min=1)
     totals: LossStats | None = None
     for i, mb in enumerate(microbatches):
         last = i == len(microbatches) - 1
@@ -77,10 +80,10 @@ def is_pipeline(model: nn.Module) -> bool:
     return isinstance(model, Pipeline)
 
 
-def global_target_count(microbatches: list[Batch]) -> torch.Tensor:
-    """Target tokens of this step summed over microbatches and all data-parallel ranks."""
+def global_target_count(microbatches: list[Batch], reduce: ReduceGroup = EVERY_RANK) -> torch.Tensor:
+    """Target tokens of this step summed over microbatches and the ranks of ``reduce``."""
     local = torch.stack([mb.num_targets for mb in microbatches]).sum().float()
-    return dist_utils.all_reduce_sum(local)
+    return reduce.sum(local)
 
 
 def run_optimizer_step(
@@ -125,10 +128,10 @@ def _on_several_meshes(params: list[torch.Tensor]) -> bool:
     return len(meshes) > 1 or (len(meshes) == 1 and any(not isinstance(p.grad, DTensor) for p in params))
 
 
-def compute_global_loss(stats: LossStats) -> dict[str, torch.Tensor]:
-    """The loss over all ranks, ``Σ loss_sum / Σ loss_weight``, with ``total_weights`` (the target
-    tokens), ``loss_weight`` and every other summed statistic summed over ranks (one all-reduce)."""
-    return stats.global_totals()
+def compute_global_loss(stats: LossStats, reduce: ReduceGroup = EVERY_RANK) -> dict[str, torch.Tensor]:
+    """The loss over the ranks of ``reduce``, ``Σ loss_sum / Σ loss_weight``, with ``total_weights`` (the
+    target tokens), ``loss_weight`` and every other summed statistic summed over them (one all-reduce)."""
+    return stats.global_totals(reduce)
 
 
 class Budgets(Protocol):

@@ -124,8 +124,8 @@ class DistillSource(LoaderSource):
                                          lockstep=rt.world.dist.world_size > 1, autocast=rt.model.autocast())
                 sampled.append(sb)
                 lengths += n
-        totals = dist_utils.all_reduce_sum(torch.tensor([float(sum(lengths)), float(len(lengths))],
-                                                        dtype=torch.float64, device=rt.world.dist.device)).tolist()
+        totals = rt.world.dist.reduce.sum(torch.tensor([float(sum(lengths)), float(len(lengths))],
+                                                       dtype=torch.float64, device=rt.world.dist.device)).tolist()
         student = rt.model.training_flops([n for mb in sampled for n in mb.real_document_lengths()])
         return (StepBatch(sampled, tokens=sum(mb.input_ids.numel() for mb in sampled), flops=student),
                 totals[0] / max(totals[1], 1.0))
