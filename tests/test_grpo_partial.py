@@ -75,3 +75,40 @@ def test_partial_rollout_refusals():
     for args, line in cases.items():
         with pytest.raises(Exception, match=line.replace("(", r"\(").replace(")", r"\)")):
             load_config(GRPOConfig, None, list(args))
+
+
+def test_a_round_continues_under_new_weights_with_each_tokens_own_logprob():
+    """Two segments of 4 tokens, the engine's weights changed in between: each token carries the version
+    that sampled it, and its behaviour log-prob is the teacher-forced one under *those* weights (the
+    first segment's under the old, the second's under the new, which differ)."""
+    import torch
+
+    from lmforge.models.model import ModelArgs, Transformer
+    from lmforge.rl.engines.base import SamplingSettings
+    from lmforge.rl.engines.lmforge_engine import LmforgeEngine
+    from lmforge.rl.partial_rollouts import PartialRound, advance_round
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32))
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = LmforgeEngine(pad_id=0, copy_weights=True)
+    engine.load_weights(model, 0)
+    rnd = PartialRound([0, 1], [{}, {}], [[5, 6, 7], [9, 10]], group_size=2)
+    sampling = SamplingSettings(8, 1.0)
+    seeds = lambda position, segment: 100 * position + segment  # noqa: E731
+    advance_round(engine, rnd, sampling, 2, 4, seeds)
+    assert [len(c) for c in rnd.completion_ids] == [4] * 4 and rnd.segments == 1 and not any(rnd.done)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    engine.load_weights(model, 7)
+    advance_round(engine, rnd, sampling, 2, 4, seeds)
+    assert all(rnd.done) and rnd.token_versions == [[0] * 4 + [7] * 4] * 4
+    prompts = [[5, 6, 7]] * 2 + [[9, 10]] * 2
+    new_lp = engine.sampled_logprobs(prompts, rnd.completion_ids, 1.0)
+    model.load_state_dict(old)
+    engine.load_weights(model, 0)
+    old_lp = engine.sampled_logprobs(prompts, rnd.completion_ids, 1.0)
+    for row, o, n in zip(rnd.logprobs, old_lp, new_lp):
+        assert row[:4] == pytest.approx(o[:4], abs=1e-5) and row[4:] == pytest.approx(n[4:], abs=1e-5)
+        assert row[4:] != pytest.approx(o[4:], abs=1e-3)  # the weights did change what the tokens weigh
