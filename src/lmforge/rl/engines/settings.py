@@ -42,7 +42,8 @@ class EngineKeys(Section):
     async_steps: int = Field(0, ge=0)
     """Sample this many rollouts ahead while the current update trains (0: synchronous). A rollout is then
     sampled by weights up to ``async_steps x num_iterations`` optimizer steps old; the loss's ratio is
-    taken against the current policy and ``tis_cap`` weights each token by pi_old / pi_sampler."""
+    taken against the current policy and ``tis_cap`` weights each token by pi_old / pi_sampler. Per-token
+    lag is logged as ``rollout/token_staleness_mean`` and ``_max``."""
     partial_rollouts: bool = False
     """With ``async_steps = k >= 2``: a weight update no longer waits for the rounds in flight. Each round is
     decoded in k segments of ``ceil(max_new_tokens / k)`` tokens, one segment of every round in flight per
