@@ -137,6 +137,9 @@ class SampledGroups:
     routes: list[Any] | None = None
     """Per completion: the experts the engine routed its prompt + completion tokens to
     (:attr:`lmforge.rl.engines.base.Completion.routes`; ``grpo.router_replay``), None: not recorded."""
+    token_versions: list[list[int]] | None = None
+    """Per completion: the weight version that sampled each token (``grpo.partial_rollouts``, whose
+    completions span several); None: every token was sampled at ``version``."""
 
     def __len__(self) -> int:
         return len(self.records)
@@ -156,7 +159,8 @@ class SampledGroups:
                              pick(self.truncated), pick(self.total), {k: pick(v) for k, v in self.per_function.items()},
                              logprobs=None if self.logprobs is None else pick(self.logprobs), version=self.version,
                              completion_masks=None if self.completion_masks is None else pick(self.completion_masks),
-                             metrics=dict(self.metrics), routes=None if self.routes is None else pick(self.routes))
+                             metrics=dict(self.metrics), routes=None if self.routes is None else pick(self.routes),
+                             token_versions=None if self.token_versions is None else pick(self.token_versions))
 
     @staticmethod
     def concat(parts: Sequence["SampledGroups"], group_size: int) -> "SampledGroups":
@@ -164,7 +168,9 @@ class SampledGroups:
                             logprobs=[] if parts and all(p.logprobs is not None for p in parts) else None,
                             version=min((p.version for p in parts), default=0),
                             completion_masks=[] if parts and all(p.completion_masks is not None for p in parts) else None,
-                            routes=[] if parts and all(p.routes is not None for p in parts) else None)
+                            routes=[] if parts and all(p.routes is not None for p in parts) else None,
+                            token_versions=([] if parts and any(p.token_versions is not None for p in parts)
+                                            else None))
         rows = sum(len(p.completion_ids) for p in parts)
         for key in {k for p in parts for k in p.metrics}:  # means weighted by rows
             out.metrics[key] = sum(p.metrics.get(key, 0.0) * len(p.completion_ids) for p in parts) / max(rows, 1)
@@ -175,6 +181,8 @@ class SampledGroups:
                 out.completion_masks += p.completion_masks  # type: ignore[operator]
             if out.routes is not None:
                 out.routes += p.routes  # type: ignore[operator]
+            if out.token_versions is not None:
+                out.token_versions += p.token_versions or [[p.version] * len(c) for c in p.completion_ids]
             out.records += p.records
             out.prompt_ids += p.prompt_ids
             out.completion_ids += p.completion_ids
@@ -209,6 +217,20 @@ def sample_groups(
         rows = [list(p) for p in prompt_ids[lo:lo + per_call] for _ in range(G)]
         completions_out += engine.generate(rows, sampling, seed=seed_for(lo), logprobs=engine_logprobs)
     gen_seconds = time.perf_counter() - t0
+    logprobs = [list(c.logprobs or []) for c in completions_out] if engine_logprobs else None
+    routes = [c.routes for c in completions_out]
+    groups = score_groups(records, prompt_ids, completions_out, rewards, sampling, decode=decode,
+                          prompt_field=prompt_field, group_size=G, gen_seconds=gen_seconds, logprobs=logprobs)
+    groups.routes = routes if routes and all(r is not None for r in routes) else None
+    return groups
+
+
+def score_groups(records: Sequence[dict[str, Any]], prompt_ids: Sequence[list[int]], completions_out: Sequence[Completion],
+                 rewards: Sequence[WeightedReward], sampling: SamplingSettings, *, decode: Callable[[list[int]], str],
+                 prompt_field: str, group_size: int, gen_seconds: float,
+                 logprobs: list[list[float]] | None) -> SampledGroups:
+    """Finished completions (``group_size`` adjacent rows per record) decoded and scored by ``rewards``."""
+    G = group_size
     completion_ids = [c.token_ids for c in completions_out]
     truncated = [c.truncated(sampling) for c in completions_out]
     completions = [decode(c) for c in completion_ids]
@@ -216,11 +238,8 @@ def sample_groups(
     fields = {k: [rec.get(k) for rec in records for _ in range(G)] for k in records[0] if k != prompt_field}
     fields["completion_length"] = [len(c) for c in completion_ids]
     scores = score_completions(rewards, prompts, completions, fields)
-    logprobs = [list(c.logprobs or []) for c in completions_out] if engine_logprobs else None
-    routes = [c.routes for c in completions_out]
     return SampledGroups(G, list(records), [list(p) for p in prompt_ids], completion_ids, prompts, completions,
-                         truncated, scores.total, scores.per_function, gen_seconds, logprobs, metrics=scores.metrics,
-                         routes=routes if routes and all(r is not None for r in routes) else None)
+                         truncated, scores.total, scores.per_function, gen_seconds, logprobs, metrics=scores.metrics)
 
 
 def build_rollout(

@@ -5,6 +5,8 @@ takes the oldest round, loads the current weights into the engine and queues the
 samples while the step trains. The engine is idle whenever weights are loaded (a round never mixes two
 versions of the weights), so a round taken at optimizer step v was sampled by weights of step
 v - k x ``num_iterations`` or later: its *staleness* (``rollout/staleness``, in optimizer steps) is at most that.
+With ``grpo.partial_rollouts`` the rounds advance in segments across weight updates instead
+(:mod:`lmforge.rl.partial_rollouts`), and a round's tokens carry several versions.
 
 The thread only samples and scores (no collectives: ranks never wait for each other from it); everything
 that needs all ranks (advantages with batch scaling, log-probs, metrics) happens on the main thread when

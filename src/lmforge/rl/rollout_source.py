@@ -35,11 +35,12 @@ from lmforge.errors import UserError
 from lmforge.models.layers.routing_replay import has_moe_layers
 from lmforge.models.tokenizer import Tokenizer
 from lmforge.objectives.grpo import PolicyBatch
-from lmforge.rl.engines.base import RolloutEngine
+from lmforge.rl.engines.base import RolloutEngine, SamplingSettings
 from lmforge.rl.engines.factory import engine_kind, make_engine, rollout_dtype
 from lmforge.rl.engines.lmforge_engine import LmforgeEngine
 from lmforge.rl.episode_groups import load_environment, sample_episode_groups
 from lmforge.rl.rewards import WeightedReward
+from lmforge.rl.partial_rollouts import PartialRolloutQueue, PartialRound, advance_round, finish_round, mask_stale_tokens
 from lmforge.rl.rollout_queue import RolloutQueue
 from lmforge.rl.rollout import (
     AllTruncatedWarning, PromptSampler, Rollout, RolloutSettings, SampledGroups, build_rollout, sample_groups,
@@ -77,7 +78,10 @@ class RolloutSource:
                                              answer_field=g.answer_field) if g.environment else None)
         self.engine: RolloutEngine | None = None
         """Built at the first rollout (after a resume has loaded the weights it starts from)."""
-        self.queue = RolloutQueue(g.async_steps) if g.async_steps else None
+        self.partial = g.async_steps > 0 and g.partial_rollouts
+        self.queue: RolloutQueue | PartialRolloutQueue | None = (
+            PartialRolloutQueue(g.async_steps, self.advance_round, self.finish_round) if self.partial
+            else RolloutQueue(g.async_steps) if g.async_steps else None)
         live = engine_kind(g.engine).live_weights
         self.engine_logprobs = not live or self.queue is not None or g.router_replay
         """Keep the sampler's own log-probs: another engine's, older weights', or those of the pass whose
@@ -178,6 +182,9 @@ class RolloutSource:
         assert engine is not None  # its last weight load: ~0 for lmforge's live engine, which loads nothing
         extra = extra | {"rollout/staleness": float(version - batch.version), "rollout/sync_seconds": engine.sync_seconds,
                          "rollout/sync_bytes": float(getattr(engine, "sync_bytes", 0))}
+        if self.queue is not None:  # per-token lag, and tokens past grpo.max_staleness out of the loss
+            batch, lags = mask_stale_tokens(batch, version, self.g.max_staleness, rt.world.dist.device)
+            extra |= lags
         reference = self.reference.model_for(rt.model.raw) if self.reference is not None else None
         return build_rollout(rt.model.raw, batch, self.settings, pad_id=rt.model.tokenizer.pad_id, reference=reference,
                              autocast=rt.model.autocast(), rollout_autocast=self.rollout_autocast(), gen_seconds=gen_seconds,
@@ -208,6 +215,8 @@ class RolloutSource:
         """The oldest round in flight; the engine then takes the current weights and the next round is
         queued (the first call fills the queue, ``async_steps`` rounds deep)."""
         assert self.queue is not None
+        if isinstance(self.queue, PartialRolloutQueue):
+            return self.sample_ahead_partially(version)
         if not len(self.queue):
             self.sync(version)
             for _ in range(self.queue.depth):
@@ -217,6 +226,43 @@ class RolloutSource:
         self.sync(version)
         self.queue.submit(partial(self.sample_round, self.sampler.next_positions()))
         return batch
+
+    def sample_ahead_partially(self, version: int) -> SampledGroups:
+        """The oldest round in flight (its last segment just run); the engine then takes the current weights,
+        a new round joins, and one segment of every round in flight is queued (the first call fills the
+        queue: ``async_steps`` rounds at 1, 2, ... segments, all from the starting weights)."""
+        q = self.queue
+        assert isinstance(q, PartialRolloutQueue)
+        if not len(q):
+            self.sync(version)
+            for _ in range(q.depth):
+                q.add(self.new_round(self.sampler.next_positions()))
+                q.run()
+        batch = q.take()
+        self.sync(version)
+        q.add(self.new_round(self.sampler.next_positions()))
+        q.run()
+        return batch
+
+    def new_round(self, positions: list[int]) -> PartialRound:
+        records = [self.prompts[self.sampler.index(p)] for p in positions]
+        prompt_ids = [prompt_token_ids(self.rt.model.tokenizer, r[self.g.prompt_field], self.chat) for r in records]
+        return PartialRound(positions, records, prompt_ids, self.g.num_generations)
+
+    def sampling_settings(self) -> SamplingSettings:
+        return SamplingSettings(self.g.max_new_tokens, self.g.temperature, self.g.top_p, tuple(self.stop_ids))
+
+    def advance_round(self, rnd: PartialRound) -> None:
+        """One segment of ``rnd`` (on the queue's thread), each call seeded by its first prompt's position."""
+        assert self.engine is not None
+        seed = self.rt.cfg.training.seed
+        per_call = (self.g.prompts_per_generation or len(rnd.prompt_ids)) * self.g.num_generations
+        advance_round(self.engine, rnd, self.sampling_settings(), self.g.async_steps, per_call,
+                      lambda position, segment: seed * 1_000_003 + 7919 * position + 104_729 * segment + 1)
+
+    def finish_round(self, rnd: PartialRound) -> SampledGroups:
+        return finish_round(rnd, self.rewards, self.sampling_settings(), decode=self.rt.model.tokenizer.decode,
+                            prompt_field=self.g.prompt_field)
 
     def rollout_autocast(self) -> Any:
         """The precision sampling runs in: ``grpo.rollout_dtype``, or the training one (``auto``)."""
@@ -263,7 +309,9 @@ class RolloutSource:
         """The rollout still being trained on (``num_iterations > 1``, stopped part-way through it), and
         the rounds sampled ahead (``async_steps``): a resume must train on the same completions, not
         sample new ones from newer weights."""
-        ahead = {"ahead": [dataclasses.asdict(r) for r in self.queue.drain()]} if self.queue is not None else {}
+        q = self.queue
+        ahead = ({"partial": q.drain()} if isinstance(q, PartialRolloutQueue)
+                 else {"ahead": [dataclasses.asdict(r) for r in q.drain()]} if q is not None else {})
         if self.rollout is None or self.uses_left == 0:
             return ahead
         r = self.rollout
@@ -271,7 +319,9 @@ class RolloutSource:
                 "batches": [{k: v for k, v in vars(b).items()} for b in r.batches]}
 
     def load_rank_state(self, state: dict[str, Any]) -> None:
-        if self.queue is not None and state.get("ahead"):
+        if isinstance(self.queue, PartialRolloutQueue) and state.get("partial"):
+            self.queue.restore(state["partial"])
+        elif isinstance(self.queue, RolloutQueue) and state.get("ahead"):
             self.queue.restore([SampledGroups(**r) for r in state["ahead"]])
         if "batches" not in state:
             return

@@ -42,7 +42,18 @@ class EngineKeys(Section):
     async_steps: int = Field(0, ge=0)
     """Sample this many rollouts ahead while the current update trains (0: synchronous). A rollout is then
     sampled by weights up to ``async_steps x num_iterations`` optimizer steps old; the loss's ratio is
-    taken against the current policy and ``tis_cap`` weights each token by pi_old / pi_sampler."""
+    taken against the current policy and ``tis_cap`` weights each token by pi_old / pi_sampler. Per-token
+    lag is logged as ``rollout/token_staleness_mean`` and ``_max``."""
+    partial_rollouts: bool = False
+    """With ``async_steps = k >= 2``: a weight update no longer waits for the rounds in flight. Each round is
+    decoded in k segments of ``ceil(max_new_tokens / k)`` tokens, one segment of every round in flight per
+    update; at an update the rounds stop after their segment and continue under the new weights (prompt
+    + tokens so far prefilled again), every token keeping its weights' version and log-prob for
+    ``tis_cap``. lmforge's engine, single-turn; docs/rollout_engines.md."""
+    max_staleness: int = Field(0, ge=0)
+    """With ``async_steps``: completion tokens sampled by weights more than this many optimizer steps older
+    than the policy a rollout is first trained with are masked out of the loss (not regenerated), counted
+    in ``rollout/stale_tokens_masked``; 0: no bound."""
     router_replay: bool = False
     """Mixture-of-experts policies: the rollout engine records the experts every MoE layer sent each token to,
     and the trainer's forwards over the rollout send the tokens to those experts instead of routing them
@@ -78,7 +89,27 @@ class EngineKeys(Section):
                 raise ValueError("grpo.router_replay needs the experts the engine routed each token to, and vLLM does "
                                  "not report them: use grpo.engine=lmforge, or grpo.router_replay=false")
             raise ValueError(f"grpo.router_replay: engine {self.engine!r} records no routing; use grpo.engine=lmforge")
+        if self.max_staleness and not self.async_steps:
+            raise ValueError("grpo.max_staleness bounds the lag of rollouts sampled ahead: set grpo.async_steps >= 1, "
+                             "or grpo.max_staleness=0")
+        if self.partial_rollouts:
+            self._check_partial()
         if self.router_replay and self.environment:
             raise ValueError("grpo.router_replay with grpo.environment is not supported: the environment's tokens "
                              "are not routed by the engine's pass")
         return self
+
+    def _check_partial(self) -> None:
+        """Partial rollouts need rounds in flight to interrupt and a single-turn lmforge engine."""
+        if self.async_steps < 2:
+            raise ValueError(f"grpo.partial_rollouts needs grpo.async_steps >= 2 (got {self.async_steps}): with fewer, "
+                             "the only round in flight at an update is the one that update trains on")
+        if self.engine != "lmforge":
+            raise ValueError(f"grpo.partial_rollouts: engine {self.engine!r} cannot continue a generation under new "
+                             "weights here; use grpo.engine=lmforge, or grpo.partial_rollouts=false")
+        if self.environment:
+            raise ValueError("grpo.partial_rollouts with grpo.environment is not supported: an episode's turns are "
+                             "not split into segments")
+        if self.router_replay:
+            raise ValueError("grpo.partial_rollouts with grpo.router_replay is not supported: a completion's segments "
+                             "are routed by different weights, so no one pass's routes match its log-probs")
