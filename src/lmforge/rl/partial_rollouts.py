@@ -186,10 +186,10 @@ class PartialRolloutQueue:
         self.pool.shutdown(wait=True)
 
 
-def mask_stale_tokens(groups: SampledGroups, version: int, max_staleness: int,
-                      device: torch.device) -> tuple[SampledGroups, dict[str, float]]:
+def mask_stale_tokens(groups: SampledGroups, version: int, max_staleness: int, device: torch.device,
+                      reduce: dist_utils.ReduceGroup) -> tuple[SampledGroups, dict[str, float]]:
     """Per-token staleness of the groups laid out for the update after ``version`` optimizer steps (the
-    policy-version lag of each policy-written completion token, over all ranks), and with
+    policy-version lag of each policy-written completion token, over all ranks of ``reduce``), and with
     ``max_staleness > 0`` the groups with tokens older than that masked out of the loss."""
     versions = groups.token_versions or [[groups.version] * len(c) for c in groups.completion_ids]
     masks = groups.completion_masks or [[1] * len(c) for c in groups.completion_ids]
@@ -206,7 +206,7 @@ def mask_stale_tokens(groups: SampledGroups, version: int, max_staleness: int,
             masked += stale
             row.append(0 if stale else int(m))
         new_masks.append(row)
-    sums = dist_utils.all_reduce_sum(torch.tensor([lag_sum, count, masked], dtype=torch.float64, device=device)).tolist()
+    sums = reduce.sum(torch.tensor([lag_sum, count, masked], dtype=torch.float64, device=device)).tolist()
     metrics = {"rollout/token_staleness_mean": sums[0] / sums[1] if sums[1] else 0.0,
                "rollout/token_staleness_max": dist_utils.all_reduce_max(lag_max),
                "rollout/stale_tokens_masked": sums[2]}

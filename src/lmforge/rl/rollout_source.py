@@ -183,7 +183,8 @@ class RolloutSource:
         extra = extra | {"rollout/staleness": float(version - batch.version), "rollout/sync_seconds": engine.sync_seconds,
                          "rollout/sync_bytes": float(getattr(engine, "sync_bytes", 0))}
         if self.queue is not None:  # per-token lag, and tokens past grpo.max_staleness out of the loss
-            batch, lags = mask_stale_tokens(batch, version, self.g.max_staleness, rt.world.dist.device)
+            batch, lags = mask_stale_tokens(batch, version, self.g.max_staleness, rt.world.dist.device,
+                                            rt.world.dist.reduce)
             extra |= lags
         reference = self.reference.model_for(rt.model.raw) if self.reference is not None else None
         return build_rollout(rt.model.raw, batch, self.settings, pad_id=rt.model.tokenizer.pad_id, reference=reference,
