@@ -44,11 +44,10 @@ def image_chat(messages: Sequence[dict[str, Any]], record: dict[str, Any], base:
                          "model: qwen2_5_vl, qwen3_vl, gemma3)")
     sources = image_sources(messages, record.get(IMAGES_KEY))
     images = [load_image(s, base, encoding.max_pixels) for s in sources]
-    _, grid = encoding.process(images)
     out = []
     for m in messages:
         content = m["content"]
         if isinstance(content, list):
             content = "".join(encoding.marker if is_image_part(p) else p["text"] for p in content)
         out.append({**m, "content": content})
-    return ImageChat(out, images, encoding.token_counts(grid, len(images)))
+    return ImageChat(out, images, encoding.token_counts(images))

@@ -57,11 +57,21 @@ class ImageEncoding:
         out = self.processor(images=list(images), return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"] if self.has_grid else None
 
-    def token_counts(self, grid: torch.Tensor | None, n_images: int) -> list[int]:
-        """Image tokens of each image (the tower's merged patches)."""
-        if grid is None:
-            return [self.tokens_per_image] * n_images
-        return [int(n) // self.merge ** 2 for n in grid.prod(-1)]
+    def token_counts(self, images: Sequence[Any]) -> list[int]:
+        """Image tokens of each image (the tower's merged patches), from the sizes the processor resizes the
+        images to (its own ``smart_resize``), without computing their pixels."""
+        if not self.has_grid:
+            return [self.tokens_per_image] * len(images)
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        p, size = self.processor, self.processor.size
+        factor = p.patch_size * p.merge_size
+        out = []
+        for image in images:
+            width, height = image.size
+            h, w = smart_resize(height, width, factor, size["shortest_edge"], size["longest_edge"])
+            out.append((h // p.patch_size) * (w // p.patch_size) // self.merge ** 2)
+        return out
 
     def expansion(self, n_tokens: int) -> list[int]:
         return self.before + [self.image_token_id] * n_tokens + self.after
