@@ -18,8 +18,9 @@ __all__ = ["SHAPE_TASK", "COLOURS", "KINDS", "QUESTIONS", "ShapeExample", "shape
            "shape_records"]
 
 SHAPE_TASK = "shapes"
-SIDE = 84
-"""Pixels per side: 6x6 patches of 14, 9 image tokens after Qwen's 2x2 merge."""
+SIDE = 56
+"""Pixels per side: 4x4 patches of 14, 4 image tokens after Qwen's 2x2 merge, one per cell of the picture's
+2x2 grid, so each shape sits in the token that sees it."""
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 230), "yellow": (230, 210, 40)}
 KINDS = ("circle", "square", "triangle")
 COUNTS = (1, 2, 3)
@@ -53,11 +54,11 @@ def _draw(colour: str, kind: str, count: int, rng: random.Random) -> Any:
     image = Image.new("RGB", (SIDE, SIDE), (245, 245, 245))
     draw = ImageDraw.Draw(image)
     fill = tuple(max(0, min(255, c + rng.randint(-20, 20))) for c in COLOURS[colour])
-    cell = SIDE // 3  # shapes sit in distinct cells of a 3x3 grid, so they never touch
-    for k in rng.sample(range(9), count):
-        r = rng.randint(8, 11)
-        cx = (k % 3) * cell + cell // 2 + rng.randint(-2, 2)
-        cy = (k // 3) * cell + cell // 2 + rng.randint(-2, 2)
+    cell = SIDE // 2  # shapes sit in distinct cells of a 2x2 grid, so they never touch
+    for k in rng.sample(range(4), count):
+        r = rng.randint(9, 12)
+        cx = (k % 2) * cell + cell // 2 + rng.randint(-1, 1)
+        cy = (k // 2) * cell + cell // 2 + rng.randint(-1, 1)
         box = (cx - r, cy - r, cx + r, cy + r)
         if kind == "circle":
             draw.ellipse(box, fill=fill)
