@@ -141,6 +141,8 @@ def test_sft_on_the_image_task_then_export_loads_in_transformers(tmp_path):
     ids = torch.tensor([hf_tok(text + text.replace("colour?", "how many?"))["input_ids"]])
     assert (ids == args.image_token_id).sum() == 8
     with torch.no_grad():
-        want = theirs(input_ids=ids, pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"]).logits
+        # mm_token_type_ids as transformers' processor returns them (its positions follow them)
+        want = theirs(input_ids=ids, pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
+                      mm_token_type_ids=(ids == args.image_token_id).int()).logits
         got = ours(ids, pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
