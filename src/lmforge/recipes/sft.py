@@ -79,6 +79,10 @@ class SFT(Recipe):
 
         chat = training_chat_format(rt.model.tokenizer, rt.model.args.vocab_size, cfg.sft.chat_template)
         images = image_encoding_for(rt.model.args, rt.model.tokenizer, cfg.sft.max_image_pixels)
+        layout = rt.world.layout
+        if images is not None and (layout.cp > 1 or layout.pp > 1):
+            raise UserError("a vision-language model trains with data, FSDP or tensor parallelism: context and "
+                            "pipeline parallelism do not carry images yet (parallel.cp = parallel.pp = 1)")
         train_set, val_set = build_datasets(cfg, rt, chat, images)
         objective = NextTokenObjective.for_run(cfg.training, rt.model.args)
         tasks = _task_eval(cfg, rt, chat, images)
