@@ -156,6 +156,11 @@ def test_packing_keeps_images_with_their_documents(tmp_path, debug_vlm):
         loss_packed, stats = cross_entropy_loss(model, collate([packed[0]]))
         loss_alone = sum(cross_entropy_loss(model, collate([alone[i]]))[0] for i in range(4))
     assert int(stats.loss_weight) == summary.loss_tokens
+    one = alone[0]  # the loss sees the images: it is the model's own forward with them
+    with torch.no_grad():
+        logits = model(one.input_ids[None], pixel_values=one.pixel_values, image_grid_thw=one.image_grid_thw)
+        want = torch.nn.functional.cross_entropy(logits[0], one.labels, reduction="sum")
+        torch.testing.assert_close(cross_entropy_loss(model, collate([one]))[0], want, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(loss_packed, loss_alone, atol=1e-4, rtol=1e-5)
     batch = collate([alone[0], alone[2], alone[1]])  # a text row between two image rows
     assert batch.image_count == 2 and torch.equal(batch.image_grid_thw, torch.cat([alone[0].image_grid_thw,
