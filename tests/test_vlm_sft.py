@@ -112,18 +112,27 @@ def test_step_flops_count_the_tower():
         assert step.flops == vision_flops(args, grid, training=trains) > 0
 
 
-def test_sft_on_the_image_task_then_export_loads_in_transformers(tmp_path):
+@pytest.mark.parametrize("mode", ["--model.freeze=vision_tower", "--lora.enabled=true"])
+def test_sft_on_the_image_task_then_export_loads_in_transformers(tmp_path, mode, capfd):
+    """Full SFT with the tower frozen (the checkpoint holds it) and LoRA (merged into the rebuilt random base);
+    ``lmforge generate --image`` of the run, a missing image one line."""
     run, out = tmp_path / "run", tmp_path / "hf"
     result = run_lmforge("sft", "--config", REPO / "configs" / "sft_vlm_debug.toml", f"--run.dir={run}",
                          "--training.steps=3", "--tasks.train_examples=64", "--tasks.eval_examples=12",
                          "--eval.interval=3", "--training.threads=1", "--metrics.tensorboard=false",
-                         "--metrics.peak_tflops=1", "--metrics.progress=off", "--model.freeze=vision_tower",
+                         "--metrics.peak_tflops=1", "--metrics.progress=off", mode,
                          "--data.validation=none")
     assert result.returncode == 0, result.stderr[-3000:]
     evals = read_records(run, "eval")
     assert [r["step"] for r in evals if "exact_match_colour" in r] == [0, 3]
     tok, args, _ = debug_model()
 
+    picture = tmp_path / "red.png"
+    shape_example("test", 0).image().save(picture)
+    assert lmforge_in_process("generate", run, "--image", picture, "--prompt", "colour?", "--max-new-tokens=3") == 0
+    assert lmforge_in_process("generate", run, "--image", tmp_path / "none.png", "--prompt", "colour?") == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: image ") and err[-1].endswith("none.png: no such file")
     assert lmforge_in_process("export", "--hf", out, run) == 0
     assert (out / "preprocessor_config.json").is_file()
     from transformers import AutoModelForImageTextToText, AutoTokenizer
