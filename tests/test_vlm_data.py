@@ -188,3 +188,41 @@ def test_text_model_refuses_image_parts(tmp_path):
     recs = read_sft_records(write_records(tmp_path, [chat({"type": "image", "path": "x.png"})]))
     with pytest.raises(UserError, match=r"chats.jsonl:1: the record has image parts and the model reads text only"):
         build_sft_dataset(recs, "t", tok, chat_format_for(tok), seq_len=64, images=None)
+
+
+def test_gemma3_images_pack_with_their_documents(tmp_path):
+    """Gemma 3: a fixed ``mm_tokens_per_image`` between its start and end of image, [images, 3, H, W] pixels
+    of the family's processor, and packed rows giving each document its own loss (bidirectional attention
+    within each image, per document)."""
+    from lmforge.models.hf_config import args_from_hf_config
+
+    cfg = transformers.Gemma3Config(
+        text_config=dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                         sliding_window=3, layer_types=["sliding_attention", "full_attention"],
+                         max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=0),
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=32, patch_size=8, vision_use_head=False),
+        mm_tokens_per_image=4, image_token_index=290, boi_token_index=291, eoi_token_index=292)
+    args = args_from_hf_config(cfg.to_dict(), "config.json")
+    model = spec_for_args(args).build(args)
+    model.init_weights(0)
+    model.eval()
+    tok = ByteTokenizer()
+    for i, (w, h) in enumerate([(40, 50), (64, 24)]):
+        picture(w, h, i).save(tmp_path / f"{i}.png")
+    records = [chat({"type": "image", "path": f"{i}.png"}, answer=a) for i, a in enumerate(["red", "two"])]
+    packed, summary = dataset(tmp_path, tok, args, records, packing=True, seq_len=64)
+    alone, _ = dataset(tmp_path, tok, args, records, packing=False, seq_len=64)
+    assert len(packed) == 1 and summary.images == 2
+    ids = alone[0].input_ids.tolist()
+    start = ids.index(291)
+    assert ids[start: start + 6] == [291, 290, 290, 290, 290, 292] and alone[0].pixel_values.shape == (1, 3, 32, 32)
+    assert packed[0].pixel_values.shape == (2, 3, 32, 32) and packed[0].image_grid_thw is None
+    with torch.no_grad():
+        loss_packed = cross_entropy_loss(model, collate([packed[0]]))[0]
+        loss_alone = sum(cross_entropy_loss(model, collate([alone[i]]))[0] for i in range(2))
+        logits = model(alone[0].input_ids[None], pixel_values=alone[0].pixel_values)
+        want = torch.nn.functional.cross_entropy(logits[0], alone[0].labels, reduction="sum")
+    torch.testing.assert_close(loss_packed, loss_alone, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(cross_entropy_loss(model, collate([alone[0]]))[0], want, atol=1e-4, rtol=1e-5)
