@@ -167,6 +167,18 @@ def test_packing_keeps_images_with_their_documents(tmp_path, debug_vlm):
                                                                                       alone[1].image_grid_thw]))
 
 
+def test_fingerprint_sees_the_images(tmp_path, debug_vlm):
+    """A resume on the same chats with other pictures is a data change."""
+    from lmforge.data.fingerprint import dataset_fingerprint
+
+    tok, args, _ = debug_vlm
+    prints = []
+    for seed in (0, 1, 0):
+        picture(56, 56, seed).save(tmp_path / "a.png")
+        prints.append(dataset_fingerprint(dataset(tmp_path, tok, args, [chat({"type": "image", "path": "a.png"})])[0]))
+    assert prints[0] == prints[2] != prints[1]
+
+
 def test_bad_images_are_one_line_or_a_counted_skip(tmp_path, debug_vlm):
     tok, args, _ = debug_vlm
     with pytest.raises(UserError, match=r"chats.jsonl:1: image .*missing.png: no such file"):
