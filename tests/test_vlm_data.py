@@ -70,8 +70,8 @@ def dataset(tmp_path, tok, args, records, packing=True, seq_len=256, **kw):
 
 
 def test_image_sources_tokens_and_loss_mask(tmp_path, debug_vlm):
-    """A path (relative to the data file) and the record's ``images`` column both read; each image's tokens are its processor grid's merged patches, with
-    no loss on them or on the question."""
+    """A path (relative to the data file) and the record's ``images`` column both read; each image's tokens
+    are its processor grid's merged patches, with no loss on them or on the question."""
     tok, args, _ = debug_vlm
     picture(84, 56, 1).save(tmp_path / "a.png")
     records = [chat({"type": "image", "path": "a.png"}, answer="red"),
@@ -96,8 +96,8 @@ def test_bytes_part(tmp_path, debug_vlm):
     """Encoded bytes in the part, as a datasets ``Image`` column holds them ({"bytes": ...})."""
     tok, args, _ = debug_vlm
     enc = image_encoding_for(args, tok)
-    records = [("mem:1", {"messages": [{"role": "user", "content": [{"type": "image", "image": {"bytes": png(picture(56, 56))}},
-                                                                   {"type": "text", "text": "q"}]},
+    part = {"type": "image", "image": {"bytes": png(picture(56, 56))}}
+    records = [("mem:1", {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "q"}]},
                                        {"role": "assistant", "content": "a"}]})]
     from lmforge.data.record_formats import to_sft_record
 
@@ -117,8 +117,9 @@ def test_expansion_matches_transformers_processor(tmp_path):
     pics = [picture(84, 56, 1), picture(112, 140, 2)]
     for i, p in enumerate(pics):
         p.save(tmp_path / f"{i}.png")
-    record = {"messages": [{"role": "user", "content": [{"type": "image", "path": "0.png"}, {"type": "text", "text": "and"},
-                                                        {"type": "image", "path": "1.png"}, {"type": "text", "text": "?"}]},
+    parts = [{"type": "image", "path": "0.png"}, {"type": "text", "text": "and"},
+             {"type": "image", "path": "1.png"}, {"type": "text", "text": "?"}]
+    record = {"messages": [{"role": "user", "content": parts},
                            {"role": "assistant", "content": "two"}]}
     ds, _ = dataset(tmp_path, tok, args, [record], packing=False, seq_len=512)
     fmt = chat_format_for(tok)

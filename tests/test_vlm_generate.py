@@ -37,7 +37,8 @@ def prompt():
     # a 112x168 picture: 24 image tokens over 4x6 merged rows and columns, so the decode's positions sit 18
     # below the text numbering's
     pic = Image.fromarray(np.random.default_rng(0).integers(0, 255, (112, 168, 3), dtype=np.uint8))
-    record = {"messages": [{"role": "user", "content": [{"type": "image", "image": pic}, {"type": "text", "text": "what?"}]},
+    parts = [{"type": "image", "image": pic}, {"type": "text", "text": "what?"}]
+    record = {"messages": [{"role": "user", "content": parts},
                            {"role": "assistant", "content": "x"}]}
     ds, _ = build_sft_dataset([("mem:1", record)], "t", tok, chat_format_for(tok), seq_len=64, packing=False,
                               images=enc)

@@ -255,7 +255,8 @@ class TasksSection(Section):
     def _known(cls, v: list[str]) -> list[str]:
         unknown = [t for t in v if t not in TASK_NAMES + IMAGE_TASK_NAMES]
         if unknown or not v:
-            raise ValueError(f"unknown task(s) {unknown or '(none)'}; known: {', '.join(TASK_NAMES + IMAGE_TASK_NAMES)}")
+            known = ", ".join(TASK_NAMES + IMAGE_TASK_NAMES)
+            raise ValueError(f"unknown task(s) {unknown or '(none)'}; known: {known}")
         if any(t in IMAGE_TASK_NAMES for t in v) and len(v) > 1:
             raise ValueError(f"{', '.join(IMAGE_TASK_NAMES)} is an image task: train it alone (names = [\"shapes\"])")
         return v

@@ -87,7 +87,8 @@ def prompt_completion_record(record: dict[str, Any]) -> dict[str, Any]:
     if isinstance(prompt, list) and isinstance(completion, list):
         if not completion:
             raise ValueError("'completion' is an empty message list")
-        return _with_tools({"messages": validate_messages(prompt + completion, images=True), PROMPT_TURNS: len(prompt)}, record)
+        messages = validate_messages(prompt + completion, images=True)
+        return _with_tools({"messages": messages, PROMPT_TURNS: len(prompt)}, record)
     raise ValueError(f"'prompt' and 'completion' must both be strings or both message lists "
                      f"(got {type(prompt).__name__} and {type(completion).__name__})")
 

@@ -24,7 +24,8 @@ from lmforge.models.args import ModelArgs, load_families, register_args_class, r
 from lmforge.models.state_dict_adapter import StateDictAdapter
 
 __all__ = [
-    "DECODER_LORA_TARGETS", "GGUFFormat", "ModelSpec", "freeze_groups", "get_spec", "gguf_format_for", "lora_targets_for",
+    "DECODER_LORA_TARGETS", "GGUFFormat", "ModelSpec", "freeze_groups", "get_spec", "gguf_format_for",
+    "lora_targets_for",
     "parameters_of", "register_spec", "registered_model_types",
     "registered_specs", "spec_for_args",
     "spec_for_hf_config",
