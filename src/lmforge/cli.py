@@ -52,10 +52,18 @@ def _generate(argv: list[str]) -> int:
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     p.add_argument("--tokenizer", default="byte",
                    help="directory of Hugging Face tokenizer files (needed for a .gguf file)")
+    p.add_argument("--image", action="append", metavar="FILE",
+                   help="an image shown before the prompt (repeat for several; a vision-language model, chat format)")
     a = p.parse_args(argv)
-    from lmforge.inference import load_for_inference, sample_texts
+    from lmforge.inference import load_for_inference, sample_texts, sample_with_images
 
     model, tokenizer = load_for_inference(a.checkpoint, tokenizer=a.tokenizer)
+    if a.image:
+        if len(a.prompt) != 1:
+            p.error("--image goes with one --prompt")
+        print(sample_with_images(model, tokenizer, a.prompt[0], a.image, max_new_tokens=a.max_new_tokens,
+                                 temperature=a.temperature, top_p=a.top_p, seed=a.seed))
+        return 0
     for text in sample_texts(model, tokenizer, a.prompt, max_new_tokens=a.max_new_tokens,
                              temperature=a.temperature, top_p=a.top_p, seed=a.seed, chat=a.chat):
         print(text)

@@ -64,3 +64,32 @@ def sample_texts(model: Transformer, tokenizer: Tokenizer, prompts: list[str], *
                         temperature=temperature, top_p=top_p, generator=gen)
         texts += [tokenizer.decode(r, skip_special=True) for r in rows]
     return texts
+
+
+def sample_with_images(model: Transformer, tokenizer: Tokenizer, prompt: str, images: Sequence[str], *,
+                       max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> str:
+    """A vision-language model's reply to one user turn of ``images`` (files, shown before the text) and
+    ``prompt``, in the chat format, as SFT on image records renders it; the new text only. A missing or
+    unreadable image, or a text model, is one line."""
+    from lmforge.data.chat import validate_messages
+    from lmforge.data.image_chat import image_chat
+    from lmforge.data.image_tokens import expand_markers, image_encoding_for
+    from lmforge.models.vision.generate import generate_with_images
+
+    encoding = image_encoding_for(model.args, tokenizer)
+    if encoding is None:
+        raise UserError(f"--image needs a vision-language model (qwen2_5_vl, qwen3_vl, gemma3); this one is "
+                        f"{getattr(model.args, 'hf_model_type', 'a text model')}")
+    content = [*({"type": "image", "path": str(p)} for p in images), {"type": "text", "text": prompt}]
+    try:
+        prepared = image_chat(validate_messages([{"role": "user", "content": content}], images=True), {},
+                              Path.cwd(), encoding)
+        ids = chat_format_for(tokenizer).prompt_ids(prepared.messages)
+        ids, _ = expand_markers(ids, [False] * len(ids), encoding, prepared.counts)
+    except ValueError as e:  # ImageError, ImageTooLarge, a template's raise_exception
+        raise UserError(str(e)) from None
+    pixels, grid = encoding.process(prepared.images)
+    n = min(max_new_tokens, model.args.max_seq_len - len(ids))
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    new = generate_with_images(model, ids, pixels, grid, n, stop_token_ids(tokenizer), temperature, top_p, gen)
+    return tokenizer.decode(new, skip_special=True)

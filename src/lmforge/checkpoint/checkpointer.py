@@ -182,11 +182,12 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+        options = _save_options(model)
         if optimizer is not None:
-            model_sd, optim_sd = get_state_dict(model, _parts(optimizer), options=_TRAINABLE_ONLY)
+            model_sd, optim_sd = get_state_dict(model, _parts(optimizer), options=options)
             state = {"model": model_sd, "optim": optim_sd}
         else:
-            state = {"model": get_model_state_dict(model, options=_TRAINABLE_ONLY)}
+            state = {"model": get_model_state_dict(model, options=options)}
         with quiet_dcp():
             dcp.save(state, checkpoint_id=str(partial))
         rank = dist_utils.rank()
@@ -336,6 +337,14 @@ def load_model_weights(path: str | Path, model: nn.Module) -> None:
     state = {"model": model_sd}
     safe_dcp_load(state, ckpt)
     set_model_state_dict(model, state["model"], options=_load_options(model))
+
+
+def _save_options(model: nn.Module) -> StateDictOptions:
+    """What a save holds: with LoRA only what trains (the base is the model the run names); otherwise every
+    weight, frozen parts (``model.freeze``: a vision tower kept as it started) included, so the checkpoint
+    is the whole model. Loading reads what trains either way."""
+    lora = any("lora_" in name for name, _ in model.named_parameters())
+    return _TRAINABLE_ONLY if lora else StateDictOptions()
 
 
 def _load_options(model: nn.Module) -> StateDictOptions:

@@ -103,11 +103,35 @@ def _tool_calls(value: Any, i: int) -> list[dict[str, Any]]:
     return out
 
 
-def validate_messages(messages: Any) -> list[dict[str, Any]]:
+def _content_parts(content: list[Any], i: int, images: bool) -> str | list[dict[str, Any]]:
+    """A list content: text parts joined into one string; with ``images``, a list holding the image parts
+    (:mod:`lmforge.data.images`) among the joined text runs."""
+    out: list[dict[str, Any]] = []
+    for p in content:
+        if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
+            if out and out[-1]["type"] == "text":
+                out[-1] = {"type": "text", "text": out[-1]["text"] + p["text"]}
+            else:
+                out.append({"type": "text", "text": p["text"]})
+        elif images and isinstance(p, dict) and p.get("type") == "image":
+            out.append(dict(p))
+        else:
+            kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+            hint = ("" if images or kind != "image" else
+                    " in this data (images train in SFT and DPO with a vision-language model)")
+            raise ValueError(f"message {i}: content part {kind!r} is not supported{hint}; parts are "
+                             "{'type': 'text', 'text': ...}" + (" or {'type': 'image', ...}" if images else ""))
+    if not any(p["type"] == "image" for p in out):
+        return "".join(p["text"] for p in out)
+    return out
+
+
+def validate_messages(messages: Any, images: bool = False) -> list[dict[str, Any]]:
     """Check the ``messages`` shape; raises ValueError with a short reason (callers add file:line).
 
     ``content`` is a string, or a list of ``{"type": "text", "text": ...}`` parts (the multimodal
-    layout Gemma 3 and others use), joined into one string: lmforge trains on text only.
+    layout Gemma 3 and others use), joined into one string. With ``images`` (SFT records) a list content
+    may hold ``{"type": "image", ...}`` parts too, and stays a list of text and image parts.
 
     Tool use, in the layout of ``transformers``' chat templates: an assistant message may carry
     ``tool_calls`` (its ``content`` may then be empty, missing or null), and ``tool`` messages hold the
@@ -121,12 +145,8 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         if content is None and isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls"):
             content = ""
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ValueError(f"message {i}: content parts other than {{'type': 'text', 'text': ...}} "
-                                 "are not supported (text only)")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
+            content = _content_parts(content, i, images)
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, (str, list)):
             raise ValueError(f"message {i} needs string 'role' and 'content'")
         if m["role"] not in ROLES:
             raise ValueError(f"message {i} has role {m['role']!r} (expected one of {', '.join(ROLES)})")

@@ -3,7 +3,7 @@
 A resumed run continues at a sample index; that index only means the same thing if the data, the
 sequence length and the tokenizer are the ones the checkpoint was trained on. The fingerprint is a
 hash of the dataset's size and of samples spread evenly over it (their token ids and target
-labels), so it changes when any of the three changes, costs the same for any corpus size, and
+labels, and the pixels of their images), so it changes when any of the three changes, costs the same for any corpus size, and
 is the same on every rank and at every world size.
 """
 
@@ -27,6 +27,8 @@ def dataset_fingerprint(dataset: SampleDataset, samples: int = SAMPLES) -> str:
         sample = dataset[i]
         h.update(sample.input_ids.numpy().tobytes())
         h.update(sample.labels.numpy().tobytes())
+        if sample.pixel_values is not None:  # a vision-language sample: its images are data too
+            h.update(sample.pixel_values.numpy().tobytes())
     return h.hexdigest()[:16]
 
 

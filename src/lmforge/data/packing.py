@@ -36,6 +36,11 @@ class Sample:
     """Real (non-padding) tokens of each document in order; ``None``: one document of length T."""
     document_values: list[float] | None = None
     """A number per real document that an objective reads (see ``Example.value``); usually None."""
+    pixel_values: torch.Tensor | None = None
+    """The images of a vision-language sample, in the order of their image tokens, as the family's image
+    processor returns them (Qwen: patch rows [patches, features]; Gemma 3: [images, 3, H, W]); None: text."""
+    image_grid_thw: torch.Tensor | None = None
+    """Qwen: one (t, h, w) patch grid per image [images, 3], in order; None for Gemma 3 and text."""
 
 
 @dataclass
@@ -52,6 +57,11 @@ class Batch:
     document of length T."""
     document_values: list[list[float]] | None = None
     """Host-side :attr:`Sample.document_values` per row, or None."""
+    pixel_values: torch.Tensor | None = None
+    """Every row's images (:attr:`Sample.pixel_values`) concatenated in row order, so the model's features
+    fill the batch's image tokens row by row; None: no images."""
+    image_grid_thw: torch.Tensor | None = None
+    """The rows' :attr:`Sample.image_grid_thw` concatenated in the same order (Qwen), else None."""
 
     def _map(self, fn) -> "Batch":
         return Batch(
@@ -61,7 +71,25 @@ class Batch:
             document_ids=None if self.document_ids is None else fn(self.document_ids),
             document_lengths=self.document_lengths,
             document_values=self.document_values,
+            pixel_values=None if self.pixel_values is None else fn(self.pixel_values),
+            image_grid_thw=None if self.image_grid_thw is None else fn(self.image_grid_thw),
         )
+
+    @property
+    def image_count(self) -> int:
+        """Images in the batch (host data: the grids' rows, or Gemma 3's images)."""
+        if self.pixel_values is None:
+            return 0
+        return len(self.image_grid_thw) if self.image_grid_thw is not None else len(self.pixel_values)
+
+    def image_inputs(self) -> dict[str, torch.Tensor]:
+        """The model's image keyword arguments (``pixel_values``, ``image_grid_thw``); empty for text."""
+        if self.pixel_values is None:
+            return {}
+        out = {"pixel_values": self.pixel_values}
+        if self.image_grid_thw is not None:
+            out["image_grid_thw"] = self.image_grid_thw
+        return out
 
     def real_document_lengths(self) -> list[int]:
         """Lengths of every real document of the batch (all rows), from host data only."""
@@ -132,7 +160,15 @@ def collate(samples: list[Sample]) -> Batch:
         document_ids=_stack_optional(samples, "document_ids"),
         document_lengths=_lengths(samples),
         document_values=_values(samples),
+        pixel_values=_concat(samples, "pixel_values"),
+        image_grid_thw=_concat(samples, "image_grid_thw"),
     )
+
+
+def _concat(samples: Sequence[Sample], field: str) -> torch.Tensor | None:
+    """The samples' images (or grids) joined in sample order; None when no sample has any."""
+    values = [getattr(s, field) for s in samples if getattr(s, field) is not None]
+    return torch.cat(values) if values else None
 
 
 def _lengths(samples: Sequence[Sample]) -> list[list[int]] | None:

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 
 from lmforge.data.chat import ChatFormat, validate_messages
+from lmforge.data.image_tokens import ImageEncoding
+from lmforge.data.images import IMAGES_KEY
 from lmforge.data.overlong import Overlong, fit_pair, overlong_phrase
 from lmforge.data.packing import IGNORE_INDEX, Batch
 from lmforge.data.record_formats import PROMPT_TURNS
@@ -113,10 +115,10 @@ def _check(record: dict[str, Any]) -> None:
         got = ", ".join(f"{k}: {type(record[k]).__name__}" for k in FIELDS)
         raise ValueError(f"prompt, chosen and rejected must be all strings or all message lists (got {got})")
     if isinstance(record["prompt"], list):
-        validate_messages(record["prompt"])
+        validate_messages(record["prompt"], images=True)
         for key in ("chosen", "rejected"):
             try:
-                messages = validate_messages(record[key])
+                messages = validate_messages(record[key], images=True)
             except ValueError as e:
                 raise ValueError(f"{key!r}: {e}") from None
             if not any(m["role"] == "assistant" for m in messages):
@@ -143,7 +145,9 @@ def to_sft_records(record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
     p = record["prompt"]
     if isinstance(p, str):
         return tuple({"prompt": p, "completion": record[k]} for k in ("chosen", "rejected"))  # type: ignore[return-value]
-    return tuple({"messages": p + record[k], PROMPT_TURNS: len(p)} for k in ("chosen", "rejected"))  # type: ignore[return-value]
+    extra = {IMAGES_KEY: record[IMAGES_KEY]} if record.get(IMAGES_KEY) is not None else {}  # the prompt's images
+    return tuple({"messages": p + record[k], PROMPT_TURNS: len(p), **extra}  # type: ignore[return-value]
+                 for k in ("chosen", "rejected"))
 
 
 # ---------------------------------------------------------------------------------------- pairs
@@ -175,7 +179,8 @@ def _empty_response(response: str | list[dict[str, Any]]) -> bool:
 
 def tokenize_pairs(records: Sequence[Record], tokenizer: Tokenizer, chat: ChatFormat | None, seq_len: int,
                    summary: PreferenceSummary, values: Sequence[float] | None = None,
-                   whole: bool = False, paired: bool = True) -> list[PreferencePair]:
+                   whole: bool = False, paired: bool = True,
+                   images: ImageEncoding | None = None) -> list[PreferencePair]:
     """Records to pairs. A pair with a response of no text or no tokens, or whose chosen and rejected
     are the same sequence, is counted and skipped (the data summary line says how many); one whose two
     sequences do not fit one row is truncated together (:func:`lmforge.data.overlong.fit_pair`) or
@@ -183,7 +188,9 @@ def tokenize_pairs(records: Sequence[Record], tokenizer: Tokenizer, chat: ChatFo
     pair carry into their batch (``Example.value``). ``whole``: keep each sequence whole rather than
     shifted into next-token inputs and labels (reward models). ``paired=False`` (KTO's example with a
     borrowed completion as its "rejected"): only the example's own completion must have text, and the
-    two may be the same."""
+    two may be the same. ``images``: a vision-language model's image encoding, for prompts with image parts
+    (both sequences of a pair carry the prompt's images; a pair with images is skipped, never truncated,
+    when it does not fit)."""
     if chat is None and any(isinstance(r.get("prompt"), list) for _, r in records):
         where = next(w for w, r in records if isinstance(r.get("prompt"), list))
         raise UserError(f"{where}: conversational records need a chat template and {tokenizer!r} has none "
@@ -194,7 +201,8 @@ def tokenize_pairs(records: Sequence[Record], tokenizer: Tokenizer, chat: ChatFo
             summary.no_loss_tokens += 1  # a lone end-of-turn token is no response to prefer or avoid
             continue
         sequences = [(where, r) for r in to_sft_records(record)]
-        (c_ids, c_mask), (r_ids, r_mask) = tokenize_records(sequences, tokenizer, chat, "assistant")
+        (c_ids, c_mask, *c_pics), (r_ids, r_mask, *r_pics) = tokenize_records(sequences, tokenizer, chat,
+                                                                                 "assistant", images)
         if paired and c_ids == r_ids and c_mask == r_mask:
             summary.identical += 1
             continue
@@ -203,8 +211,9 @@ def tokenize_pairs(records: Sequence[Record], tokenizer: Tokenizer, chat: ChatFo
         if chosen is None or rejected is None:
             summary.no_loss_tokens += 1
             continue
+        chosen.images, rejected.images = (c_pics or [None])[0], (r_pics or [None])[0]
         if len(chosen) + len(rejected) > seq_len:
-            if summary.overlong == "skip":
+            if summary.overlong == "skip" or c_pics:
                 summary.too_long += 1
                 continue
             shift = 0 if whole else 2  # a shifted sequence of L tokens is an example of L - 1
@@ -228,10 +237,12 @@ class PreferenceDataset(SFTDataset):
     """Rows of whole pairs: SFT's packed rows (documents, restarting positions, padding as its own
     document), with bins that keep each pair's two sequences together and in order."""
 
-    def __init__(self, pairs: Sequence[PreferencePair], seq_len: int, pad_id: int, packing: bool = True) -> None:
+    def __init__(self, pairs: Sequence[PreferencePair], seq_len: int, pad_id: int, packing: bool = True,
+                 images: ImageEncoding | None = None) -> None:
         if not pairs:
             raise UserError("no preference pairs left to train on (see the data summary above)")
-        super().__init__([ex for p in pairs for ex in (p.chosen, p.rejected)], seq_len, pad_id, packing=True)
+        super().__init__([ex for p in pairs for ex in (p.chosen, p.rejected)], seq_len, pad_id, packing=True,
+                         images=images)
         self.packing_pairs = packing
         self.bins = []
         used = seq_len + 1  # forces a new row for the first pair
@@ -244,14 +255,15 @@ class PreferenceDataset(SFTDataset):
 
 
 def build_preference_dataset(records: Sequence[Record], source: str, tokenizer: Tokenizer, chat: ChatFormat | None,
-                             *, seq_len: int, packing: bool = True, overlong: Overlong = "truncate"
-                             ) -> tuple[PreferenceDataset, PreferenceSummary]:
-    """Records -> tokenized pairs -> rows; plus the summary to report."""
+                             *, seq_len: int, packing: bool = True, overlong: Overlong = "truncate",
+                             images: ImageEncoding | None = None) -> tuple[PreferenceDataset, PreferenceSummary]:
+    """Records -> tokenized pairs -> rows; plus the summary to report. ``images``: a vision-language model's
+    image encoding (prompts with image parts)."""
     summary = PreferenceSummary(source=source, records=len(records), seq_len=seq_len, overlong=overlong)
-    pairs = tokenize_pairs(records, tokenizer, chat, seq_len, summary)
+    pairs = tokenize_pairs(records, tokenizer, chat, seq_len, summary, images=images)
     if not pairs:
         raise UserError(summary.line() + ": no pairs left to train on")
-    dataset = PreferenceDataset(pairs, seq_len, tokenizer.pad_id, packing)
+    dataset = PreferenceDataset(pairs, seq_len, tokenizer.pad_id, packing, images)
     summary.sequences, summary.fill = len(dataset), dataset.fill
     return dataset, summary
 

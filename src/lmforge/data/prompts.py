@@ -52,6 +52,8 @@ def prompt_records(data: Any, tasks: Any, split: Literal["train", "test"], promp
         if split == "train":
             raise UserError(f"data.train={data.train!r}: GRPO needs prompts (embedded, or a .jsonl/.parquet file)")
         return []
+    if spec.kind == "embedded" and tasks.images:
+        raise UserError("tasks.names=[\"shapes\"] is the image task: it trains with `lmforge sft` (GRPO prompts are text)")
     if spec.kind == "embedded":  # a subset of the tasks keeps the default per-task share of each split
         share = task_share(split, tasks.names)
         n = share if split == "train" else min(tasks.eval_examples, share)

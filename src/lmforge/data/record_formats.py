@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from lmforge.data.chat import validate_messages, validate_tools
+from lmforge.data.images import IMAGES_KEY
 from lmforge.errors import UserError
 
 PROMPT_TURNS = "prompt_turns"
@@ -60,7 +61,8 @@ def _string(record: dict[str, Any], key: str, fmt: str, optional: bool = False) 
 def _with_tools(out: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
     """``out`` with the record's ``tools`` (function schemas the template shows the model), if it has any."""
     tools = validate_tools(record.get("tools"))
-    return {**out, "tools": tools} if tools else out
+    out = {**out, "tools": tools} if tools else out
+    return {**out, IMAGES_KEY: record[IMAGES_KEY]} if record.get(IMAGES_KEY) is not None else out
 
 
 def messages_record(record: dict[str, Any]) -> dict[str, Any]:
@@ -68,7 +70,7 @@ def messages_record(record: dict[str, Any]) -> dict[str, Any]:
     (assistant messages may carry ``tool_calls``; ``tools`` is optional)."""
     if "messages" not in record:
         raise ValueError(f"missing key 'messages' (format messages; keys: {_keys(record)})")
-    return _with_tools({"messages": validate_messages(record["messages"])}, record)
+    return _with_tools({"messages": validate_messages(record["messages"], images=True)}, record)
 
 
 def prompt_completion_record(record: dict[str, Any]) -> dict[str, Any]:
@@ -85,7 +87,8 @@ def prompt_completion_record(record: dict[str, Any]) -> dict[str, Any]:
     if isinstance(prompt, list) and isinstance(completion, list):
         if not completion:
             raise ValueError("'completion' is an empty message list")
-        return _with_tools({"messages": validate_messages(prompt + completion), PROMPT_TURNS: len(prompt)}, record)
+        messages = validate_messages(prompt + completion, images=True)
+        return _with_tools({"messages": messages, PROMPT_TURNS: len(prompt)}, record)
     raise ValueError(f"'prompt' and 'completion' must both be strings or both message lists "
                      f"(got {type(prompt).__name__} and {type(completion).__name__})")
 

@@ -36,6 +36,9 @@ import numpy as np
 import torch
 
 from lmforge.data.chat import ChatFormat, validate_messages
+from lmforge.data.image_chat import has_images, image_chat, record_directory
+from lmforge.data.image_tokens import ImageEncoding, expand_markers
+from lmforge.data.images import ImageTooLarge
 from lmforge.data.overlong import Overlong, fit_sequence, overlong_phrase
 from lmforge.data.packing import IGNORE_INDEX, Sample
 from lmforge.data.record_formats import PROMPT_TURNS, check_format, detect_format, to_sft_record
@@ -56,6 +59,9 @@ class Example:
     value: float | None = None
     """A number an objective reads per example, carried into its batch as ``document_values`` (KTO's
     desirability, a reward-model pair's margin); None for plain SFT examples."""
+    images: list[Any] | None = None
+    """The example's images (RGB PIL), in the order of its image tokens; run through the image processor
+    when a sample is built, so memory holds the small decoded images, not their pixel rows."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -77,6 +83,10 @@ class DataSummary:
     responses_cut: int = 0
     """Of the truncated, those whose response lost its end (it did not fit even without its prompt)."""
     loss_tokens: int = 0
+    images: int = 0
+    """Images of the examples kept."""
+    image_too_large: int = 0
+    """Records skipped for an image over ``sft.max_image_pixels``."""
     fill: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -84,8 +94,12 @@ class DataSummary:
         mode = f"packed, {100 * self.fill:.1f}% of tokens used" if self.packing else "padded"
         text = (f"sft data {self.source}: {self.records} records -> {self.examples} examples, "
                 f"{self.loss_tokens} loss tokens, {self.sequences} sequences of {self.seq_len} ({mode})")
+        if self.images:
+            text = text.replace(" examples, ", f" examples ({self.images} images), ", 1)
         if self.no_loss_tokens:
             text += f"; skipped {self.no_loss_tokens} without loss tokens"
+        if self.image_too_large:
+            text += f"; skipped {self.image_too_large} with an image over sft.max_image_pixels"
         overlong = overlong_phrase(self.too_long + self.truncated, self.records, "records",
                                    f"{self.seq_len + 1} tokens", self.overlong,
                                    self.responses_cut)
@@ -94,7 +108,8 @@ class DataSummary:
     def counts(self) -> dict[str, int]:
         return {"records": self.records, "examples": self.examples, "sequences": self.sequences,
                 "skipped_no_loss_tokens": self.no_loss_tokens, "skipped_too_long": self.too_long,
-                "truncated": self.truncated, "responses_cut": self.responses_cut, "loss_tokens": self.loss_tokens}
+                "truncated": self.truncated, "responses_cut": self.responses_cut, "loss_tokens": self.loss_tokens,
+                "images": self.images, "skipped_image_too_large": self.image_too_large}
 
 
 # ---------------------------------------------------------------------------------------- reading
@@ -129,14 +144,22 @@ def task_records(examples: Sequence[TaskExample], split: str = "train") -> list[
 
 
 # ---------------------------------------------------------------------------------------- tokenizing
+Tokenized = tuple  # (ids, loss mask) or, with images, (ids, loss mask, images)
+
+
 def _tokenize(record: dict[str, Any], tokenizer: Tokenizer, chat: ChatFormat | None,
-              loss_on: str) -> tuple[list[int], list[bool]]:
-    """Token ids and a per-token "carries loss" mask (before shifting)."""
+              loss_on: str, images: ImageEncoding | None = None, base: Path | None = None) -> Tokenized:
+    """Token ids and a per-token "carries loss" mask (before shifting), and a chat's images if it has any."""
+    pictures: list[Any] = []
     if "messages" in record:
         if chat is None:
             raise ValueError(f"conversational records need a chat template and {tokenizer!r} has none "
                              "(give one with sft.chat_template=FILE.jinja)")
-        messages = validate_messages(record["messages"])
+        messages = validate_messages(record["messages"], images=True)
+        counts: list[int] = []
+        if has_images(messages):
+            prepared = image_chat(messages, record, base, images)
+            messages, pictures, counts = prepared.messages, prepared.images, prepared.counts
         tools = record.get("tools")
         enc = chat.encode(messages, tools)
         ids, mask = enc.ids, enc.assistant_mask
@@ -147,6 +170,9 @@ def _tokenize(record: dict[str, Any], tokenizer: Tokenizer, chat: ChatFormat | N
                 raise ValueError("the chat template renders the prompt differently on its own and before the "
                                  "completion, so the completion cannot be located; use the messages format")
             mask = [False] * len(prompt) + mask[len(prompt):]
+        if pictures:
+            assert images is not None
+            ids, mask = expand_markers(ids, mask, images, counts)
     elif "prompt" in record or "completion" in record:
         prompt, completion = record.get("prompt"), record.get("completion")
         if not isinstance(prompt, str) or not isinstance(completion, str):
@@ -163,29 +189,40 @@ def _tokenize(record: dict[str, Any], tokenizer: Tokenizer, chat: ChatFormat | N
         raise ValueError(f"record has none of 'messages', 'prompt'/'completion', 'text' "
                          f"(keys: {', '.join(sorted(record)) or 'none'})")
     if loss_on == "all":
-        mask = [True] * len(ids)
-    return ids, mask
+        image_token = images.image_token_id if images is not None else None
+        mask = [t != image_token for t in ids]
+    return (ids, mask, pictures) if pictures else (ids, mask)
 
 
 def tokenize_records(records: Sequence[Record], tokenizer: Tokenizer, chat: ChatFormat | None,
-                     loss_on: Literal["assistant", "all"] = "assistant") -> list[tuple[list[int], list[bool]]]:
+                     loss_on: Literal["assistant", "all"] = "assistant", images: ImageEncoding | None = None,
+                     summary: DataSummary | None = None) -> list[Tokenized]:
+    """Each record's (ids, mask), plus its images for a chat with image parts (``images``: the model's
+    image encoding, None for a text model). A problem is one line naming the record; an image over the
+    size limit skips its record, counted in ``summary`` (an error without one)."""
     out = []
     for where, record in records:
         try:
-            out.append(_tokenize(record, tokenizer, chat, loss_on))
+            out.append(_tokenize(record, tokenizer, chat, loss_on, images, record_directory(where)))
+        except ImageTooLarge as e:
+            if summary is None:
+                raise UserError(f"{where}: {e}") from None
+            summary.image_too_large += 1
         except ValueError as e:
             raise UserError(f"{where}: {e}") from None
     return out
 
 
-def prepare_examples(tokenized: Sequence[tuple[list[int], list[bool]]], seq_len: int,
+def prepare_examples(tokenized: Sequence[Tokenized], seq_len: int,
                      overlong: Overlong, summary: DataSummary) -> list[Example]:
     """Shift each example into (inputs, labels); skip or truncate (:func:`lmforge.data.overlong.fit_sequence`)
-    those longer than ``seq_len + 1`` tokens (``seq_len`` after the shift)."""
+    those longer than ``seq_len + 1`` tokens (``seq_len`` after the shift). One with images is skipped,
+    never truncated: a cut could split an image's tokens from its pixels."""
     examples: list[Example] = []
-    for ids, mask in tokenized:
+    for ids, mask, *rest in tokenized:
+        pictures = rest[0] if rest else None
         if len(ids) - 1 > seq_len:
-            if overlong == "skip":
+            if overlong == "skip" or pictures:
                 summary.too_long += 1
                 continue
             (ids, mask), response_cut = fit_sequence((ids, mask), seq_len + 1)
@@ -197,8 +234,9 @@ def prepare_examples(tokenized: Sequence[tuple[list[int], list[bool]]], seq_len:
             summary.no_loss_tokens += 1
             continue
         labels = np.where(carries, targets, IGNORE_INDEX)
-        examples.append(Example(np.asarray(ids[:-1], dtype=np.int64), labels))
+        examples.append(Example(np.asarray(ids[:-1], dtype=np.int64), labels, images=pictures))
         summary.loss_tokens += int(carries.sum())
+        summary.images += len(pictures or [])
     summary.examples = len(examples)
     return examples
 
@@ -212,13 +250,15 @@ class SFTDataset:
     a real token's output.
     """
 
-    def __init__(self, examples: Sequence[Example], seq_len: int, pad_id: int, packing: bool = True) -> None:
+    def __init__(self, examples: Sequence[Example], seq_len: int, pad_id: int, packing: bool = True,
+                 images: ImageEncoding | None = None) -> None:
         if not examples:
             raise UserError("no SFT examples left to train on (see the data summary above)")
         self.examples = list(examples)
         self.seq_len = seq_len
         self.pad_id = pad_id
         self.packing = packing
+        self.images = images
         self.bins: list[list[int]] = []
         if packing:
             used = seq_len + 1  # forces a new bin for the first example
@@ -240,6 +280,14 @@ class SFTDataset:
         return len(self.bins)
 
     def __getitem__(self, i: int) -> Sample:
+        sample = self._tokens(i)
+        pictures = [p for j in self.bins[i] for p in (self.examples[j].images or [])]
+        if pictures:  # the images travel with their documents' tokens, in the same order
+            assert self.images is not None, "examples with images need the model's image encoding"
+            sample.pixel_values, sample.image_grid_thw = self.images.process(pictures)
+        return sample
+
+    def _tokens(self, i: int) -> Sample:
         T = self.seq_len
         inputs = np.full(T, self.pad_id, dtype=np.int64)
         labels = np.full(T, IGNORE_INDEX, dtype=np.int64)
@@ -269,14 +317,16 @@ class SFTDataset:
 
 def build_sft_dataset(records: Sequence[Record], source: str, tokenizer: Tokenizer, chat: ChatFormat | None, *,
                       seq_len: int, loss_on: Literal["assistant", "all"] = "assistant",
-                      overlong: Overlong = "truncate", packing: bool = True) -> tuple[SFTDataset, DataSummary]:
-    """Records -> tokenized, masked, filtered examples -> samples; plus the summary to report."""
+                      overlong: Overlong = "truncate", packing: bool = True,
+                      images: ImageEncoding | None = None) -> tuple[SFTDataset, DataSummary]:
+    """Records -> tokenized, masked, filtered examples -> samples; plus the summary to report. ``images``:
+    the model's image encoding (:func:`lmforge.data.image_tokens.image_encoding_for`) when it reads images."""
     summary = DataSummary(source=source, records=len(records), seq_len=seq_len, packing=packing, overlong=overlong)
-    tokenized = tokenize_records(records, tokenizer, chat, loss_on)
+    tokenized = tokenize_records(records, tokenizer, chat, loss_on, images, summary)
     examples = prepare_examples(tokenized, seq_len, overlong, summary)
     if not examples:
         raise UserError(summary.line() + ": no examples left to train on")
-    dataset = SFTDataset(examples, seq_len, tokenizer.pad_id, packing)
+    dataset = SFTDataset(examples, seq_len, tokenizer.pad_id, packing, images)
     summary.sequences = len(dataset)
     summary.fill = dataset.fill
     return dataset, summary

@@ -69,6 +69,8 @@ def task_accuracy(model: Transformer, tokenizer: Tokenizer, examples: Sequence[T
 def held_out_examples(tasks: TasksSection) -> list[TaskExample]:
     """The held-out embedded task examples a run is scored on: ``tasks.eval_examples`` of them, at most
     the selected tasks' share of the test split, so SFT and GRPO on the same tasks score the same set."""
+    if tasks.images:  # the image task is scored by lmforge.evaluation.image_tasks
+        return []
     n = min(tasks.eval_examples, task_share("test", tasks.names))
     return task_examples("test", n, tasks.names) if n else []
 

@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from lmforge.data.chat import BYTE_CHAT_TEMPLATE, stop_token_ids
 from lmforge.errors import UserError
@@ -67,6 +67,40 @@ def write_hf_dir(model: Transformer, tokenizer: Tokenizer, out: Path) -> None:
     save_hf_model(state, model.args, out, bos_token_id=tokenizer.bos_id,
                   eos_token_id=stops if len(stops) > 1 else stops[0], pad_token_id=tokenizer.pad_id, score=score)
     write_tokenizer_files(tokenizer, out)
+    write_image_processor_files(model.args, tokenizer, out)
+
+
+IMAGE_TOKEN_NAMES = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+                     "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
+"""Qwen's image tokens, by the args naming their ids: what the byte tokenizer's export adds at those ids."""
+
+
+def write_image_processor_files(args: Any, tokenizer: Tokenizer, out: Path) -> None:
+    """A vision-language model's ``preprocessor_config.json`` (the image processor training used, so
+    transformers resizes and patches images the same way); with the byte tokenizer, its ``tokenizer.json``
+    gains Qwen's image tokens at the model's ids (the ids between are reserved tokens), so the family's
+    placeholder text tokenizes to the ids the model was trained on. Nothing for a text model."""
+    from lmforge.data.image_tokens import image_encoding_for
+
+    encoding = image_encoding_for(args, tokenizer)
+    if encoding is None:
+        return
+    encoding.processor.save_pretrained(str(out))
+    if not isinstance(tokenizer, ByteTokenizer):
+        return
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTok
+
+    wanted = {getattr(args, key): text for key, text in IMAGE_TOKEN_NAMES.items() if hasattr(args, key)}
+    if not wanted:
+        return
+    tok = HFTok.from_file(str(out / "tokenizer.json"))
+    for i in range(tok.get_vocab_size(), max(wanted) + 1):
+        text = wanted.get(i, f"<|reserved_{i}|>")
+        tok.add_special_tokens([AddedToken(text, special=True, normalized=False)])
+        if tok.token_to_id(text) != i:
+            raise UserError(f"export: the byte tokenizer cannot place {text} at id {i}")
+    tok.save(str(out / "tokenizer.json"))
 
 
 def export_gguf(source: str | Path, out_file: str | Path, gguf_type: str = "f16") -> Path:

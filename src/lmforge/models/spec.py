@@ -24,7 +24,8 @@ from lmforge.models.args import ModelArgs, load_families, register_args_class, r
 from lmforge.models.state_dict_adapter import StateDictAdapter
 
 __all__ = [
-    "DECODER_LORA_TARGETS", "GGUFFormat", "ModelSpec", "get_spec", "gguf_format_for", "lora_targets_for",
+    "DECODER_LORA_TARGETS", "GGUFFormat", "ModelSpec", "freeze_groups", "get_spec", "gguf_format_for",
+    "lora_targets_for",
     "parameters_of", "register_spec", "registered_model_types",
     "registered_specs", "spec_for_args",
     "spec_for_hf_config",
@@ -47,6 +48,9 @@ FlopsPerToken = Callable[[ModelArgs, int, int | None], float]
 """(args, seq_len, adapter_params) -> training FLOPs per token (see ``flops.flops_per_token``)."""
 TrainingFlops = Callable[[ModelArgs, Iterable[int], int | None], float]
 """(args, document lengths, adapter_params) -> training FLOPs of a batch (see ``flops.training_flops``)."""
+ImageFlops = Callable[[ModelArgs, Any, int, bool], float]
+"""(args, image_grid_thw or None, number of images, training) -> FLOPs of the vision tower and projector over a
+batch's images (forward only when ``training`` is False: a frozen tower is not differentiated)."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,9 @@ class ModelSpec:
     ``decoder_config()`` builds its modules; checkpoints of the family load into it."""
     sizes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Named sizes (``model.size``) of the family's published models: ``args_class`` fields."""
+    image_flops: ImageFlops | None = None
+    """A vision-language family's tower FLOPs for a batch's images (the decoder's are ``training_flops``,
+    over image and text tokens alike); None for a text family."""
     parameter_groups: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """The model's parts by role, name -> the parameter-name prefixes it covers (a vision-language model's
     ``vision_tower``, ``projector``, ``language_model``), so a recipe can freeze or tune one part by name
@@ -127,6 +134,18 @@ def parameters_of(model: nn.Module, spec: ModelSpec, group: str) -> list[tuple[s
     prefixes = spec.parameter_groups[group]
     return [(n, p) for n, p in model.named_parameters()
             if any(strip_wrapper_prefixes(n) == x or strip_wrapper_prefixes(n).startswith(x + ".") for x in prefixes)]
+
+
+def freeze_groups(model: nn.Module, spec: ModelSpec, groups: Iterable[str]) -> int:
+    """Stop the parameters of ``spec``'s parameter ``groups`` training (``model.freeze``: a vision-language
+    model's tower or projector kept as it is); returns how many weights were frozen. One line naming the
+    known groups for an unknown one, or for a family of one part."""
+    frozen = 0
+    for group in groups:
+        for _, p in parameters_of(model, spec, group):
+            frozen += p.numel() if p.requires_grad else 0
+            p.requires_grad_(False)
+    return frozen
 
 
 def lora_targets_for(args: ModelArgs, requested: Iterable[str] | None) -> dict[str, str]:

@@ -35,11 +35,17 @@ def cross_entropy_loss(model: nn.Module, batch: Batch, chunk_tokens: int = DEFAU
     For a mixture of experts, ``router`` adds the load-balancing terms, over the batch's real
     (non-padding) tokens, to the loss that is differentiated (not to the logged loss; see
     :mod:`lmforge.objectives.router`).
+
+    A batch with images (``pixel_values``, Qwen's ``image_grid_thw``) hands them to the model, whose tower
+    puts their features at the image tokens.
     """
     mask = batch.labels != IGNORE_INDEX
     head = TargetLogprobSumHead(batch.labels, mask, chunk_tokens=chunk_tokens)
-    logprob_sum, hits = model(batch.input_ids, position_ids=batch.position_ids, document_ids=batch.document_ids,
-                              head=head)
+    images = batch.image_inputs()
+    # with Qwen's grids the model numbers the tokens itself (multimodal positions, per document)
+    positions = None if "image_grid_thw" in images else batch.position_ids
+    logprob_sum, hits = model(batch.input_ids, position_ids=positions, document_ids=batch.document_ids,
+                              head=head, **images)
     loss_sum = -logprob_sum
     targets = mask.sum()
     stats = LossStats(loss_sum.detach(), targets, targets, {"correct": hits.sum()})

@@ -37,7 +37,9 @@ def sequence_logprobs(model: Any, batch: Batch, chunk_tokens: int = DEFAULT_CHUN
     each sequence's number of response tokens."""
     mask = batch.labels != IGNORE_INDEX
     head = TargetLogprobHead(batch.labels, mask, chunk_tokens=chunk_tokens)
-    out = model(batch.input_ids, position_ids=batch.position_ids, document_ids=batch.document_ids, head=head)
+    images = batch.image_inputs()  # a vision-language model's images (Qwen: positions from their grids)
+    positions = None if "image_grid_thw" in images else batch.position_ids
+    out = model(batch.input_ids, position_ids=positions, document_ids=batch.document_ids, head=head, **images)
     index = sequence_index(batch, out.positions)
     sums = out.logprobs.new_zeros(2 * pairs_in(batch)).index_add(0, index, out.logprobs)
     if not with_lengths:

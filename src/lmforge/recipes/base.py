@@ -76,6 +76,12 @@ def recipes() -> dict[str, Recipe]:
         for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
             if info.name not in ("base", "skeleton"):
                 importlib.import_module(f"{package.__name__}.{info.name}")
+        # a recipe module imported before this first call registered early: put lmforge's own back in module order
+        own = sorted((r for r in _REGISTRY.values() if type(r).__module__.startswith(package.__name__ + ".")),
+                     key=lambda r: type(r).__module__)
+        rest = [r for r in _REGISTRY.values() if r not in own]
+        _REGISTRY.clear()
+        _REGISTRY.update({r.name: r for r in own + rest})
         from lmforge.plugins import load_entry_points
 
         for ep, obj in load_entry_points("lmforge.recipes"):

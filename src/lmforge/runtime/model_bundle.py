@@ -19,7 +19,7 @@ from lmforge.models.heads import attach_head, head_of
 from lmforge.models.load import LoadedModel, ModelSource, load_model
 from lmforge.models.lora import apply_lora, base_weights_fingerprint, trainable_parameters
 from lmforge.models.model import Transformer
-from lmforge.models.spec import ModelSpec, spec_for_args
+from lmforge.models.spec import ModelSpec, freeze_groups, parameters_of, spec_for_args
 from lmforge.models.tokenizer import Tokenizer
 from lmforge.parallel import ParallelOptions, parallelize_decoder
 from lmforge.parallel.layout_checks import check_layout
@@ -58,10 +58,20 @@ class ModelBundle:
     device_type: str
     notes: dict[str, Any]
     """What the setup line says of how the model was built (dtype, compile, host memory: the why)."""
+    tower_trains: bool = True
+    """Whether any weight of a vision-language model's tower or projector trains (its FLOPs then count a
+    backward pass); see ``model.freeze``."""
 
     def training_flops(self, document_lengths: list[int]) -> float:
         """Training FLOPs of a batch's real documents for this run's model (LoRA counted as such)."""
         return self.spec.training_flops(self.args, document_lengths, self.adapter_params)
+
+    def image_flops(self, image_grid_thw: torch.Tensor | None, n_images: int) -> float:
+        """Training FLOPs of the vision tower and projector over a batch's images (0 without images or for a
+        text family): forward and backward, or the forward alone when they are frozen."""
+        if not n_images or self.spec.image_flops is None:
+            return 0.0
+        return self.spec.image_flops(self.args, image_grid_thw, n_images, self.tower_trains)
 
     def autocast(self) -> Any:
         if self.dtype == "bfloat16":
@@ -100,6 +110,12 @@ def build_model_bundle(cfg: Config, plan: RunPlan, world: World, trainer: str, h
                         "base_weights": base_weights_fingerprint(model)}
         apply_lora(model, cfg.lora, info.device)
         adapter_params = trainable_parameters(model)[0]
+    spec = spec_for_args(args)
+    if cfg.model.freeze:  # before any wrapper, as LoRA
+        description |= {"freeze": list(cfg.model.freeze)}
+        freeze_groups(model, spec, cfg.model.freeze)
+    tower_trains = any(p.requires_grad for group in ("vision_tower", "projector")
+                       if group in spec.parameter_groups for _, p in parameters_of(model, spec, group))
     if head:  # after LoRA, which freezes all it does not add: the head trains either way
         attach_head(model, head)
         description |= {"head": head}
@@ -109,7 +125,6 @@ def build_model_bundle(cfg: Config, plan: RunPlan, world: World, trainer: str, h
     check_resume_compatible(plan.run, args, description)
     model.to(info.device)
     dtype, dtype_why = choose_dtype(cfg.training.dtype, info.device, model.num_params(exclude_embeddings=True))
-    spec = spec_for_args(args)
     peak, peak_src = peak_flops_per_device(  # MFU is measured against the peak of the dtype in use
         info.device, torch.bfloat16 if dtype == "bfloat16" else torch.float32,
         cfg.metrics.peak_tflops * 1e12 if cfg.metrics.peak_tflops else None)
@@ -120,7 +135,7 @@ def build_model_bundle(cfg: Config, plan: RunPlan, world: World, trainer: str, h
              "host_memory": host_memory, "peak_source": peak_src}
     module = parallelize(model, spec, cfg, world, bf16=dtype == "bfloat16", compile=compile_on)
     return ModelBundle(loaded.tokenizer, args, spec, model, module, loaded.source, description, dtype,
-                       adapter_params, fpt, peak, info.device.type, notes)
+                       adapter_params, fpt, peak, info.device.type, notes, tower_trains)
 
 
 def parallelize(model: Transformer, spec: ModelSpec, cfg: Config, world: World, bf16: bool,

@@ -44,6 +44,7 @@ def _register():  # type: ignore[no-untyped-def]
         args_from_hf=_hf.args_from_hf, hf_config=_hf.hf_config, check_exportable=_hf.check_exportable,
         state_dict_adapter=QWEN2_5_VL_LAYOUT, build=Qwen2_5_VLModel, fused_decode=False,
         args_class=Qwen2_5_VLArgs, sizes=QWEN2_5_VL_SIZES, parameter_groups=PARAMETER_GROUPS,
+        image_flops=lambda a, grid, n, training: vision_flops(a, grid, training),
     ))
 
 

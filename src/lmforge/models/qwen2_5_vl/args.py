@@ -85,4 +85,11 @@ QWEN2_5_VL_SIZES: dict[str, dict[str, Any]] = {
                           rope_theta=1000000.0, max_seq_len=128000, tie_embeddings=True, **_TOWER),
     "qwen2.5-vl-7b": dict(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn_hidden_dim=18944, norm_eps=1e-6,
                           rope_theta=1000000.0, max_seq_len=128000, tie_embeddings=False, **_TOWER),
+    # A tiny random model for CPU runs (configs/sft_vlm_debug.toml) with the byte tokenizer: its image ids sit in
+    # the byte vocabulary's padding (263-319), which the tokenizer never produces.
+    "qwen2.5-vl-debug": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden_dim=384, norm_eps=1e-6,
+                             rope_theta=10000.0, max_seq_len=1024, tie_embeddings=True, vision_depth=2,
+                             vision_dim=64, vision_ffn_dim=128, vision_heads=2, window_size=112,
+                             vision_full_attention_layers=[1], mrope_section=[4, 6, 6], image_token_id=300,
+                             video_token_id=301, vision_start_token_id=302, vision_end_token_id=303),
 }

@@ -42,6 +42,7 @@ def _register():  # type: ignore[no-untyped-def]
         args_from_hf=_hf.args_from_hf, hf_config=_hf.hf_config, check_exportable=_hf.check_exportable,
         state_dict_adapter=QWEN3_VL_LAYOUT, build=Qwen3VLModel, fused_decode=False,
         args_class=Qwen3VLArgs, sizes=QWEN3_VL_SIZES, parameter_groups=PARAMETER_GROUPS,
+        image_flops=lambda a, grid, n, training: vision_flops(a, grid, training),
     ))
 
 

@@ -43,7 +43,16 @@ class VisionLanguageModel(Transformer):
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
         super().init_weights(seed)
-        if self.visual is not None:
+        if self.visual is None:
+            return
+        device = next(self.visual.parameters()).device
+        if seed is None or device.type == "meta":
+            self.visual.init_weights()
+            return
+        # the towers draw from the global RNG: seeded here (and restored after), so the whole model depends only
+        # on ``seed``, as the decoder does (a LoRA run's random base is rebuilt from it at export)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed + 1)
             self.visual.init_weights()
 
     def embed(self, tokens: Tensor) -> Tensor:

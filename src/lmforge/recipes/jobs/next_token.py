@@ -24,7 +24,7 @@ class LoaderSource:
         self.fingerprint = dataset_fingerprint(dataset)
         self.on_data_change = rt.cfg.checkpoint.on_data_change
         self.warn = rt.metrics.console
-        self.flops = rt.model.training_flops
+        self.flops, self.image_flops = rt.model.training_flops, rt.model.image_flops
         self.context_shard, self.cp = rt.world.shard_batch, rt.world.layout.cp
         self.loader = StepLoader(dataset, t.global_batch_size, t.micro_batch_size, rt.world.dist.batch_share, rt.world.dist.batch_shares,
                                  seed=t.seed, shuffle=rt.cfg.data.shuffle, prefetch=rt.cfg.data.prefetch,
@@ -33,10 +33,12 @@ class LoaderSource:
     def next_step(self, step: int) -> StepBatch:
         microbatches = self.loader.next_step()
         lengths = [n for mb in microbatches for n in mb.real_document_lengths()]
+        # a vision-language batch's tower FLOPs, from its host-side grids (image tokens are in the decoder's)
+        towers = sum(self.image_flops(mb.image_grid_thw, mb.image_count) for mb in microbatches)
         # under context parallelism this rank holds 1/cp of every sequence, and (load-balanced) of the work
         microbatches = [self.context_shard(mb) for mb in microbatches]
         return StepBatch(microbatches, tokens=sum(mb.input_ids.numel() for mb in microbatches),
-                         flops=self.flops(lengths) / self.cp)
+                         flops=(self.flops(lengths) + towers) / self.cp)
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.loader.state_dict(), "fingerprint": self.fingerprint}

@@ -7,9 +7,12 @@ A recipe of this kind is then only its own section, its objective and (KTO) how 
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Callable
 
 from lmforge.data.chat import ChatFormat, training_chat_format
+from lmforge.data.image_tokens import ImageEncoding, image_encoding_for
 from lmforge.data.inputs import DataSpec, train_and_validation
 from lmforge.data.overlong import Overlong
 from lmforge.data.preference_data import PreferenceDataset, PreferenceSummary, build_preference_dataset, read_preference_records
@@ -28,10 +31,12 @@ PairBuilder = Callable[[str, Tokenizer, "ChatFormat | None", int, bool, Overlong
 
 
 def preference_pairs(path: str, tokenizer: Tokenizer, chat: ChatFormat | None, seq_len: int,
-                     packing: bool, overlong: Overlong) -> tuple[PreferenceDataset, PreferenceSummary]:
-    """``prompt``/``chosen``/``rejected`` records to rows of pairs (DPO, ORPO, SimPO)."""
+                     packing: bool, overlong: Overlong,
+                     images: ImageEncoding | None = None) -> tuple[PreferenceDataset, PreferenceSummary]:
+    """``prompt``/``chosen``/``rejected`` records to rows of pairs (DPO, ORPO, SimPO); ``images``: a
+    vision-language model's image encoding, for prompts with image parts."""
     return build_preference_dataset(read_preference_records(path), path, tokenizer, chat, seq_len=seq_len,
-                                    packing=packing, overlong=overlong)
+                                    packing=packing, overlong=overlong, images=images)
 
 
 class PreferenceSource(LoaderSource):
@@ -67,6 +72,9 @@ def preference_datasets(rt: Runtime, section: PreferenceSection, method: str,
     """Train and validation rows of pairs; each summary (pairs kept, skipped) is logged as ``{method}_data``."""
     d = rt.cfg.data
     chat = training_chat_format(rt.model.tokenizer, rt.model.args.vocab_size, section.chat_template)
+    images = image_encoding_for(rt.model.args, rt.model.tokenizer)
+    if images is not None and "images" in inspect.signature(build).parameters:  # prompts with images (DPO, ORPO,
+        build = functools.partial(build, images=images)  # SimPO); the other builders read text
 
     def one(spec: DataSpec, split: str) -> PreferenceDataset:
         dataset, summary = build(spec.value, rt.model.tokenizer, chat, d.seq_len, section.packing, d.overlong)

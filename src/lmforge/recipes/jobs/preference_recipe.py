@@ -45,11 +45,13 @@ class PreferenceRecipe(Recipe):
     """Forward passes per step besides the policy's (counted in the step's FLOPs)."""
 
     @staticmethod
-    def pairs(path: str, tokenizer: Any, chat: Any, seq_len: int, packing: bool, overlong: Any) -> Any:
-        """How the records become rows of pairs (:data:`~lmforge.recipes.jobs.preference.PairBuilder`)."""
+    def pairs(path: str, tokenizer: Any, chat: Any, seq_len: int, packing: bool, overlong: Any,
+              images: Any = None) -> Any:
+        """How the records become rows of pairs (:data:`~lmforge.recipes.jobs.preference.PairBuilder`);
+        ``images``: a vision-language model's image encoding (prompts with image parts)."""
         from lmforge.recipes.jobs.preference import preference_pairs
 
-        return preference_pairs(path, tokenizer, chat, seq_len, packing, overlong)
+        return preference_pairs(path, tokenizer, chat, seq_len, packing, overlong, images)
 
     def check(self, cfg: Any) -> None:
         check_preference_data(cfg, self.method, self.records)
