@@ -65,7 +65,8 @@ def test_packed_sft_step_flops_match_flop_counter(tiny):
                                                  device=torch.device("cpu")),
                             layout=SimpleNamespace(cp=1), shard_batch=lambda batch: batch)
     rt = SimpleNamespace(cfg=cfg, metrics=SimpleNamespace(console=print), world=world,
-                         model=SimpleNamespace(args=args, training_flops=lambda lengths: training_flops(args, lengths)))
+                         model=SimpleNamespace(args=args, training_flops=lambda lengths: training_flops(args, lengths),
+                                                 image_flops=lambda grids, n_images: 0.0))
     step = LoaderSource(rt, dataset).next_step(1)
     documents = []
     for mb in step.microbatches:  # cut every row at its document boundaries; drop the padding tail
