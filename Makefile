@@ -31,7 +31,7 @@ train: $(VENV)/.core
 	$(VENV)/bin/lmforge pretrain --config configs/debug.toml
 
 test: $(VENV)/.dev
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
 # The API reference, built with pdoc from the docstrings into docs/api/ (git-ignored); a module that
 # does not import stops the build (tests/test_docs.py builds it the same way).
