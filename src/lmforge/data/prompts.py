@@ -4,8 +4,11 @@ receive as ``answer``."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
+from lmforge.data.chat import validate_messages
+from lmforge.data.image_chat import has_images, record_directory
 from lmforge.data.inputs import train_spec, validation_spec
 from lmforge.data.record_formats import prompt_messages
 from lmforge.data.sources import read_records
@@ -25,7 +28,10 @@ def read_prompt_records(spec: str, prompt_field: str = "prompt", answer_field: s
         prompt = record.get(prompt_field)
         if isinstance(prompt, list):
             try:
-                prompt_messages(prompt)
+                if has_images([m for m in prompt if isinstance(m, dict)]):  # a vision-language prompt
+                    record = {**record, prompt_field: _absolute_paths(validate_messages(prompt, images=True), where)}
+                else:
+                    prompt_messages(prompt)
             except ValueError as e:
                 raise UserError(f"{where}: `{prompt_field}`: {e}") from None
         elif not isinstance(prompt, str):
@@ -53,7 +59,8 @@ def prompt_records(data: Any, tasks: Any, split: Literal["train", "test"], promp
             raise UserError(f"data.train={data.train!r}: GRPO needs prompts (embedded, or a .jsonl/.parquet file)")
         return []
     if spec.kind == "embedded" and tasks.images:
-        raise UserError("tasks.names=[\"shapes\"] is the image task: it trains with `lmforge sft` (GRPO prompts are text)")
+        raise UserError("tasks.names=[\"shapes\"] is the image task: it trains with `lmforge sft` (GRPO reads image "
+                        "prompts from a .jsonl file: docs/vlm.md)")
     if spec.kind == "embedded":  # a subset of the tasks keeps the default per-task share of each split
         share = task_share(split, tasks.names)
         n = share if split == "train" else min(tasks.eval_examples, share)
@@ -61,3 +68,20 @@ def prompt_records(data: Any, tasks: Any, split: Literal["train", "test"], promp
                 for e in task_examples(split, n, tasks=tasks.names)]
     records = read_prompt_records(spec.value, prompt_field, answer_field)
     return records if split == "train" else records[: tasks.eval_examples]
+
+
+def _absolute_paths(messages: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
+    """Image parts' relative ``path`` read against the record's file's directory (as SFT reads them), so the
+    prompt can be prepared later without knowing where it came from."""
+    base = record_directory(where)
+    if base is None:
+        return messages
+    out = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, list):
+            content = [{**p, "path": str(base / p["path"])} if isinstance(p, dict) and p.get("type") == "image"
+                       and isinstance(p.get("path"), str) and not Path(p["path"]).is_absolute() else p
+                       for p in content]
+        out.append({**m, "content": content})
+    return out

@@ -57,12 +57,26 @@ class PolicyBatch:
     routes: Tensor | None = None
     """[n_moe_layers, B, T, k] the experts the rollout engine sent each input token to (``grpo.router_replay``):
     every forward over this batch replays them (:mod:`lmforge.models.layers.routing_replay`)."""
+    pixel_values: Tensor | None = None
+    """The rows' prompt images in row order (a vision-language policy; see ``Batch.pixel_values``): every
+    forward over this batch (old, reference, loss) sees the images the completions were sampled on."""
+    image_grid_thw: Tensor | None = None
+    """Qwen: the images' patch grids, in the same order; None for Gemma 3 and text."""
+
+    def image_inputs(self) -> dict[str, Tensor]:
+        """The model's image keyword arguments; empty for text."""
+        if self.pixel_values is None:
+            return {}
+        out = {"pixel_values": self.pixel_values}
+        if self.image_grid_thw is not None:
+            out["image_grid_thw"] = self.image_grid_thw
+        return out
 
     def to(self, device: torch.device | str) -> "PolicyBatch":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return PolicyBatch(move(self.input_ids), move(self.targets), move(self.mask), move(self.advantages),
                            move(self.old_logprobs), move(self.ref_logprobs), move(self.rollout_logprobs),
-                           move(self.routes))
+                           move(self.routes), move(self.pixel_values), move(self.image_grid_thw))
 
 
 def policy_rows(prompts: list[list[int]], completions: list[list[int]], keep: list[bool], pad_id: int,
@@ -180,7 +194,7 @@ def policy_logprobs(model: nn.Module, batch: PolicyBatch, temperature: float, *,
     head = TargetLogprobHead(batch.targets, batch.mask > 0, chunk_tokens=chunk_tokens, temperature=temperature,
                              entropy=entropy)
     with replay_routes(model, batch.routes):
-        out = model(batch.input_ids, head=head)
+        out = model(batch.input_ids, head=head, **batch.image_inputs())
     shape = batch.targets.shape
     ent = None if out.entropy is None else out.dense(out.entropy, shape)
     return out.dense(out.logprobs, shape), ent

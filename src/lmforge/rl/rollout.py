@@ -28,6 +28,7 @@ from lmforge.rl.engines.lmforge_engine import LmforgeEngine
 from lmforge.objectives.grpo import (
     AdvantageScale, AdvantageStd, PolicyBatch, group_advantages, policy_rows, token_logprobs,
 )
+from lmforge.rl.image_prompts import PromptImages, attach_images
 from lmforge.rl.rewards import WeightedReward, score_completions
 from lmforge.losses.chunked_loss import DEFAULT_CHUNK_TOKENS
 
@@ -140,6 +141,13 @@ class SampledGroups:
     token_versions: list[list[int]] | None = None
     """Per completion: the weight version that sampled each token (``grpo.partial_rollouts``, whose
     completions span several); None: every token was sampled at ``version``."""
+    images: list[Any] | None = None
+    """Per group: the prompt's :class:`lmforge.rl.image_prompts.PromptImages` (None for a text prompt);
+    None: a text round. Every forward over the group's completions takes them."""
+
+    def __post_init__(self) -> None:
+        if self.images:  # restored from a checkpoint's rank state (``dataclasses.asdict``): dicts again
+            self.images = [PromptImages(**x) if isinstance(x, dict) else x for x in self.images]
 
     def __len__(self) -> int:
         return len(self.records)
@@ -160,7 +168,8 @@ class SampledGroups:
                              logprobs=None if self.logprobs is None else pick(self.logprobs), version=self.version,
                              completion_masks=None if self.completion_masks is None else pick(self.completion_masks),
                              metrics=dict(self.metrics), routes=None if self.routes is None else pick(self.routes),
-                             token_versions=None if self.token_versions is None else pick(self.token_versions))
+                             token_versions=None if self.token_versions is None else pick(self.token_versions),
+                             images=None if self.images is None else [self.images[i] for i in groups])
 
     @staticmethod
     def concat(parts: Sequence["SampledGroups"], group_size: int) -> "SampledGroups":
@@ -170,7 +179,8 @@ class SampledGroups:
                             completion_masks=[] if parts and all(p.completion_masks is not None for p in parts) else None,
                             routes=[] if parts and all(p.routes is not None for p in parts) else None,
                             token_versions=([] if parts and any(p.token_versions is not None for p in parts)
-                                            else None))
+                                            else None),
+                            images=[] if parts and any(p.images is not None for p in parts) else None)
         rows = sum(len(p.completion_ids) for p in parts)
         for key in {k for p in parts for k in p.metrics}:  # means weighted by rows
             out.metrics[key] = sum(p.metrics.get(key, 0.0) * len(p.completion_ids) for p in parts) / max(rows, 1)
@@ -183,6 +193,8 @@ class SampledGroups:
                 out.routes += p.routes  # type: ignore[operator]
             if out.token_versions is not None:
                 out.token_versions += p.token_versions or [[p.version] * len(c) for c in p.completion_ids]
+            if out.images is not None:
+                out.images += p.images or [None] * len(p.records)
             out.records += p.records
             out.prompt_ids += p.prompt_ids
             out.completion_ids += p.completion_ids
@@ -199,7 +211,7 @@ def sample_groups(
     engine: RolloutEngine, records: Sequence[dict[str, Any]], prompt_ids: Sequence[list[int]],
     rewards: Sequence[WeightedReward], s: RolloutSettings, *, stop_ids: Sequence[int],
     decode: Callable[[list[int]], str], seed_for: Callable[[int], int], prompt_field: str = "prompt",
-    engine_logprobs: bool = False,
+    engine_logprobs: bool = False, images: Sequence[Any] | None = None,
 ) -> SampledGroups:
     """G completions for each of ``records`` from ``engine``, scored by ``rewards``.
 
@@ -207,6 +219,7 @@ def sample_groups(
     ``seed_for(k * prompts_per_generation)`` (the trainer derives it from the global position of the
     call's first prompt, so the same prompts draw the same completions at any world size).
     ``engine_logprobs``: keep the engine's log-probs of the sampled tokens (the behaviour policy's).
+    ``images``: per record, its prompt's images (lmforge's engine only), or None for a text round.
     """
     G = s.num_generations
     per_call = s.prompts_per_generation or len(prompt_ids)
@@ -215,13 +228,15 @@ def sample_groups(
     t0 = time.perf_counter()
     for lo in range(0, len(prompt_ids), per_call):
         rows = [list(p) for p in prompt_ids[lo:lo + per_call] for _ in range(G)]
-        completions_out += engine.generate(rows, sampling, seed=seed_for(lo), logprobs=engine_logprobs)
+        extra = {} if images is None else {"images": [im for im in images[lo:lo + per_call] for _ in range(G)]}
+        completions_out += engine.generate(rows, sampling, seed=seed_for(lo), logprobs=engine_logprobs, **extra)
     gen_seconds = time.perf_counter() - t0
     logprobs = [list(c.logprobs or []) for c in completions_out] if engine_logprobs else None
     routes = [c.routes for c in completions_out]
     groups = score_groups(records, prompt_ids, completions_out, rewards, sampling, decode=decode,
                           prompt_field=prompt_field, group_size=G, gen_seconds=gen_seconds, logprobs=logprobs)
     groups.routes = routes if routes and all(r is not None for r in routes) else None
+    groups.images = None if images is None else list(images)
     return groups
 
 
@@ -261,6 +276,8 @@ def build_rollout(
         keep = [not (s.mask_truncated and t) for t in groups.truncated[start:end]]
         masks = None if groups.completion_masks is None else groups.completion_masks[start:end]
         mb = policy_rows(rows[start:end], groups.completion_ids[start:end], keep, pad_id, advantages[start:end], device, masks)
+        if groups.images is not None:  # before any forward over the batch: they all see the prompts' pixels
+            attach_images(mb, [groups.images[r // G] for r in range(start, min(end, len(rows)))])
         if groups.routes is not None:  # before any forward over the batch: they all replay the engine's experts
             mb.routes = dense_routes(groups.routes[start:end], mb.input_ids.shape, device)
         if s.need_old_logprobs:

@@ -39,6 +39,7 @@ from lmforge.rl.engines.base import RolloutEngine, SamplingSettings
 from lmforge.rl.engines.factory import engine_kind, make_engine, rollout_dtype
 from lmforge.rl.engines.lmforge_engine import LmforgeEngine
 from lmforge.rl.episode_groups import load_environment, sample_episode_groups
+from lmforge.rl.image_prompts import check_image_prompts, image_prompt, is_image_prompt
 from lmforge.rl.rewards import WeightedReward
 from lmforge.rl.partial_rollouts import PartialRolloutQueue, PartialRound, advance_round, finish_round, mask_stale_tokens
 from lmforge.rl.rollout_queue import RolloutQueue
@@ -91,6 +92,8 @@ class RolloutSource:
                             "mixture-of-experts layers, so there is no routing to replay")
         if g.router_replay:
             check_replay_layout(rt.cfg.parallel)
+        self.image_encoding = check_image_prompts(rt.model.args, rt.model.tokenizer, g, prompts)
+        """The policy's image encoding when some prompt has images (None: a text run)."""
         if self.queue is not None and live and (_is_fsdp(rt.model.module) or _is_fsdp(rt.model.raw)):
             raise UserError("grpo.async_steps with grpo.engine=lmforge needs whole weights on every rank (one process "
                             "or DDP): under FSDP2 use grpo.engine=vllm")
@@ -289,12 +292,20 @@ class RolloutSource:
                                            seed=seed_for(0), prompt_field=field, engine_logprobs=self.engine_logprobs,
                                            max_total_tokens=self.g.max_total_tokens)
         else:
-            prompt_ids = [prompt_token_ids(rt.model.tokenizer, r[field], self.chat) for r in records]
-            groups = sample_groups(engine, records, prompt_ids, self.rewards, self.settings, stop_ids=self.stop_ids,
-                                   decode=rt.model.tokenizer.decode, seed_for=seed_for, prompt_field=field,
-                                   engine_logprobs=self.engine_logprobs)
+            prompts = [self.prompt(r) for r in records]
+            images = [im for _, im in prompts] if self.image_encoding is not None else None
+            groups = sample_groups(engine, records, [ids for ids, _ in prompts], self.rewards, self.settings,
+                                   stop_ids=self.stop_ids, decode=rt.model.tokenizer.decode, seed_for=seed_for,
+                                   prompt_field=field, engine_logprobs=self.engine_logprobs, images=images)
         groups.version = engine.version
         return groups
+
+    def prompt(self, record: dict[str, Any]) -> tuple[list[int], Any]:
+        """A record's prompt ids and its images (:class:`PromptImages`, None for a text prompt)."""
+        prompt = record[self.g.prompt_field]
+        if self.image_encoding is not None and is_image_prompt(prompt):
+            return image_prompt(prompt, record, self.image_encoding, self.chat)
+        return prompt_token_ids(self.rt.model.tokenizer, prompt, self.chat), None
 
     def state_dict(self) -> dict[str, Any]:
         reference = self.reference.state_dict() if self.reference else {"reference": str(self.rt.model.source)}

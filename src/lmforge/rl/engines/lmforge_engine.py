@@ -18,6 +18,11 @@ sampled from up to kernel differences (the decoder itself does not keep them). W
 (``grpo.router_replay``, a mixture-of-experts policy) that pass also records the experts every MoE layer
 sent each token to (:func:`lmforge.models.layers.routing_replay.recorded_routes`): the routing the
 behaviour log-probs were computed with, which the trainer's forwards then replay.
+
+Prompts with images (``images``, one :class:`lmforge.rl.image_prompts.PromptImages` per row) are sampled
+one row at a time by the vision-language decoder (:func:`lmforge.models.vision.generate.generate_with_images`:
+the prefill runs the tower, later tokens continue the multimodal positions), all rows of a call drawing
+from the call's one seeded generator; their log-probs come from the teacher-forced pass with the pixels.
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ import torch
 from torch import nn
 
 from lmforge.models.generate import generate
+from lmforge.models.vision.generate import generate_with_images
 from lmforge.rl.engines.base import Completion, SamplingSettings
+from lmforge.rl.image_prompts import PromptImages, attach_images
 
 
 class LmforgeEngine:
@@ -69,20 +76,35 @@ class LmforgeEngine:
         self.sync_seconds = time.perf_counter() - t0
 
     def generate(self, prompts: Sequence[list[int]], sampling: SamplingSettings, *, seed: int,
-                 logprobs: bool = False) -> list[Completion]:
+                 logprobs: bool = False, images: Sequence[PromptImages | None] | None = None) -> list[Completion]:
+        """``images``: each row's prompt images (a vision-language policy), or None for text prompts."""
         if self.model is None:
             raise RuntimeError("LmforgeEngine.generate before load_weights")
         device = next(self.model.parameters()).device
         generator = torch.Generator(device=device).manual_seed(seed)
         with self.autocast if self.autocast is not None else nullcontext():
-            ids = generate(self.model, [list(p) for p in prompts], sampling.max_new_tokens,
-                           stop_ids=list(sampling.stop_ids), pad_id=self.pad_id, temperature=sampling.temperature,
-                           top_p=sampling.top_p, generator=generator, lockstep=self.lockstep)
+            if images is not None:
+                ids = [self._one_with_images(p, im, sampling, generator) for p, im in zip(prompts, images)]
+            else:
+                ids = generate(self.model, [list(p) for p in prompts], sampling.max_new_tokens,
+                               stop_ids=list(sampling.stop_ids), pad_id=self.pad_id, temperature=sampling.temperature,
+                               top_p=sampling.top_p, generator=generator, lockstep=self.lockstep)
             if logprobs or self.record_routes:
-                lps, routes = self.teacher_forced(prompts, ids, sampling.temperature)
+                lps, routes = self.teacher_forced(prompts, ids, sampling.temperature, images)
             else:
                 lps, routes = [None] * len(ids), [None] * len(ids)
         return [Completion(c, lp if logprobs else None, r) for c, lp, r in zip(ids, lps, routes)]
+
+    def _one_with_images(self, prompt: list[int], images: PromptImages | None, sampling: SamplingSettings,
+                         generator: torch.Generator) -> list[int]:
+        """One row's completion: the vision-language decoder with its images, or the text decoder without."""
+        if images is None:
+            return generate(self.model, [list(prompt)], sampling.max_new_tokens, stop_ids=list(sampling.stop_ids),
+                            pad_id=self.pad_id, temperature=sampling.temperature, top_p=sampling.top_p,
+                            generator=generator)[0]
+        return generate_with_images(self.model, prompt, images.pixel_values, images.image_grid_thw,
+                                    sampling.max_new_tokens, list(sampling.stop_ids), sampling.temperature,
+                                    sampling.top_p, generator)
 
     def sampled_logprobs(self, prompts: Sequence[list[int]], completions: list[list[int]],
                          temperature: float) -> list[list[float]]:
@@ -90,8 +112,8 @@ class LmforgeEngine:
         return self.teacher_forced(prompts, completions, temperature)[0]
 
     @torch.no_grad()
-    def teacher_forced(self, prompts: Sequence[list[int]], completions: list[list[int]],
-                       temperature: float) -> tuple[list[list[float]], list[Any]]:
+    def teacher_forced(self, prompts: Sequence[list[int]], completions: list[list[int]], temperature: float,
+                       images: Sequence[PromptImages | None] | None = None) -> tuple[list[list[float]], list[Any]]:
         """log p of each completion token under softmax(logits / temperature), teacher-forced, and with
         ``record_routes`` each row's experts per MoE layer and input token (else None per row)."""
         from lmforge.models.layers.routing_replay import recorded_routes
@@ -107,6 +129,8 @@ class LmforgeEngine:
                 routes += [None] * len(c)
                 continue
             batch = policy_rows(p, c, [True] * len(c), self.pad_id, torch.zeros(len(c)), device)
+            if images is not None:
+                attach_images(batch, images[lo:lo + 16])
             dense = token_logprobs(self.model, batch, temperature, self.chunk_tokens).float().cpu()
             out += [dense[i, len(pi) - 1: len(pi) - 1 + len(ci)].tolist() for i, (pi, ci) in enumerate(zip(p, c))]
             if self.record_routes:
