@@ -147,3 +147,14 @@ def test_what_takes_no_image_prompts_is_one_line(tmp_path):
                        (dict(router_replay=True), "router_replay")]:
         with pytest.raises(UserError, match=match):
             check_image_prompts(vl, tok, SimpleNamespace(**(g | bad)), records)
+
+
+def test_image_prompts_to_a_text_model_stop_the_run_in_one_line(tmp_path, capfd):
+    _prompts(tmp_path, 1)
+    args = ["grpo", *tiny_run_args("prompts.jsonl", data_seq_len=None, training_steps=1, training_global_batch_size=2,
+                                   grpo_num_generations=2, grpo_max_new_tokens=2), "--rewards=exact_answer",
+            "--run.dir=run"]
+    assert lmforge_in_process(*args, cwd=tmp_path) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err[-1] == ("error: a GRPO prompt has image parts and the model reads text only (train a vision-language "
+                       "model: qwen2_5_vl, qwen3_vl, gemma3)")
