@@ -118,7 +118,7 @@ def _content_parts(content: list[Any], i: int, images: bool) -> str | list[dict[
         else:
             kind = p.get("type") if isinstance(p, dict) else type(p).__name__
             hint = ("" if images or kind != "image" else
-                    " in this data (images train in SFT and DPO with a vision-language model)")
+                    " in this data (images train in SFT, DPO and GRPO with a vision-language model)")
             raise ValueError(f"message {i}: content part {kind!r} is not supported{hint}; parts are "
                              "{'type': 'text', 'text': ...}" + (" or {'type': 'image', ...}" if images else ""))
     if not any(p["type"] == "image" for p in out):
