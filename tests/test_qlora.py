@@ -114,3 +114,30 @@ def test_bad_qlora_config_is_one_line(tmp_path, capfd, monkeypatch):
     moe = Transformer(ModelArgs(**(ARGS.__dict__ | dict(n_experts=4, n_experts_per_token=2, moe_ffn_dim=16))))
     with pytest.raises(UserError, match=r"^lora.quantize=nf4 does not support mixtures of experts"):
         _qlora(moe)
+
+
+def test_an_eval_forward_leaves_the_training_gradients_as_they_were():
+    """bitsandbytes repacks a Linear4bit's weight for its CPU inference kernel on the first forward in
+    eval mode without grad (on CPUs with AVX512-BF16), and that kernel passes no gradient back to the
+    input: an eval before training would cut every adapter below the last block off its gradient (and
+    crash on a biased projection). lmforge's NF4 layers keep the training layout."""
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+
+    def adapter_grads(evaluate_first: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)  # peft draws lora_A from the global generator
+        model = _qlora(_model())
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:  # away from zero, so every adapter's gradient reaches lora_A too
+                nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(3))
+        if evaluate_first:
+            model.eval()
+            with torch.no_grad():
+                model(tokens)
+            model.train()
+        model(tokens).float().logsumexp(-1).mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    straight, after_eval = adapter_grads(False), adapter_grads(True)
+    assert straight.keys() == after_eval.keys()
+    for name in straight:
+        assert torch.equal(straight[name], after_eval[name]), name

@@ -79,6 +79,10 @@ def quantize_base(model: nn.Module, device: torch.device) -> nn.Module:
     for parent, child, linear in _projections(model):
         q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
                               compute_dtype=torch.float32, compress_statistics=True, quant_type="nf4")
+        # bitsandbytes repacks the weight for its CPU inference kernel on an eval-mode forward without grad
+        # (CPUs with AVX512-BF16) and keeps it so; that kernel gives the input no gradient, so a later train
+        # step would silently stop every gradient below the layer (and fail on a bias). Keep one layout.
+        q.support_avx512bf16_for_cpu = False
         q.weight = bnb.nn.Params4bit(linear.weight.data.float().cpu(), requires_grad=False, quant_type="nf4",
                                      blocksize=QUANT_BLOCK, compress_statistics=True)
         if linear.bias is not None:
