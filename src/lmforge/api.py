@@ -16,6 +16,7 @@ Errors in the user's input raise :class:`lmforge.errors.UserError` (a bad config
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -166,6 +167,11 @@ def run_recipe_isolated(recipe: Recipe, cfg: Config, rewards: Mapping[str, Calla
             stack.enter_context(_appended(logger.RECORD_HOOKS, on_record))
         rt = run_recipe(recipe, cfg)
         run_dir = Path(rt.world.run_dir)
+        # Free the model while the process group is still registered: a DDP reducer that holds the last
+        # reference to a gloo group would destroy it with the GIL held, joining worker threads that may
+        # need the GIL to free their finished work, and the rank would hang at exit.
+        del rt
+        gc.collect()
     return read_run(recipe.name, run_dir)
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -125,7 +126,11 @@ def _restart_safe_store(world: int, timeout_s: float) -> dist.Store | None:
 
 
 def shutdown() -> None:
+    """Leave the process group. The group's destructor joins gloo's worker threads while holding the
+    GIL; a worker still freeing a finished work item whose tensors Python saw waits for the GIL, so the
+    pause first lets such a worker finish instead of both waiting forever."""
     if dist.is_initialized():
+        time.sleep(0.05)
         dist.destroy_process_group()
 
 
