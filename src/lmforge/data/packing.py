@@ -20,6 +20,14 @@ __all__ = ["IGNORE_INDEX", "Sample", "Batch", "collate", "SampleDataset", "Packe
 IGNORE_INDEX = -100  # matches torch.nn.functional.cross_entropy's default ignore_index
 
 
+def image_inputs(pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """A vision-language model's image keyword arguments (Qwen's grids only where there are some); empty
+    without images. Every batch type that carries images hands them to the model through here."""
+    if pixel_values is None:
+        return {}
+    return {"pixel_values": pixel_values} | ({} if image_grid_thw is None else {"image_grid_thw": image_grid_thw})
+
+
 @dataclass
 class Sample:
     """One training sequence of length T. ``labels`` uses IGNORE_INDEX where there is no loss.
@@ -84,12 +92,7 @@ class Batch:
 
     def image_inputs(self) -> dict[str, torch.Tensor]:
         """The model's image keyword arguments (``pixel_values``, ``image_grid_thw``); empty for text."""
-        if self.pixel_values is None:
-            return {}
-        out = {"pixel_values": self.pixel_values}
-        if self.image_grid_thw is not None:
-            out["image_grid_thw"] = self.image_grid_thw
-        return out
+        return image_inputs(self.pixel_values, self.image_grid_thw)
 
     def real_document_lengths(self) -> list[int]:
         """Lengths of every real document of the batch (all rows), from host data only."""

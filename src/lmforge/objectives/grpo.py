@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from lmforge.data.packing import image_inputs
 from lmforge.distributed import EVERY_RANK, ReduceGroup
 from lmforge.objectives.policy_losses import PolicyLoss, check_policy_loss, policy_terms
 from lmforge.losses.chunked_loss import DEFAULT_CHUNK_TOKENS, TargetLogprobHead
@@ -65,12 +66,7 @@ class PolicyBatch:
 
     def image_inputs(self) -> dict[str, Tensor]:
         """The model's image keyword arguments; empty for text."""
-        if self.pixel_values is None:
-            return {}
-        out = {"pixel_values": self.pixel_values}
-        if self.image_grid_thw is not None:
-            out["image_grid_thw"] = self.image_grid_thw
-        return out
+        return image_inputs(self.pixel_values, self.image_grid_thw)
 
     def to(self, device: torch.device | str) -> "PolicyBatch":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
