@@ -34,8 +34,8 @@ from lmforge.models.model import Transformer, model_args_for  # noqa: E402
 from lmforge.models.tokenizer import load_tokenizer  # noqa: E402
 from lmforge.objectives.next_token import NextTokenObjective  # noqa: E402
 from lmforge.runtime.precision import choose_dtype  # noqa: E402
-from lmforge.optim.adamw import build_optimizer
-    from lmforge.training.train_step import gradient_computation, run_optimizer_step  # noqa: E402
+from lmforge.optim.adamw import build_optimizer  # noqa: E402
+from lmforge.training.train_step import gradient_computation, run_optimizer_step  # noqa: E402
 
 KINDS = {  # op-name fragments -> kind, first match wins
     "matmul": ("mm", "addmm", "linear", "matmul", "bmm", "baddbmm"),
