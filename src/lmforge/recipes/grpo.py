@@ -170,6 +170,15 @@ def check_batch_shape(cfg: GRPOConfig, world_size: int) -> None:
             "prompt's group of completions must sit whole on one rank")
 
 
+def check_expert_parallel_engine(cfg: GRPOConfig) -> None:
+    """``parallel.ep`` only with lmforge's engine: it samples from the trainer's own expert-parallel modules,
+    every rank decoding in lockstep (its MoE layers' all-to-alls are collectives); no other engine has run
+    with the experts split over ranks (vLLM would read the policy's weights through a weight sync)."""
+    if cfg.parallel.ep > 1 and cfg.grpo.engine != "lmforge":
+        raise UserError(f"parallel.ep={cfg.parallel.ep} with grpo.engine={cfg.grpo.engine} is not supported: "
+                        "GRPO runs expert parallelism with grpo.engine=lmforge only")
+
+
 @dataclass
 class GRPOInputs:
     rewards: list[WeightedReward]
@@ -182,6 +191,7 @@ class GRPO(Recipe):
     name = "grpo"
     config = GRPOConfig
     summary = "GRPO/DAPO reinforcement learning with verifiable rewards"
+    expert_parallel = True
 
     def check(self, cfg: GRPOConfig) -> GRPOInputs:
         """Everything the user can get wrong (batch shape, rewards, prompt data), before any work."""
@@ -193,6 +203,7 @@ class GRPO(Recipe):
 
         g = cfg.grpo
         check_batch_shape(cfg, 1)
+        check_expert_parallel_engine(cfg)
         named = not g.environment or "rewards" in g.model_fields_set  # an environment brings its own reward
         judge = JudgeSettings(g.judge_model, g.judge_rubric, g.judge_timeout_s, g.judge_retries, g.judge_max_score,
                               g.judge_max_failed, g.judge_concurrency, g.judge_api_key_env)
