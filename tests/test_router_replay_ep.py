@@ -78,12 +78,14 @@ def test_router_replay_under_expert_parallelism_matches_one_process(tiny_task, f
     assert 0 < train["ep"][1]["grpo/rollout_logprob_gap"] < 0.05  # bf16 engine vs fp32 trainer, same routing
 
 
-def test_expert_parallelism_with_another_engine_is_one_line(tiny_task, capfd):
+@pytest.mark.parametrize("flags, needle", [(dict(grpo_engine="vllm"), "with grpo.engine=vllm is not supported"),
+                                           (dict(grpo_async_steps=1), "with grpo.async_steps is not supported")],
+                         ids=["vllm", "async_steps"])
+def test_what_expert_parallel_grpo_refuses_is_one_line(tiny_task, capfd, flags, needle):
     from _helpers import lmforge_in_process
 
-    rc = lmforge_in_process(*_grpo_args("vllm_ep", training_steps=1, grpo_engine="vllm", parallel_ep=2),
-                            cwd=tiny_task)
+    rc = lmforge_in_process(*_grpo_args("refused", training_steps=1, parallel_ep=2, **flags), cwd=tiny_task)
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert rc == 2 and len(lines) == 1, err[-1500:]
-    assert "parallel.ep=2 with grpo.engine=vllm is not supported" in lines[0], lines
+    assert f"parallel.ep=2 {needle}" in lines[0], lines

@@ -171,12 +171,16 @@ def check_batch_shape(cfg: GRPOConfig, world_size: int) -> None:
 
 
 def check_expert_parallel_engine(cfg: GRPOConfig) -> None:
-    """``parallel.ep`` only with lmforge's engine: it samples from the trainer's own expert-parallel modules,
-    every rank decoding in lockstep (its MoE layers' all-to-alls are collectives); no other engine has run
-    with the experts split over ranks (vLLM would read the policy's weights through a weight sync)."""
-    if cfg.parallel.ep > 1 and cfg.grpo.engine != "lmforge":
-        raise UserError(f"parallel.ep={cfg.parallel.ep} with grpo.engine={cfg.grpo.engine} is not supported: "
+    """``parallel.ep`` only with lmforge's engine sampling from the live policy: its expert-parallel modules,
+    every rank decoding in lockstep (the MoE layers' all-to-alls are collectives). No other engine has run
+    with the experts split over ranks, and sampling ahead (``async_steps``) needs whole weights per rank."""
+    ep, g = cfg.parallel.ep, cfg.grpo
+    if ep > 1 and g.engine != "lmforge":
+        raise UserError(f"parallel.ep={ep} with grpo.engine={g.engine} is not supported: "
                         "GRPO runs expert parallelism with grpo.engine=lmforge only")
+    if ep > 1 and g.async_steps:
+        raise UserError(f"parallel.ep={ep} with grpo.async_steps is not supported: lmforge's engine samples ahead "
+                        "from a whole copy of the weights on every rank, and expert parallelism splits the experts")
 
 
 @dataclass
