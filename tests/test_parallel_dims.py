@@ -103,3 +103,10 @@ def test_recipes_without_model_splitting_refuse_it_in_one_line(capsys):
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1
     assert "parallel.tp=2: `lmforge dpo` runs with data parallelism only" in err and "pretrain" in err
+    assert "(grpo also parallel.ep)" in err
+    rc = lmforge_in_process("grpo", *tiny_run_args(), "--parallel.tp=2", "--parallel.ep=2",
+                            "--run.dir=/nonexistent/never")
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1
+    assert "parallel.tp=2: `lmforge grpo` runs with data and expert parallelism only" in err, err
+    assert "parallel.ep=2:" not in err  # GRPO takes ep (tests/test_router_replay_ep.py runs it)

@@ -37,6 +37,11 @@ class Recipe:
     """Runs with tensor, context, expert or pipeline parallelism (``parallel.tp/cp/ep/pp``): its step
     source yields packed :class:`~lmforge.data.packing.Batch` microbatches and its objective reaches the
     model only through ``model(..., head=...)``."""
+    expert_parallel: ClassVar[bool] = False
+    """Runs with expert parallelism (``parallel.ep``) though it splits nothing else: every rank keeps its
+    own whole sequences (routing, the loss and any routing replay stay on the token's rank) and only the
+    MoE layers' expert runs travel, so the step source may yield any batch type; its forwards must come in
+    the same number on every rank (each MoE layer's all-to-all is a collective, as FSDP2's gathers are)."""
 
     def check(self, cfg: Any) -> Any:
         """Read and check the recipe's inputs before the runtime exists (nothing is written yet); what it

@@ -170,6 +170,19 @@ def check_batch_shape(cfg: GRPOConfig, world_size: int) -> None:
             "prompt's group of completions must sit whole on one rank")
 
 
+def check_expert_parallel_engine(cfg: GRPOConfig) -> None:
+    """``parallel.ep`` only with lmforge's engine sampling from the live policy: its expert-parallel modules,
+    every rank decoding in lockstep (the MoE layers' all-to-alls are collectives). No other engine has run
+    with the experts split over ranks, and sampling ahead (``async_steps``) needs whole weights per rank."""
+    ep, g = cfg.parallel.ep, cfg.grpo
+    if ep > 1 and g.engine != "lmforge":
+        raise UserError(f"parallel.ep={ep} with grpo.engine={g.engine} is not supported: "
+                        "GRPO runs expert parallelism with grpo.engine=lmforge only")
+    if ep > 1 and g.async_steps:
+        raise UserError(f"parallel.ep={ep} with grpo.async_steps is not supported: lmforge's engine samples ahead "
+                        "from a whole copy of the weights on every rank, and expert parallelism splits the experts")
+
+
 @dataclass
 class GRPOInputs:
     rewards: list[WeightedReward]
@@ -182,6 +195,7 @@ class GRPO(Recipe):
     name = "grpo"
     config = GRPOConfig
     summary = "GRPO/DAPO reinforcement learning with verifiable rewards"
+    expert_parallel = True
 
     def check(self, cfg: GRPOConfig) -> GRPOInputs:
         """Everything the user can get wrong (batch shape, rewards, prompt data), before any work."""
@@ -193,6 +207,7 @@ class GRPO(Recipe):
 
         g = cfg.grpo
         check_batch_shape(cfg, 1)
+        check_expert_parallel_engine(cfg)
         named = not g.environment or "rewards" in g.model_fields_set  # an environment brings its own reward
         judge = JudgeSettings(g.judge_model, g.judge_rubric, g.judge_timeout_s, g.judge_retries, g.judge_max_score,
                               g.judge_max_failed, g.judge_concurrency, g.judge_api_key_env)

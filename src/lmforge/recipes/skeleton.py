@@ -63,12 +63,19 @@ def with_router_note(services: RecipeServices, cfg: Any, trainer: str) -> Recipe
 
 
 def check_recipe_layout(recipe: Recipe, cfg: Any) -> None:
-    """Tensor, context, expert and pipeline parallelism only for the recipes built for them."""
+    """Tensor, context, expert and pipeline parallelism only for the recipes built for them (expert
+    parallelism alone also for those that keep whole sequences per rank: ``Recipe.expert_parallel``)."""
     p = cfg.parallel
     split = [f"parallel.{k}={getattr(p, k)}" for k in ("tp", "cp", "ep", "pp") if getattr(p, k) > 1]
-    if split and not recipe.splits_model:
+    refused = [] if recipe.splits_model else [
+        d for d in split if not (recipe.expert_parallel and d.startswith("parallel.ep="))]
+    if refused:
         able = ", ".join(name for name, r in recipes().items() if r.splits_model)
-        raise UserError(f"{', '.join(split)}: `lmforge {recipe.name}` runs with data parallelism only "
-                        f"(parallel.dp_replicate / parallel.dp_shard); {able} take the other degrees")
+        also = [name for name, r in recipes().items() if r.expert_parallel and not r.splits_model]
+        runs = ("data and expert parallelism only (parallel.dp_replicate / parallel.dp_shard / parallel.ep)"
+                if recipe.expert_parallel else "data parallelism only (parallel.dp_replicate / parallel.dp_shard)")
+        ep = "" if recipe.expert_parallel or not also else f" ({', '.join(also)} also parallel.ep)"
+        raise UserError(f"{', '.join(refused)}: `lmforge {recipe.name}` runs with {runs}; {able} take the other "
+                        f"degrees{ep}")
     if split and cfg.lora.enabled:
         raise UserError(f"{', '.join(split)} with lora.enabled: adapters train with data parallelism only")
