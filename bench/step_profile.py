@@ -35,6 +35,7 @@ from lmforge.models.tokenizer import load_tokenizer  # noqa: E402
 from lmforge.objectives.next_token import NextTokenObjective  # noqa: E402
 from lmforge.runtime.precision import choose_dtype  # noqa: E402
 from lmforge.optim.adamw import build_optimizer  # noqa: E402
+from lmforge.parallel.plans import apply_compile  # noqa: E402
 from lmforge.training.train_step import gradient_computation, run_optimizer_step  # noqa: E402
 
 KINDS = {  # op-name fragments -> kind, first match wins
@@ -56,7 +57,8 @@ def kind(name: str) -> str:
 class Step:
     """One train step of a model (the loop's pieces), callable repeatedly on a fixed batch."""
 
-    def __init__(self, size: str, dtype: str, seq_len: int, batch: int, device: torch.device) -> None:
+    def __init__(self, size: str, dtype: str, seq_len: int, batch: int, device: torch.device,
+                 compile_blocks: bool = False) -> None:
         tok = load_tokenizer("byte")
         self.args = model_args_for(size, tok.vocab_size)
         data = PackedTokenDataset(embedded_corpus("train"), tok, seq_len)
@@ -64,6 +66,8 @@ class Step:
         torch.manual_seed(0)
         self.model = Transformer(self.args).to(device)
         self.model.init_weights(seed=0)
+        if compile_blocks:
+            apply_compile(self.model)
         self.opt = build_optimizer(self.model, 3e-3, 0.1, (0.9, 0.95), 1e-8)
         self.objective = NextTokenObjective()
         self.dtype, self.device = dtype, device
@@ -143,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=5, help="profiled steps (after 3 warm-up steps)")
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--compile", action="store_true", help="each block compiled, as training.compile does")
     p.add_argument("--ab", action="store_true", help="only time fp32 and bf16 steps, interleaved")
     p.add_argument("--vs-bare", action="store_true", help="the trainer's fp32 step vs a bare one (CPU seconds)")
     a = p.parse_args(argv)
@@ -169,12 +174,12 @@ def main(argv: list[str] | None = None) -> None:
         nonemb = steps["float32"].model.num_params(exclude_embeddings=True)
         print("training.dtype=auto here: %s (%s)" % choose_dtype("auto", device, nonemb))
         return
-    step = Step(a.size, a.dtype, a.seq_len, a.batch, device)
+    step = Step(a.size, a.dtype, a.seq_len, a.batch, device, compile_blocks=a.compile)
     time_steps(step, 3)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         ts = time_steps(step, a.steps)
     wall = statistics.median(ts)
-    print(f"{a.size} {a.dtype}: median profiled step {wall * 1e3:.1f} ms ({step.tokens / wall:,.0f} tokens/s; "
+    print(f"{a.size} {a.dtype}{' compiled' if a.compile else ''}: median profiled step {wall * 1e3:.1f} ms ({step.tokens / wall:,.0f} tokens/s; "
           f"profiler overhead included), {step.flops / wall / 1e9:.1f} GFLOP/s")
     print_profile(prof, a.steps, a.rows)
     print(f"load after: {loadavg()}")
