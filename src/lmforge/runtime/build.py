@@ -38,6 +38,8 @@ class Runtime:
     """What every trainer runs on: the config, the world, the model, and the services around it."""
 
     cfg: Config
+    config_toml: str
+    """The config's text, settled once by the check phase (the setup line and ``config.toml``)."""
     world: World
     model: ModelBundle
     optimizer: torch.optim.Optimizer
@@ -55,7 +57,7 @@ class Runtime:
         if self.world.dist.is_main:
             run = RunDir(self.world.run_dir)
             try:
-                write_text(run.config, self.cfg.to_toml())
+                write_text(run.config, self.config_toml)
                 write_json(run.model_args, self.model.description)
             except OSError as e:
                 raise UserError(f"run.dir={run.root}: cannot write the run directory ({e.strerror or e})") from None
@@ -65,8 +67,8 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
     """Check, then the world, then the model, then the services (see the module's docstring).
 
     The services come in one straight line, each from its own section: the optimizer first (a model it
-    refuses stops the run before anything is logged), the metrics and the setup line, the guard, then
-    the checkpoint tiers (whatever they report comes after the setup line)."""
+    refuses stops the run before anything is logged), the metrics, the guard, the setup line, then the
+    checkpoint tiers (whatever they report comes after the setup line)."""
     plan = check_run(cfg)
     t = cfg.training
     world = start_world(t.device, t.threads, plan.layout, cfg.parallel, plan.run.root)
@@ -77,7 +79,7 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
                                         device=info.device, steps=t.steps, max_tokens=t.max_tokens,
                                         flops_per_token=model.flops_per_token, peak_flops=model.peak_flops,
                                         config=cfg.to_dict(), process_start=services.process_start)
-    log_setup(cfg, world, model, metrics, trainer, services.notes_for(model.args))
     guard = Guard.from_section(t, cfg.checkpoint, metrics, info.device.type)
+    log_setup(cfg, plan.config_toml, world, model, metrics, trainer, services.notes_for(model.args))
     checkpoints = build_checkpoints(cfg, info, plan.run, metrics, trainer, services)
-    return Runtime(cfg, world, model, optimizer, metrics, checkpoints, guard, services.step_hooks)
+    return Runtime(cfg, plan.config_toml, world, model, optimizer, metrics, checkpoints, guard, services.step_hooks)
