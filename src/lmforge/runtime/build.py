@@ -1,17 +1,20 @@
 """The runtime every recipe trains on, built in four phases.
 
 1. **check** (:mod:`.check`): the config alone, pure; nothing is written. It settles a
-   :class:`~lmforge.runtime.check.RunPlan` (the layout, the model's source, the run directory) that
-   the later phases take instead of working it out again.
+   :class:`~lmforge.runtime.check.RunPlan` (the layout, the model's source, the run directory, the
+   config's text) that the later phases take instead of working it out again.
 2. **world** (:mod:`.world`): process group, layout, mesh, reduce group, the claimed run directory.
-3. **model** (:mod:`.model_bundle`): loaded, adapted, checked, compiled where that pays, laid out over
-   the mesh.
+3. **model** (:mod:`.model_bundle`): loaded and adapted (the model layer), then checked against the
+   checkpoints to resume, its dtype and the device's peak chosen (:mod:`.precision`), compiled where
+   that pays (:mod:`.compile_cache`), laid out over the mesh.
 4. **services** (:mod:`.services`, built in :func:`build_runtime`): optimizer, metrics, the step
-   guard, checkpoint tiers, each from its own section, and what the recipe adds.
+   guard, the setup line, checkpoint tiers, each from its own section, and what the recipe adds.
 
-Each phase takes the plan, what the phases before it built and its own config sections, and calls
-down the layers in one line. The :class:`Runtime` holds what the phases built and is never changed
-afterwards.
+Each phase takes the plan, what the phases before it built and its own config sections; it runs the
+runtime's own steps before it calls down the layers, except where a decision needs a fact only a lower
+layer produces (the process group before the layout is agreed on, the loaded model before the
+checkpoints, dtype and compiling are decided; ARCHITECTURE.md, "The runtime"). The :class:`Runtime`
+holds what the phases built and is never changed afterwards.
 """
 
 from __future__ import annotations

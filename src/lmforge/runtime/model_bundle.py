@@ -1,6 +1,7 @@
-"""Phase 3 of a run: the model. Loaded from where the config says, adapted (LoRA, a head), checked
-against the layout and any checkpoint to resume, laid out over the mesh by its family's plan, and
-compiled where that pays; everything about it held by one :class:`ModelBundle`."""
+"""Phase 3 of a run: the model. Loaded from where the config says and adapted (LoRA, a head) by the
+model layer; then what the runtime decides once the model's shape and FLOPs are known (the checkpoints
+to resume must fit it, its dtype and the device's peak, whether compiling pays); then laid out over the
+mesh by its family's plan. Everything about it is held by one :class:`ModelBundle`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Phase 4 of a run: the services around the model. The optimizer, the MetricLogger (and its setup
-line), the checkpoint tiers and the step guard, plus what a recipe adds (:class:`RecipeServices`).
+line, from the model bundle's notes and the plan's config text), the step guard and the checkpoint
+tiers, plus what a recipe adds (:class:`RecipeServices`).
 Each is built from its own section: the MetricLogger from ``[metrics]``
 (:meth:`~lmforge.metrics.MetricLogger.from_section`), the guard from ``[training]``
 (:meth:`~lmforge.runtime.guard.Guard.from_section`), the optimizer from ``[optimizer]``, the tiers here."""
