@@ -5,7 +5,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from lmforge.models.flops import flops_per_token, matmul_params, measure_matmul_peak, peak_flops_per_device
+from lmforge.models.flops import flops_per_token, matmul_params
+from lmforge.runtime.precision import measure_matmul_peak, peak_flops_per_device
 from lmforge.models.model import Transformer, model_args_for
 
 
@@ -42,7 +43,7 @@ def test_flops_per_token_matches_torch_flop_counter():
 
 
 class _ScriptedMatmuls:
-    """``torch`` for ``lmforge.models.flops``, except that a matmul computes nothing and takes the next
+    """``torch`` for ``lmforge.runtime.precision``, except that a matmul computes nothing and takes the next
     of its shape's scripted seconds on a fake clock (the module's ``time``): the timing is exact."""
 
     def __init__(self, seconds: dict[tuple[int, int, int], list[float]]) -> None:
@@ -65,7 +66,7 @@ class _ScriptedMatmuls:
 def test_measured_peak_is_best_over_shapes(monkeypatch):
     """The peak over several shapes is the best single timed call of any of them, in FLOP/s (not the
     shortest call): warm-up calls and calls after a shape's time budget is spent do not count."""
-    from lmforge.models import flops
+    from lmforge.runtime import precision
 
     warmup = [1e-9, 1e-9]  # either would be the best call by far, were warm-ups timed
     seconds = {  # iters=4, budget 10 us per shape
@@ -78,8 +79,8 @@ def test_measured_peak_is_best_over_shapes(monkeypatch):
 
     def measure(*shapes):
         fake = _ScriptedMatmuls(seconds)
-        monkeypatch.setattr(flops, "torch", fake)
-        monkeypatch.setattr(flops, "time", fake)
+        monkeypatch.setattr(precision, "torch", fake)
+        monkeypatch.setattr(precision, "time", fake)
         peak = measure_matmul_peak("cpu", torch.float32, shapes=list(shapes), iters=4, budget_s=10e-6)
         assert fake.calls == {shape: calls[shape] if shape in shapes else 0 for shape in seconds}
         return peak

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from lmforge.errors import UserError
-from lmforge.models.flops import flops_per_token, matmul_params, measure_matmul_peak, peak_flops_per_device
+from lmforge.models.flops import flops_per_token, matmul_params
+from lmforge.runtime.precision import measure_matmul_peak, peak_flops_per_device
 from lmforge.models.hf import hf_state_dict_from_lmforge
 from lmforge.models.model import MODEL_SIZES, ModelArgs, Transformer, model_args_for
 

@@ -17,7 +17,7 @@ import torch
 from _helpers import lmforge_in_process, tail, tiny_run_args, torchrun
 from lmforge.checkpoint import Checkpointer
 from lmforge.checkpoint.checkpointer import load_model_weights
-from lmforge.config import Config, OptimizerSection
+from lmforge.config import OptimizerSection
 from lmforge.errors import UserError
 from lmforge.metrics.records import read_records
 from lmforge.models.model import ModelArgs, Transformer
@@ -229,4 +229,4 @@ def test_bad_optimizer_config_is_one_line(tmp_path, capfd, monkeypatch):
     assert not any(tmp_path.iterdir())  # refused before the run directory was made
     monkeypatch.undo()
     with pytest.raises(UserError, match=r"^optimizer.name=adamw8bit does not support FSDP \(parallel.dp_shard > 1\)"):
-        check_optimizer(Config(optimizer=OptimizerSection(name="adamw8bit")), sharded=True)
+        check_optimizer(OptimizerSection(name="adamw8bit"), lora=False, sharded=True)

@@ -2,15 +2,13 @@
 
 MFU = achieved model FLOP/s / peak FLOP/s of the hardware. The numerator counts only the
 FLOPs the model mathematically needs (no recomputation from activation checkpointing),
-so MFU stays comparable across memory-saving settings.
+so MFU stays comparable across memory-saving settings. The denominator is a fact of the device,
+not of the model: :func:`lmforge.runtime.precision.peak_flops_per_device`.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Iterable
-
-import torch
 
 from lmforge.models.args import ModelArgs
 from lmforge.models.configs import AttentionConfig, LatentAttentionConfig, MLPConfig, MoEConfig
@@ -129,124 +127,3 @@ def training_flops(args: ModelArgs, document_lengths: Iterable[int], adapter_par
             tokens += length
             units += length * _score_flop_units(args, length, layers)
     return weight_flops_per_token(args, adapter_params) * tokens + 6.0 * units
-
-
-# Dense (no structured sparsity) peak FLOP/s from vendor spec sheets: (bf16/fp16, tf32, fp32).
-# Order matters: the first key contained in the device name wins, so more specific names
-# (e.g. "H100 PCIE", "A100", "L40S") come before names they contain ("H100", "A10", "L4").
-_GPU_PEAKS: list[tuple[tuple[str, ...], tuple[float, float, float]]] = [
-    (("B200",), (2250e12, 1100e12, 80e12)),
-    (("GH200",), (989e12, 494.5e12, 67e12)),
-    (("H200", "NVL"), (835e12, 417.5e12, 60e12)),
-    (("H200",), (989e12, 494.5e12, 67e12)),
-    (("H100", "PCIE"), (756e12, 378e12, 51e12)),
-    (("H100", "NVL"), (835e12, 417.5e12, 60e12)),
-    (("H100",), (989e12, 494.5e12, 67e12)),
-    (("H800",), (989e12, 494.5e12, 67e12)),
-    (("A100",), (312e12, 156e12, 19.5e12)),
-    (("A800",), (312e12, 156e12, 19.5e12)),
-    (("A10G",), (70e12, 35e12, 31.2e12)),
-    (("A10",), (125e12, 62.5e12, 31.2e12)),
-    (("L40S",), (362e12, 183e12, 91.6e12)),
-    (("L40",), (181e12, 90.5e12, 90.5e12)),
-    (("L4",), (121e12, 60e12, 30.3e12)),
-    (("A6000",), (154.8e12, 77.4e12, 38.7e12)),
-    (("V100",), (125e12, 15.7e12, 15.7e12)),  # fp16 tensor cores; no bf16 / tf32
-    (("T4",), (65e12, 8.1e12, 8.1e12)),
-]
-
-_measured: dict[tuple[str, torch.dtype], float] = {}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def default_peak_shapes(device_type: str, size: int) -> list[tuple[int, int, int]]:
-    """``(m, k, n)`` matmul shapes tried when measuring a peak.
-
-    Square matrices alone under-report a CPU: at 2 threads a 2048-cube runs at about a third
-    of what the tall-skinny ``tokens x dim @ dim x hidden`` products of a small model reach,
-    because those fit in cache. So the set mixes squares with the transformer shapes
-    (many rows, narrow inner dimensions) and the peak is the best of all of them.
-    """
-    if device_type == "cuda":
-        return [(size, size, size), (2 * size, 2 * size, 2 * size), (4 * size, size, 4 * size)]
-    return [(size, size, size), (4 * size, size // 4, size), (4 * size, size, size // 4)]
-
-
-def measure_matmul_peak(
-    device: torch.device | str, dtype: torch.dtype, size: int = 1024, iters: int = 10,
-    shapes: list[tuple[int, int, int]] | None = None, budget_s: float = 1.0,
-) -> float:
-    """Best observed FLOP/s of matmuls on ``device`` over several shapes.
-
-    Each shape gets two warm-up calls (allocator, kernel selection, AMX/TF32 tile setup),
-    then up to ``iters`` timed calls; the answer is the fastest single call over all shapes.
-    Taking the best rather than the mean is deliberate: on a shared machine most calls are
-    slowed by other processes, and MFU should be measured against what the hardware can do,
-    not against what it happened to do. ``budget_s`` bounds the timed part per shape.
-    """
-    device = torch.device(device)
-    shapes = shapes or default_peak_shapes(device.type, size)
-    best_rate = 0.0
-    for m, k, n in shapes:
-        a = torch.randn(m, k, device=device, dtype=dtype)
-        b = torch.randn(k, n, device=device, dtype=dtype)
-        for _ in range(2):
-            torch.matmul(a, b)
-        _sync(device)
-        spent = 0.0
-        for _ in range(max(1, iters)):
-            t0 = time.perf_counter()
-            torch.matmul(a, b)
-            _sync(device)
-            dt = time.perf_counter() - t0
-            spent += dt
-            best_rate = max(best_rate, 2.0 * m * k * n / max(dt, 1e-9))
-            if spent > budget_s:
-                break
-    return best_rate
-
-
-def _gpu_table_peak(name: str, dtype: torch.dtype) -> tuple[float, str] | None:
-    upper = name.upper().replace("-", " ")
-    for keys, (half, tf32, fp32) in _GPU_PEAKS:
-        if all(k in upper for k in keys):
-            if dtype in (torch.bfloat16, torch.float16):
-                return half, f"spec table: {name} {dtype} dense"
-            if dtype == torch.float32:
-                if torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest":
-                    return tf32, f"spec table: {name} tf32 dense"
-                return fp32, f"spec table: {name} fp32"
-            return None
-    return None
-
-
-def peak_flops_per_device(
-    device: torch.device | str, dtype: torch.dtype, configured: float | None = None
-) -> tuple[float, str]:
-    """Peak FLOP/s of one device for ``dtype`` and where the number came from.
-
-    Priority: an explicitly configured value; the spec table for known CUDA GPUs; otherwise
-    a measured matmul peak (cached per device/dtype for the process). On CPU the measurement
-    uses the current ``torch.get_num_threads()`` and the training dtype, since CPU peaks
-    depend on core count and ISA and no table could be right.
-    """
-    if configured is not None:
-        if configured <= 0:
-            raise ValueError(f"configured peak FLOP/s must be positive, got {configured}")
-        return float(configured), "configured"
-    device = torch.device(device)
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        hit = _gpu_table_peak(name, dtype)
-        if hit is not None:
-            return hit
-    key = (f"{device}:{torch.get_num_threads()}", dtype)
-    if key not in _measured:
-        size = 4096 if device.type != "cpu" else 1024
-        _measured[key] = measure_matmul_peak(device, dtype, size=size, iters=10, budget_s=0.15)
-    where = f"{torch.get_num_threads()} threads" if device.type == "cpu" else str(device)
-    return _measured[key], f"measured {dtype} matmul peak on {device.type} ({where})"

@@ -36,7 +36,7 @@ from lmforge.errors import UserError
 from lmforge.optim.adamw import adamw_kernel, build_optimizer
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lmforge.config import Config, OptimizerSection
+    from lmforge.config import OptimizerSection
 
 
 
@@ -130,10 +130,11 @@ def build_adamw8bit(model: nn.Module, o: "OptimizerSection") -> torch.optim.Opti
     return bnb.optim.AdamW8bit(_adamw_groups(params, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 
-def check_optimizer(cfg: "Config", sharded: bool) -> None:
-    """Refuse combinations that cannot work, in one line, before anything is built."""
-    name = cfg.optimizer.name
-    if name == "muon" and cfg.lora.enabled:
+def check_optimizer(o: "OptimizerSection", lora: bool, sharded: bool) -> None:
+    """Refuse combinations that cannot work, in one line, before anything is built (``lora``:
+    ``lora.enabled``; ``sharded``: the layout shards parameters)."""
+    name = o.name
+    if name == "muon" and lora:
         raise UserError("optimizer.name=muon trains full weight matrices; with lora.enabled use adamw or adamw8bit")
     if name == "adamw8bit" and sharded:
         raise UserError("optimizer.name=adamw8bit does not support FSDP (parallel.dp_shard > 1): bitsandbytes' "

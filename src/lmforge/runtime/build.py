@@ -1,17 +1,20 @@
 """The runtime every recipe trains on, built in four phases.
 
 1. **check** (:mod:`.check`): the config alone, pure; nothing is written. It settles a
-   :class:`~lmforge.runtime.check.RunPlan` (the layout, the model's source, the run directory) that
-   the later phases take instead of working it out again.
+   :class:`~lmforge.runtime.check.RunPlan` (the layout, the model's source, the run directory, the
+   config's text) that the later phases take instead of working it out again.
 2. **world** (:mod:`.world`): process group, layout, mesh, reduce group, the claimed run directory.
-3. **model** (:mod:`.model_bundle`): loaded, adapted, checked, compiled where that pays, laid out over
-   the mesh.
+3. **model** (:mod:`.model_bundle`): loaded and adapted (the model layer), then checked against the
+   checkpoints to resume, its dtype and the device's peak chosen (:mod:`.precision`), compiled where
+   that pays (:mod:`.compile_cache`), laid out over the mesh.
 4. **services** (:mod:`.services`, built in :func:`build_runtime`): optimizer, metrics, the step
-   guard, checkpoint tiers, each from its own section, and what the recipe adds.
+   guard, the setup line, checkpoint tiers, each from its own section, and what the recipe adds.
 
-Each phase takes the plan, what the phases before it built and its own config sections, and calls
-down the layers in one line. The :class:`Runtime` holds what the phases built and is never changed
-afterwards.
+Each phase takes the plan, what the phases before it built and its own config sections; it runs the
+runtime's own steps before it calls down the layers, except where a decision needs a fact only a lower
+layer produces (the process group before the layout is agreed on, the loaded model before the
+checkpoints, dtype and compiling are decided; ARCHITECTURE.md, "The runtime"). The :class:`Runtime`
+holds what the phases built and is never changed afterwards.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ class Runtime:
     """What every trainer runs on: the config, the world, the model, and the services around it."""
 
     cfg: Config
+    config_toml: str
+    """The config's text, settled once by the check phase (the setup line and ``config.toml``)."""
     world: World
     model: ModelBundle
     optimizer: torch.optim.Optimizer
@@ -55,7 +60,7 @@ class Runtime:
         if self.world.dist.is_main:
             run = RunDir(self.world.run_dir)
             try:
-                write_text(run.config, self.cfg.to_toml())
+                write_text(run.config, self.config_toml)
                 write_json(run.model_args, self.model.description)
             except OSError as e:
                 raise UserError(f"run.dir={run.root}: cannot write the run directory ({e.strerror or e})") from None
@@ -65,8 +70,8 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
     """Check, then the world, then the model, then the services (see the module's docstring).
 
     The services come in one straight line, each from its own section: the optimizer first (a model it
-    refuses stops the run before anything is logged), the metrics and the setup line, the guard, then
-    the checkpoint tiers (whatever they report comes after the setup line)."""
+    refuses stops the run before anything is logged), the metrics, the guard, the setup line, then the
+    checkpoint tiers (whatever they report comes after the setup line)."""
     plan = check_run(cfg)
     t = cfg.training
     world = start_world(t.device, t.threads, plan.layout, cfg.parallel, plan.run.root)
@@ -77,7 +82,7 @@ def build_runtime(cfg: Config, trainer: str, services: RecipeServices = RecipeSe
                                         device=info.device, steps=t.steps, max_tokens=t.max_tokens,
                                         flops_per_token=model.flops_per_token, peak_flops=model.peak_flops,
                                         config=cfg.to_dict(), process_start=services.process_start)
-    log_setup(cfg, world, model, metrics, trainer, services.notes_for(model.args))
     guard = Guard.from_section(t, cfg.checkpoint, metrics, info.device.type)
+    log_setup(cfg, plan.config_toml, world, model, metrics, trainer, services.notes_for(model.args))
     checkpoints = build_checkpoints(cfg, info, plan.run, metrics, trainer, services)
-    return Runtime(cfg, world, model, optimizer, metrics, checkpoints, guard, services.step_hooks)
+    return Runtime(cfg, plan.config_toml, world, model, optimizer, metrics, checkpoints, guard, services.step_hooks)

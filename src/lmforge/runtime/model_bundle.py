@@ -1,6 +1,7 @@
-"""Phase 3 of a run: the model. Loaded from where the config says, adapted (LoRA, a head), checked
-against the layout and any checkpoint to resume, laid out over the mesh by its family's plan, and
-compiled where that pays; everything about it held by one :class:`ModelBundle`."""
+"""Phase 3 of a run: the model. Loaded from where the config says and adapted (LoRA, a head) by the
+model layer; then what the runtime decides once the model's shape and FLOPs are known (the checkpoints
+to resume must fit it, its dtype and the device's peak, whether compiling pays); then laid out over the
+mesh by its family's plan. Everything about it is held by one :class:`ModelBundle`."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from torch import nn
 from lmforge.config import Config
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
-from lmforge.models.flops import peak_flops_per_device
 from lmforge.models.heads import attach_head, head_of
 from lmforge.models.load import LoadedModel, ModelSource, load_model
 from lmforge.models.lora import apply_lora, base_weights_fingerprint, trainable_parameters
@@ -23,11 +23,10 @@ from lmforge.models.spec import ModelSpec, freeze_groups, parameters_of, spec_fo
 from lmforge.models.tokenizer import Tokenizer
 from lmforge.parallel import ParallelOptions, parallelize_decoder
 from lmforge.parallel.layout_checks import check_layout
-from lmforge.runtime.check import RunPlan
+from lmforge.runtime.check import RunPlan, check_resume_compatible
 from lmforge.runtime.compile_cache import choose_compile, enable_compile_caches, mark_compiled, shape_key
 from lmforge.runtime.host_memory import map_large_buffers, trim
-from lmforge.runtime.precision import choose_dtype
-from lmforge.runtime.startup_checks import check_resume_compatible
+from lmforge.runtime.precision import choose_dtype, peak_flops_per_device
 from lmforge.runtime.world import World
 
 
@@ -58,6 +57,8 @@ class ModelBundle:
     device_type: str
     notes: dict[str, Any]
     """What the setup line says of how the model was built (dtype, compile, host memory: the why)."""
+    trainable: tuple[int, int]
+    """(trainable, all) parameters of the laid-out model: the setup line's ``trainable_share``."""
     tower_trains: bool = True
     """Whether any weight of a vision-language model's tower or projector trains (its FLOPs then count a
     backward pass); see ``model.freeze``."""
@@ -122,20 +123,21 @@ def build_model_bundle(cfg: Config, plan: RunPlan, world: World, trainer: str, h
     elif head_of(model):
         raise UserError(f"{loaded.source} is a reward model (a {head_of(model)} head, no trained vocabulary "
                         f"layer): `lmforge {trainer}` needs a language model to start from")
+    fpt = spec.flops_per_token(args, cfg.data.seq_len, adapter_params)
+    # What the runtime decides once the model's shape is known, then the layout over the mesh.
     check_resume_compatible(plan.run, args, description)
     model.to(info.device)
     dtype, dtype_why = choose_dtype(cfg.training.dtype, info.device, model.num_params(exclude_embeddings=True))
     peak, peak_src = peak_flops_per_device(  # MFU is measured against the peak of the dtype in use
         info.device, torch.bfloat16 if dtype == "bfloat16" else torch.float32,
         cfg.metrics.peak_tflops * 1e12 if cfg.metrics.peak_tflops else None)
-    fpt = spec.flops_per_token(args, cfg.data.seq_len, adapter_params)
     compile_on, compile_why = _choose_compile(cfg, args, world, dtype, fpt * cfg.data.seq_len, peak, model)
     notes = {"dtype": dtype, "dtype_reason": dtype_why, "compile": "on" if compile_on else "off",
              "compile_reason": compile_why, "activation_offload": _offload_note(cfg, info.device),
              "host_memory": host_memory, "peak_source": peak_src}
     module = parallelize(model, spec, cfg, world, bf16=dtype == "bfloat16", compile=compile_on)
     return ModelBundle(loaded.tokenizer, args, spec, model, module, loaded.source, description, dtype,
-                       adapter_params, fpt, peak, info.device.type, notes, tower_trains)
+                       adapter_params, fpt, peak, info.device.type, notes, trainable_parameters(model), tower_trains)
 
 
 def parallelize(model: Transformer, spec: ModelSpec, cfg: Config, world: World, bf16: bool,

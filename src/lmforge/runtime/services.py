@@ -1,5 +1,6 @@
 """Phase 4 of a run: the services around the model. The optimizer, the MetricLogger (and its setup
-line), the checkpoint tiers and the step guard, plus what a recipe adds (:class:`RecipeServices`).
+line, from the model bundle's notes and the plan's config text), the step guard and the checkpoint
+tiers, plus what a recipe adds (:class:`RecipeServices`).
 Each is built from its own section: the MetricLogger from ``[metrics]``
 (:meth:`~lmforge.metrics.MetricLogger.from_section`), the guard from ``[training]``
 (:meth:`~lmforge.runtime.guard.Guard.from_section`), the optimizer from ``[optimizer]``, the tiers here."""
@@ -17,7 +18,6 @@ from lmforge.checkpoint import Checkpointer, RunDir
 from lmforge.checkpoint.tiers import CheckpointTiers
 from lmforge.config import Config
 from lmforge.metrics import MetricLogger
-from lmforge.models.lora import trainable_parameters
 from lmforge.runtime.model_bundle import ModelBundle
 from lmforge.runtime.world import World
 
@@ -66,11 +66,12 @@ def build_checkpoints(cfg: Config, info: dist_utils.DistInfo, run: RunDir, metri
     return CheckpointTiers(durable, fast)
 
 
-def log_setup(cfg: Config, world: World, model: ModelBundle, metrics: MetricLogger, trainer: str,
-              notes: dict[str, str]) -> None:
-    """The run's setup line: what was built, and why each choice was made."""
+def log_setup(cfg: Config, config_toml: str, world: World, model: ModelBundle, metrics: MetricLogger,
+              trainer: str, notes: dict[str, str]) -> None:
+    """The run's setup line: what was built, and why each choice was made (``config_toml``: the plan's
+    text of the config, recorded beside it)."""
     raw, info = model.raw, world.dist
-    trainable, total = trainable_parameters(raw)
+    trainable, total = model.trainable
     n = model.notes
     metrics.log_setup({
         "trainer": trainer, "parameters": raw.num_params(), "non_embedding_parameters":
@@ -82,5 +83,5 @@ def log_setup(cfg: Config, world: World, model: ModelBundle, metrics: MetricLogg
         "compile": n["compile"], "compile_reason": n["compile_reason"], "optimizer": cfg.optimizer.name,
         "activation_offload": n["activation_offload"], "host_memory": n["host_memory"],
         "threads": torch.get_num_threads(), "run_dir": str(world.run_dir), **notes,
-    }, cfg.to_toml())
+    }, config_toml)
 
