@@ -25,10 +25,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from lmforge.data.chunks import Chunk, chunk_documents, input_files, plan_chunks
-from lmforge.data.sources import load_hf_dataset
-from lmforge.data.hub_datasets import hub_dataset_name
+from lmforge.data.chunks import Chunk, chunk_bytes, chunk_documents, input_files, plan_chunks
 from lmforge.data.shards import DOCUMENTS_FILE, FORMAT, INDEX_FILE, SHARD_TOKENS, PreparedTokens, ShardWriter, read_index, token_dtype
+from lmforge.data.sources import file_reader
 from lmforge.errors import UserError
 from lmforge.models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
@@ -59,11 +58,7 @@ def source_stamps(inputs: Sequence[str | Path]) -> list[dict[str, Any]]:
     stamps = []
     for spec in inputs:
         for f in input_files(spec):
-            if hub_dataset_name(f) is not None:  # the cache's Arrow files, which change with a new version
-                files = sorted(Path(c["filename"]) for c in load_hf_dataset(f).cache_files)
-            else:
-                files = sorted(p for p in f.rglob("*") if p.is_file()) if f.is_dir() else [f]
-            for g in files:
+            for g in file_reader(f).stamp_files(f):
                 st = g.stat()
                 stamps.append({"path": str(g.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
     return stamps
@@ -133,10 +128,6 @@ def _tokenize_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, int]:
 
 # -- main side ---------------------------------------------------------------------------------------
 
-def _chunk_bytes(chunk: Chunk) -> int:
-    return chunk.stop - chunk.start if chunk.kind in ("txt", "jsonl") else 0
-
-
 def _results(chunks: list[Chunk], workers: int, tokenizer: Tokenizer, tokenizer_spec: str | None,
              text_field: str):
     if workers <= 1:
@@ -200,14 +191,14 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, tokenizer: Tokenizer,
         text_bytes = 0
         from tqdm import tqdm
 
-        total = sum(_chunk_bytes(c) for c in chunks) or None
+        total = sum(chunk_bytes(c) for c in chunks) or None
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"prepare {out.name}", disable=progress is False
                   if progress is not None else None, leave=False) as bar:
             try:
                 for chunk, (tokens, lengths, nbytes) in zip(chunks, results):
                     writer.append(tokens, lengths)
                     text_bytes += nbytes
-                    bar.update(_chunk_bytes(chunk))
+                    bar.update(chunk_bytes(chunk))
                 index = {"format": FORMAT, "tokenizer": fp, "tokenizer_name": tokenizer_name(tokenizer),
                          "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "text_field": text_field,
                          "inputs": _inputs_key(inputs), "sources": stamps, "text_bytes": text_bytes, **writer.finish()}
