@@ -1,5 +1,6 @@
-"""Entry points: how a package installed beside lmforge adds to it (a recipe, and in the same way other
-registries) without lmforge naming it.
+"""Entry points: how a package installed beside lmforge adds to it (a recipe, and in the same way a model
+family, a rollout engine or a file reader: ``lmforge.families``, ``lmforge.engines``, ``lmforge.readers``)
+without lmforge naming it.
 
 A package declares, in its ``pyproject.toml``::
 

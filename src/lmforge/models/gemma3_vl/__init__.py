@@ -19,6 +19,7 @@ from lmforge.models.gemma3_vl import hf_config as _hf
 from lmforge.models.gemma3_vl.args import Gemma3VLArgs
 from lmforge.models.gemma3_vl.flops import vision_flops
 from lmforge.models.gemma3_vl.model import Gemma3VLModel
+from lmforge.models.vision.family import register_vision_family
 from lmforge.models.vision.layout import VisionLanguageAdapter
 
 __all__ = ["GEMMA3_VL", "GEMMA3_VL_LAYOUT", "Gemma3VLArgs", "Gemma3VLModel", "PARAMETER_GROUPS", "vision_flops"]
@@ -41,16 +42,5 @@ PARAMETER_GROUPS = {
 }
 
 
-def _register():  # type: ignore[no-untyped-def]
-    from lmforge.models.spec import ModelSpec, register_spec
-
-    return register_spec(ModelSpec(
-        name=_hf.MODEL_TYPE, hf_model_type=_hf.MODEL_TYPE, hf_architecture=_hf.ARCHITECTURE,
-        args_from_hf=_hf.args_from_hf, hf_config=_hf.hf_config, check_exportable=_hf.check_exportable,
-        state_dict_adapter=GEMMA3_VL_LAYOUT, build=Gemma3VLModel, fused_decode=False,
-        args_class=Gemma3VLArgs, parameter_groups=PARAMETER_GROUPS,
-        image_flops=lambda a, grid, n, training: vision_flops(a, n, training),
-    ))
-
-
-GEMMA3_VL = _register()
+GEMMA3_VL = register_vision_family(_hf, GEMMA3_VL_LAYOUT, Gemma3VLModel, Gemma3VLArgs, PARAMETER_GROUPS,
+                                   lambda a, grid, n, training: vision_flops(a, n, training))

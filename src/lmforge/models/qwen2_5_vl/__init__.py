@@ -21,6 +21,7 @@ from lmforge.models.qwen2_5_vl.args import QWEN2_5_VL_SIZES, Qwen2_5_VLArgs
 from lmforge.models.qwen2_5_vl.flops import vision_flops
 from lmforge.models.qwen2_5_vl.model import Qwen2_5_VLModel
 from lmforge.models.qwen import QWEN2_LAYOUT
+from lmforge.models.vision.family import register_vision_family
 from lmforge.models.vision.layout import VisionLanguageAdapter
 
 __all__ = ["PARAMETER_GROUPS", "QWEN2_5_VL", "QWEN2_5_VL_LAYOUT", "QWEN2_5_VL_SIZES", "Qwen2_5_VLArgs",
@@ -36,16 +37,5 @@ PARAMETER_GROUPS = {
 }
 
 
-def _register():  # type: ignore[no-untyped-def]
-    from lmforge.models.spec import ModelSpec, register_spec
-
-    return register_spec(ModelSpec(
-        name=_hf.MODEL_TYPE, hf_model_type=_hf.MODEL_TYPE, hf_architecture=_hf.ARCHITECTURE,
-        args_from_hf=_hf.args_from_hf, hf_config=_hf.hf_config, check_exportable=_hf.check_exportable,
-        state_dict_adapter=QWEN2_5_VL_LAYOUT, build=Qwen2_5_VLModel, fused_decode=False,
-        args_class=Qwen2_5_VLArgs, sizes=QWEN2_5_VL_SIZES, parameter_groups=PARAMETER_GROUPS,
-        image_flops=lambda a, grid, n, training: vision_flops(a, grid, training),
-    ))
-
-
-QWEN2_5_VL = _register()
+QWEN2_5_VL = register_vision_family(_hf, QWEN2_5_VL_LAYOUT, Qwen2_5_VLModel, Qwen2_5_VLArgs, PARAMETER_GROUPS,
+                                    lambda a, grid, n, training: vision_flops(a, grid, training), sizes=QWEN2_5_VL_SIZES)

@@ -14,7 +14,8 @@ from typing import Any, Mapping
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
 from lmforge.models.qwen2_5_vl.args import Qwen2_5_VLArgs
-from lmforge.models.vision.config_json import mrope_settings, token_ids
+from lmforge.models.vision.config_json import (decoder_fields, mrope_settings, token_ids, tower_config, tower_fields,
+                                               vision_language_config)
 
 __all__ = ["ARCHITECTURE", "MODEL_TYPE", "args_from_hf", "check_exportable", "hf_config"]
 
@@ -38,28 +39,14 @@ def args_from_hf(cfg: Mapping[str, Any], where: str) -> Qwen2_5_VLArgs:
         if act != "silu":
             raise UserError(f"{where}: {key} {act!r} is not supported for model_type {MODEL_TYPE!r} (need silu)")
     theta, sections = mrope_settings(text, where, MODEL_TYPE, 1000000.0, [16, 24, 24])
-    vision_theta = float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     try:
-        dim = int(text["hidden_size"])
-        if int(vision.get("out_hidden_size", dim)) != dim:
-            raise UserError(f"vision_config.out_hidden_size {vision['out_hidden_size']} must equal hidden_size {dim}")
-        n_heads = int(text["num_attention_heads"])
-        tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
         return Qwen2_5_VLArgs(
-            dim=dim, n_layers=int(text["num_hidden_layers"]), n_heads=n_heads,
-            n_kv_heads=int(text.get("num_key_value_heads") or n_heads), vocab_size=int(text["vocab_size"]),
-            ffn_hidden_dim=int(text["intermediate_size"]), norm_eps=float(text.get("rms_norm_eps", 1e-5)),
-            rope_theta=theta, max_seq_len=int(text.get("max_position_embeddings", 32768)), tie_embeddings=bool(tie),
-            mrope_section=sections, vision_depth=int(vision["depth"]), vision_dim=int(vision["hidden_size"]),
-            vision_ffn_dim=int(vision["intermediate_size"]), vision_heads=int(vision["num_heads"]),
-            vision_in_channels=int(vision["in_channels"]), patch_size=int(vision["patch_size"]),
-            temporal_patch_size=int(vision["temporal_patch_size"]),
-            spatial_merge_size=int(vision["spatial_merge_size"]),
-            window_size=int(vision["window_size"]),
+            **decoder_fields(cfg, text, vision), norm_eps=float(text.get("rms_norm_eps", 1e-5)), rope_theta=theta,
+            max_seq_len=int(text.get("max_position_embeddings", 32768)), mrope_section=sections,
+            **tower_fields(vision), window_size=int(vision["window_size"]),
             vision_full_attention_layers=[  # transformers never reaches indices past the depth
                 int(i) for i in vision["fullatt_block_indexes"] if int(i) < int(vision["depth"])],
-            vision_rope_theta=vision_theta, tokens_per_second=int(vision["tokens_per_second"]),
-            **token_ids(cfg),
+            tokens_per_second=int(vision["tokens_per_second"]), **token_ids(cfg),
         )
     except KeyError as e:
         raise UserError(f"{where}: missing field {e.args[0]!r}") from None
@@ -100,19 +87,9 @@ def hf_config(args: ModelArgs, *, torch_dtype: str, bos_token_id: int | None = N
         "pad_token_id": pad_token_id, "dtype": torch_dtype,
     }
     vision = {
-        "model_type": "qwen2_5_vl_vision", "depth": args.vision_depth, "hidden_size": args.vision_dim,
-        "intermediate_size": args.vision_ffn_dim, "num_heads": args.vision_heads,
-        "in_channels": args.vision_in_channels,
-        "patch_size": args.patch_size, "temporal_patch_size": args.temporal_patch_size,
-        "spatial_merge_size": args.spatial_merge_size, "window_size": args.window_size, "out_hidden_size": args.dim,
+        "model_type": "qwen2_5_vl_vision", **tower_config(args, torch_dtype), "window_size": args.window_size,
         "fullatt_block_indexes": list(args.vision_full_attention_layers), "tokens_per_second": args.tokens_per_second,
-        "hidden_act": "silu", "rope_parameters": {"rope_type": "axial", "rope_theta": args.vision_rope_theta},
-        "initializer_range": 0.02, "dtype": torch_dtype,
+        "hidden_act": "silu",
     }
-    return {
-        "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "text_config": text, "vision_config": vision,
-        "image_token_id": args.image_token_id, "video_token_id": args.video_token_id,
-        "vision_start_token_id": args.vision_start_token_id, "vision_end_token_id": args.vision_end_token_id,
-        "tie_word_embeddings": args.tie_embeddings, "dtype": torch_dtype,
-        "bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
-    }
+    return vision_language_config(args, ARCHITECTURE, MODEL_TYPE, text, vision, torch_dtype, bos_token_id,
+                                  eos_token_id, pad_token_id)

@@ -19,6 +19,7 @@ from lmforge.models.qwen3_vl import hf_config as _hf
 from lmforge.models.qwen3_vl.args import QWEN3_VL_SIZES, Qwen3VLArgs
 from lmforge.models.qwen3_vl.flops import vision_flops
 from lmforge.models.qwen3_vl.model import Qwen3VLModel
+from lmforge.models.vision.family import register_vision_family
 from lmforge.models.vision.layout import VisionLanguageAdapter
 
 __all__ = ["PARAMETER_GROUPS", "QWEN3_VL", "QWEN3_VL_LAYOUT", "QWEN3_VL_SIZES", "Qwen3VLArgs", "Qwen3VLModel",
@@ -34,16 +35,5 @@ PARAMETER_GROUPS = {
 }
 
 
-def _register():  # type: ignore[no-untyped-def]
-    from lmforge.models.spec import ModelSpec, register_spec
-
-    return register_spec(ModelSpec(
-        name=_hf.MODEL_TYPE, hf_model_type=_hf.MODEL_TYPE, hf_architecture=_hf.ARCHITECTURE,
-        args_from_hf=_hf.args_from_hf, hf_config=_hf.hf_config, check_exportable=_hf.check_exportable,
-        state_dict_adapter=QWEN3_VL_LAYOUT, build=Qwen3VLModel, fused_decode=False,
-        args_class=Qwen3VLArgs, sizes=QWEN3_VL_SIZES, parameter_groups=PARAMETER_GROUPS,
-        image_flops=lambda a, grid, n, training: vision_flops(a, grid, training),
-    ))
-
-
-QWEN3_VL = _register()
+QWEN3_VL = register_vision_family(_hf, QWEN3_VL_LAYOUT, Qwen3VLModel, Qwen3VLArgs, PARAMETER_GROUPS,
+                                  lambda a, grid, n, training: vision_flops(a, grid, training), sizes=QWEN3_VL_SIZES)

@@ -11,7 +11,8 @@ from typing import Any, Mapping
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
 from lmforge.models.qwen3_vl.args import Qwen3VLArgs
-from lmforge.models.vision.config_json import mrope_settings, token_ids
+from lmforge.models.vision.config_json import (decoder_fields, mrope_settings, token_ids, tower_config, tower_fields,
+                                               vision_language_config)
 
 __all__ = ["ARCHITECTURE", "MODEL_TYPE", "args_from_hf", "check_exportable", "hf_config"]
 
@@ -35,27 +36,13 @@ def args_from_hf(cfg: Mapping[str, Any], where: str) -> Qwen3VLArgs:
         if act != need:
             raise UserError(f"{where}: {key} {act!r} is not supported for model_type {MODEL_TYPE!r} (need {need})")
     theta, sections = mrope_settings(text, where, MODEL_TYPE, 500000.0, [24, 20, 20])
-    vision_theta = float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     try:
-        dim = int(text["hidden_size"])
-        if int(vision.get("out_hidden_size", dim)) != dim:
-            raise UserError(f"vision_config.out_hidden_size {vision['out_hidden_size']} must equal hidden_size {dim}")
-        n_heads = int(text["num_attention_heads"])
-        tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
         return Qwen3VLArgs(
-            dim=dim, n_layers=int(text["num_hidden_layers"]), n_heads=n_heads,
-            n_kv_heads=int(text.get("num_key_value_heads") or n_heads), head_dim=int(text.get("head_dim", 128)),
-            vocab_size=int(text["vocab_size"]), ffn_hidden_dim=int(text["intermediate_size"]),
+            **decoder_fields(cfg, text, vision), head_dim=int(text.get("head_dim", 128)),
             norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope_theta=theta,
-            max_seq_len=int(text.get("max_position_embeddings", 128000)), tie_embeddings=bool(tie),
-            mrope_section=sections, vision_depth=int(vision["depth"]), vision_dim=int(vision["hidden_size"]),
-            vision_ffn_dim=int(vision["intermediate_size"]), vision_heads=int(vision["num_heads"]),
-            vision_in_channels=int(vision["in_channels"]), patch_size=int(vision["patch_size"]),
-            temporal_patch_size=int(vision["temporal_patch_size"]),
-            spatial_merge_size=int(vision["spatial_merge_size"]),
-            vision_positions=int(vision["num_position_embeddings"]),
-            deepstack_layers=list(vision["deepstack_visual_indexes"]), vision_rope_theta=vision_theta,
-            **token_ids(cfg),
+            max_seq_len=int(text.get("max_position_embeddings", 128000)), mrope_section=sections,
+            **tower_fields(vision), vision_positions=int(vision["num_position_embeddings"]),
+            deepstack_layers=list(vision["deepstack_visual_indexes"]), **token_ids(cfg),
         )
     except KeyError as e:
         raise UserError(f"{where}: missing field text_config.{e.args[0]}") from None
@@ -95,19 +82,8 @@ def hf_config(args: ModelArgs, *, torch_dtype: str, bos_token_id: int | None = N
         "pad_token_id": pad_token_id, "dtype": torch_dtype,
     }
     vision = {
-        "model_type": "qwen3_vl_vision", "depth": args.vision_depth, "hidden_size": args.vision_dim,
-        "hidden_act": "gelu_pytorch_tanh", "intermediate_size": args.vision_ffn_dim, "num_heads": args.vision_heads,
-        "in_channels": args.vision_in_channels, "patch_size": args.patch_size,
-        "temporal_patch_size": args.temporal_patch_size, "spatial_merge_size": args.spatial_merge_size,
-        "out_hidden_size": args.dim, "num_position_embeddings": args.vision_positions,
-        "deepstack_visual_indexes": list(args.deepstack_layers),
-        "rope_parameters": {"rope_type": "axial", "rope_theta": args.vision_rope_theta},
-        "initializer_range": 0.02, "dtype": torch_dtype,
+        "model_type": "qwen3_vl_vision", **tower_config(args, torch_dtype), "hidden_act": "gelu_pytorch_tanh",
+        "num_position_embeddings": args.vision_positions, "deepstack_visual_indexes": list(args.deepstack_layers),
     }
-    return {
-        "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "text_config": text, "vision_config": vision,
-        "image_token_id": args.image_token_id, "video_token_id": args.video_token_id,
-        "vision_start_token_id": args.vision_start_token_id, "vision_end_token_id": args.vision_end_token_id,
-        "tie_word_embeddings": args.tie_embeddings, "dtype": torch_dtype,
-        "bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
-    }
+    return vision_language_config(args, ARCHITECTURE, MODEL_TYPE, text, vision, torch_dtype, bos_token_id,
+                                  eos_token_id, pad_token_id)

