@@ -205,7 +205,7 @@ def test_server_startup_problems_are_one_error_line(tmp_path, capsys, monkeypatc
 
 
 def test_a_taken_port_is_one_error_line(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(vllm_server.importlib.util, "find_spec", lambda name: object())  # as if vLLM were there
+    monkeypatch.setattr(server_guard.importlib.util, "find_spec", lambda name: object())  # as if vLLM were there
     (tmp_path / "config.json").write_text("{}")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

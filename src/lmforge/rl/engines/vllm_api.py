@@ -3,7 +3,8 @@
     python -m lmforge.rl.engines.vllm_api --model DIR [--host 127.0.0.1] [--port 8000] [--dtype auto]
         [--seed 0] [--max-model-len N] [--weights-dir DIR] [--secret-file FILE] [-- ANY vllm serve FLAGS]
 
-It checks its arguments as :mod:`.vllm_server` does (one ``error:`` line each, before vLLM loads), then
+It takes and checks its arguments as :mod:`.vllm_server` does (``server_guard.check_server_arguments``: one
+``error:`` line each, before vLLM loads), then
 runs vLLM's API server (what ``vllm serve`` runs) in this process with: lmforge's worker extension (``--worker-extension-cls``: weight
 loads inside vLLM's workers, :mod:`.vllm_worker`), lmforge's middleware (``--middleware``: the
 ``/lmforge/*`` endpoints and request limits, :mod:`.vllm_routes`), the shared secret as vLLM's API key
