@@ -25,9 +25,9 @@ from lmforge.data.file_readers import MAX_JSON_DEPTH, hf_column, is_hf_dataset_d
 from lmforge.data.readers import Reader, Record, reader_for, readers, supported_suffixes, unsupported_file
 from lmforge.errors import UserError
 
-__all__ = ["Record", "data_files", "read_documents", "read_records", "read_file_records", "record_files", "read_jsonl_records",
-           "SUPPORTED_SUFFIXES", "RECORD_SUFFIXES", "is_hf_dataset_dir", "load_hf_dataset", "hf_column", "parse_json_line",
-           "MAX_JSON_DEPTH", "file_reader"]
+__all__ = ["Record", "data_files", "read_documents", "read_records", "read_file_records", "record_files",
+           "read_jsonl_records", "file_reader", "SUPPORTED_SUFFIXES", "RECORD_SUFFIXES", "is_hf_dataset_dir",
+           "load_hf_dataset", "hf_column", "parse_json_line", "MAX_JSON_DEPTH"]
 
 
 def __getattr__(name: str) -> Any:

@@ -14,8 +14,8 @@ from typing import Any, Mapping
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
 from lmforge.models.qwen2_5_vl.args import Qwen2_5_VLArgs
-from lmforge.models.vision.config_json import (decoder_fields, mrope_settings, token_ids, tower_config, tower_fields,
-                                               vision_language_config)
+from lmforge.models.vision.config_json import (check_vision_language_export, decoder_fields, mrope_settings,
+                                               token_ids, tower_config, tower_fields, vision_language_config)
 
 __all__ = ["ARCHITECTURE", "MODEL_TYPE", "args_from_hf", "check_exportable", "hf_config"]
 
@@ -56,17 +56,8 @@ def args_from_hf(cfg: Mapping[str, Any], where: str) -> Qwen2_5_VLArgs:
 
 def check_exportable(args: ModelArgs) -> None:
     """UserError unless ``args`` are Qwen2.5-VL's (its own argument class, Qwen2's decoder switches)."""
-    if not isinstance(args, Qwen2_5_VLArgs):
-        raise UserError(f"cannot export as Hugging Face model_type {MODEL_TYPE!r}: the model has no vision tower")
-    problems = [name for name, bad in (
-        ("sliding_window", args.sliding_window is not None), ("qk_norm", args.qk_norm),
-        ("rope_scaling", args.rope_scaling is not None), ("n_experts", args.n_experts > 0),
-        ("hidden_act", args.hidden_act != "silu"), ("head_dim", args.head_dim * args.n_heads != args.dim),
-        ("Gemma's norms", args.norm_unit_offset or args.embed_scale or args.sandwich_norm),
-    ) if bad]
-    if problems:
-        raise UserError(f"cannot export as Hugging Face model_type {MODEL_TYPE!r}: it cannot have "
-                        f"{', '.join(problems)}")
+    check_vision_language_export(args, Qwen2_5_VLArgs, MODEL_TYPE, (
+        ("qk_norm", args.qk_norm), ("head_dim", args.head_dim * args.n_heads != args.dim)))
 
 
 def hf_config(args: ModelArgs, *, torch_dtype: str, bos_token_id: int | None = None,

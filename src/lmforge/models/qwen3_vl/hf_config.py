@@ -11,8 +11,8 @@ from typing import Any, Mapping
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
 from lmforge.models.qwen3_vl.args import Qwen3VLArgs
-from lmforge.models.vision.config_json import (decoder_fields, mrope_settings, token_ids, tower_config, tower_fields,
-                                               vision_language_config)
+from lmforge.models.vision.config_json import (check_vision_language_export, decoder_fields, mrope_settings,
+                                               token_ids, tower_config, tower_fields, vision_language_config)
 
 __all__ = ["ARCHITECTURE", "MODEL_TYPE", "args_from_hf", "check_exportable", "hf_config"]
 
@@ -52,17 +52,8 @@ def args_from_hf(cfg: Mapping[str, Any], where: str) -> Qwen3VLArgs:
 
 def check_exportable(args: ModelArgs) -> None:
     """UserError unless ``args`` are Qwen3-VL's (its own argument class, Qwen3's decoder switches)."""
-    if not isinstance(args, Qwen3VLArgs):
-        raise UserError(f"cannot export as Hugging Face model_type {MODEL_TYPE!r}: the model has no vision tower")
-    problems = [name for name, bad in (
-        ("sliding_window", args.sliding_window is not None), ("qkv_bias", args.qkv_bias),
-        ("rope_scaling", args.rope_scaling is not None), ("n_experts", args.n_experts > 0),
-        ("hidden_act", args.hidden_act != "silu"), ("qk_norm_per_head=false", not args.qk_norm_per_head),
-        ("Gemma's norms", args.norm_unit_offset or args.embed_scale or args.sandwich_norm),
-    ) if bad]
-    if problems:
-        raise UserError(f"cannot export as Hugging Face model_type {MODEL_TYPE!r}: it cannot have "
-                        f"{', '.join(problems)}")
+    check_vision_language_export(args, Qwen3VLArgs, MODEL_TYPE, (
+        ("qkv_bias", args.qkv_bias), ("qk_norm_per_head=false", not args.qk_norm_per_head)))
 
 
 def hf_config(args: ModelArgs, *, torch_dtype: str, bos_token_id: int | None = None,

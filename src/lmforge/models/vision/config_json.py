@@ -12,7 +12,7 @@ from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
 
 __all__ = ["TOKEN_IDS", "mrope_settings", "token_ids", "decoder_fields", "tower_fields", "tower_config",
-           "vision_language_config"]
+           "vision_language_config", "check_vision_language_export"]
 
 TOKEN_IDS = {"image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
              "vision_end_token_id": 151653}
@@ -65,7 +65,8 @@ def tower_config(args: Any, torch_dtype: str) -> dict[str, Any]:
     return {"depth": args.vision_depth, "hidden_size": args.vision_dim, "intermediate_size": args.vision_ffn_dim,
             "num_heads": args.vision_heads, "in_channels": args.vision_in_channels, "patch_size": args.patch_size,
             "temporal_patch_size": args.temporal_patch_size, "spatial_merge_size": args.spatial_merge_size,
-            "out_hidden_size": args.dim, "rope_parameters": {"rope_type": "axial", "rope_theta": args.vision_rope_theta},
+            "out_hidden_size": args.dim,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": args.vision_rope_theta},
             "initializer_range": 0.02, "dtype": torch_dtype}
 
 
@@ -80,3 +81,20 @@ def vision_language_config(args: ModelArgs, architecture: str, model_type: str, 
         "tie_word_embeddings": args.tie_embeddings, "dtype": torch_dtype,
         "bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
     }
+
+
+def check_vision_language_export(args: ModelArgs, args_class: type, model_type: str,
+                                 own: tuple[tuple[str, bool], ...]) -> None:
+    """UserError unless ``args`` are of the family's ``args_class`` (a model with its tower) and have none
+    of the decoder switches a Qwen-VL config.json cannot say: ``own`` are the family's own (name, present)
+    besides those every Qwen-VL shares."""
+    if not isinstance(args, args_class):
+        raise UserError(f"cannot export as Hugging Face model_type {model_type!r}: the model has no vision tower")
+    problems = [name for name, bad in (
+        ("sliding_window", args.sliding_window is not None), ("rope_scaling", args.rope_scaling is not None),
+        ("n_experts", args.n_experts > 0), ("hidden_act", args.hidden_act != "silu"), *own,
+        ("Gemma's norms", args.norm_unit_offset or args.embed_scale or args.sandwich_norm),
+    ) if bad]
+    if problems:
+        raise UserError(f"cannot export as Hugging Face model_type {model_type!r}: it cannot have "
+                        f"{', '.join(problems)}")

@@ -34,8 +34,8 @@ import stat
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["add_server_arguments", "check_server_arguments", "SECRET_ENV", "MAX_BODY_BYTES", "RequestError", "read_secret", "is_loopback", "authorized",
-           "weights_path", "generate_args"]
+__all__ = ["SECRET_ENV", "MAX_BODY_BYTES", "RequestError", "read_secret", "is_loopback", "authorized",
+           "weights_path", "generate_args", "add_server_arguments", "check_server_arguments"]
 
 SECRET_ENV = "LMFORGE_SERVER_SECRET"
 MAX_BODY_BYTES = 64 << 20
