@@ -101,3 +101,20 @@ def test_an_installed_package_adds_a_reader(tmp_path):
                              env=cli_env({"PYTHONPATH": str(REPO / "src")}), capture_output=True, text=True,
                              timeout=120)
     assert without.returncode != 0 and "unsupported file type '.csv'" in without.stderr
+
+
+def test_a_plugin_that_is_not_a_reader_is_one_line(monkeypatch):
+    from importlib.metadata import EntryPoint
+
+    import lmforge.plugins
+
+    registry.readers()
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_LOADED", False)
+    ep = EntryPoint(name="bad", value="pkg:THING", group="lmforge.readers")
+    monkeypatch.setattr(lmforge.plugins, "load_entry_points", lambda group: [(ep, object())])
+    with pytest.raises(UserError, match=r"^plugin bad = pkg:THING of lmforge.readers is not a Reader \(got object\)$"):
+        registry.readers()
+    monkeypatch.setattr(lmforge.plugins, "load_entry_points", lambda group: [(ep, MarkdownReader()), (ep, MarkdownReader())])
+    with pytest.raises(UserError, match=r"^plugin bad = pkg:THING of lmforge.readers: a file reader called 'md' exists"):
+        registry.readers()
