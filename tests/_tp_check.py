@@ -1,6 +1,7 @@
 """Run under torchrun (gloo, CPU): tensor (+ sequence) parallel decoders against the same model in one process.
 
-``tp`` (2 ranks): for several model shapes, with and without sequence parallelism, on a packed batch
+``tp`` (2 ranks): the loss kernel's vocabulary-parallel path on its own against full logits (loss, hits,
+entropy, both gradients); then for several model shapes, with and without sequence parallelism, on a packed batch
 (document and position ids; the mixture of experts under activation checkpointing): full logits, the
 chunked cross-entropy's value and argmax hits, the per-token log-probs / hits / entropy head at a
 temperature, every parameter's gradient (gathered to full tensors, in the parameter's placement) and
@@ -14,7 +15,9 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from lmforge import distributed as dist_utils
 from lmforge.data.packing import IGNORE_INDEX, Batch
@@ -24,7 +27,7 @@ from lmforge.models.model import Transformer
 from lmforge.objectives.next_token import cross_entropy_loss
 from lmforge.parallel.plans import apply_activation_checkpointing
 from lmforge.parallel.tensor_parallel import apply_tp
-from lmforge.losses.chunked_loss import TargetLogprobHead
+from lmforge.losses.chunked_loss import TargetLogprobHead, TargetLogprobSumHead
 
 BASE = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden_dim=64, max_seq_len=32)
 CONFIGS = {
@@ -86,6 +89,47 @@ def models(cfg: dict) -> tuple[Transformer, Transformer]:
     model.load_state_dict(ref.state_dict())
     model.tie_weights()
     return model, ref
+
+
+def check_kernel(mesh: object) -> None:
+    """The loss heads over a vocab-sharded output weight against the full logits of one process:
+    ``F.cross_entropy``'s sum and ``F.log_softmax`` at a temperature, the argmax hits, the entropy, and
+    the gradients of the hidden states (summed over the ranks by the declared ``Partial``) and of the
+    weight, at chunk sizes of 1, not dividing the rows, and above them."""
+    g = torch.Generator().manual_seed(3)
+    vocab, dim, temperature = 64, 16, 0.7
+    hidden, weight = torch.randn(3, 10, dim, generator=g), torch.randn(vocab, dim, generator=g) * 4
+    targets, mask = torch.randint(0, vocab, (3, 10), generator=g), torch.rand(3, 10, generator=g) > 0.3
+    best = F.linear(hidden, weight).argmax(-1)
+    targets[:, ::3] = best[:, ::3]  # some hits; the rest (nearly all) misses
+    weights = torch.linspace(-1.0, 2.0, int(mask.sum()))  # per-token upstream gradients (GRPO's)
+    for chunk in (1, 7, 1000):
+        for per_token in (False, True):
+            what = f"kernel chunk={chunk} per_token={per_token}"
+            h, w = hidden.clone().requires_grad_(), distribute_tensor(weight.clone(), mesh, [Shard(0)])
+            w.requires_grad_()
+            ref_h, ref_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            logits = F.linear(ref_h, ref_w)[mask]
+            if per_token:
+                out = TargetLogprobHead(targets, mask, chunk_tokens=chunk, temperature=temperature, entropy=True)(h, w)
+                logp_all = F.log_softmax(logits / temperature, dim=-1)
+                ref = logp_all.gather(-1, targets[mask].unsqueeze(-1)).squeeze(-1)
+                close(out.logprobs, ref, f"{what} logprobs")
+                close(out.entropy, -(logp_all.exp() * logp_all).sum(-1).detach(), f"{what} entropy")
+                value, ref_value, hits = (out.logprobs * weights).sum(), (ref * weights).sum(), out.hits
+            else:
+                value, hits = TargetLogprobSumHead(targets, mask, chunk_tokens=chunk)(h, w)
+                ref_value = -F.cross_entropy(logits, targets[mask], reduction="sum")
+            close(value, ref_value, f"{what} value")
+            assert torch.equal(hits, logits.argmax(-1) == targets[mask]), f"{what}: hits differ"
+            assert 0 < int(hits.sum()) < hits.numel(), f"{what}: hits and misses both compared"
+            value.backward()
+            ref_value.backward()
+            assert w.grad.placements == (Shard(0),), f"{what}: weight grad is {w.grad.placements}"
+            close(h.grad, ref_h.grad, f"{what} hidden grad")
+            close(w.grad, ref_w.grad, f"{what} weight grad")
+    if dist.get_rank() == 0:
+        print("OK vocab-parallel kernel", flush=True)
 
 
 def check_tp(mesh: object) -> None:
@@ -172,7 +216,9 @@ def main() -> None:
     torch.set_num_threads(1)
     info = dist_utils.init_distributed("cpu")
     if sys.argv[1] == "tp":
-        check_tp(init_device_mesh("cpu", (info.world_size,), mesh_dim_names=("tp",)))
+        mesh = init_device_mesh("cpu", (info.world_size,), mesh_dim_names=("tp",))
+        check_kernel(mesh)
+        check_tp(mesh)
     else:
         check_2d(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp")))
     dist_utils.shutdown()

@@ -46,9 +46,10 @@ def _launch(mode: str, nproc: int) -> str:
 
 
 def test_tp2_equals_one_process():
-    """tp=2, with and without sequence parallelism: dense GQA with q/k/v bias, Qwen3-like per-head q/k norm
+    """The vocabulary-parallel loss kernel against full logits; then tp=2, with and without sequence parallelism: dense GQA with q/k/v bias, Qwen3-like per-head q/k norm
     (tied), Gemma-like sandwich norms (tied), a mixture of experts; packed batch."""
     out = _launch("tp", 2)
+    assert out.count("OK vocab-parallel kernel") == 1, out
     assert out.count("OK tp=2") == 8, out
 
 

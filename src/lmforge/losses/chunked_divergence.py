@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lmforge.losses.chunked_loss import _compute_dtype
+from lmforge.losses.chunked_loss import compute_dtype
+from lmforge.losses.loss_grads import precomputed_grads, save_precomputed_grads
 
 Divergence = Literal["forward_kl", "reverse_kl", "jsd"]
 
@@ -127,19 +128,14 @@ class _ChunkedDivergence(torch.autograd.Function):
                 if grad_w is not None:
                     grad_w.add_(grad_z.t() @ h)
                 del grad_z
-        ctx.save_for_backward(*(g for g in (grad_h, grad_w) if g is not None))
-        ctx.has = (grad_h is not None, grad_w is not None)
-        ctx.weight_dtype = weight.dtype
+        save_precomputed_grads(ctx, grad_h, grad_w, weight.dtype)
         objective = div_sum + ce_weight * ce_sum
         ctx.mark_non_differentiable(div_sum, ce_sum, agree)
         return objective, div_sum, ce_sum, agree
 
     @staticmethod
     def backward(ctx: Any, grad_objective: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
-        saved = iter(ctx.saved_tensors)
-        grad_h = next(saved) * grad_objective if ctx.has[0] else None
-        grad_w = (next(saved) * grad_objective).to(ctx.weight_dtype) if ctx.has[1] else None
-        return (grad_h, grad_w) + (None,) * 10
+        return (*precomputed_grads(ctx, grad_objective), *(None,) * 10)
 
 
 def chunked_divergence(hidden: Tensor, weight: Tensor, teacher_hidden: Tensor, teacher_weight: Tensor,
@@ -155,5 +151,5 @@ def chunked_divergence(hidden: Tensor, weight: Tensor, teacher_hidden: Tensor, t
     kind_, beta = resolve(kind, beta)
     out = _ChunkedDivergence.apply(hidden, weight, teacher_hidden.detach(), teacher_weight.detach(), labels,
                                    chunk_tokens, float(temperature), kind_, float(beta), float(ce_weight),
-                                   _compute_dtype(hidden, weight), _compute_dtype(teacher_hidden, teacher_weight))
+                                   compute_dtype(hidden, weight), compute_dtype(teacher_hidden, teacher_weight))
     return DivergenceSums(*out)

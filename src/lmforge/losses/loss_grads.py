@@ -1,6 +1,6 @@
-"""The gradient pieces the chunked log-prob losses share (:mod:`.chunked_loss` and its vocabulary-parallel
-form, :mod:`.vocab_parallel_loss`): the output weight's gradient per chunk, and the backward of a
-log-prob *sum* whose forward already computed both input gradients."""
+"""The gradient pieces the chunked losses share: the output weight's gradient per chunk (the loss kernel,
+:mod:`.chunked_loss`), and the backward of a loss *sum* whose forward already computed both input
+gradients (the kernel's log-prob sum and distillation's divergence, :mod:`.chunked_divergence`)."""
 
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ def add_weight_grad(grad_w: Tensor, grad_z: Tensor, h: Tensor, cdtype: torch.dty
 
 
 def save_precomputed_grads(ctx: Any, grad_h: Tensor | None, grad_w: Tensor | None, weight_dtype: torch.dtype) -> None:
-    """Keep the gradients a log-prob sum computed in its forward for :func:`precomputed_grads`."""
+    """Keep the gradients a loss sum computed in its forward for :func:`precomputed_grads`."""
     ctx.save_for_backward(*(g for g in (grad_h, grad_w) if g is not None))
     ctx.has = (grad_h is not None, grad_w is not None)
     ctx.weight_dtype = weight_dtype
 
 
 def precomputed_grads(ctx: Any, grad_total: Tensor) -> tuple[Tensor | None, Tensor | None]:
-    """The backward of a log-prob sum whose forward already computed d/dhidden and d/dweight (saved in
+    """The backward of a loss sum whose forward already computed d/dhidden and d/dweight (saved in
     that order, ``ctx.has`` saying which): both scaled by the upstream gradient of the sum."""
     saved = iter(ctx.saved_tensors)
     grad_h = next(saved) * grad_total if ctx.has[0] else None

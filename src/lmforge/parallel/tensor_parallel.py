@@ -5,7 +5,8 @@ output columns, so each rank holds ``n_heads / tp`` query heads, ``n_kv_heads / 
 ``ffn_dim / tp`` hidden units; the attention and MLP output projections are split by input rows and
 their partial sums are reduced. The embedding and the output layer are split over the vocabulary
 (``Shard(0)`` of the same [vocab, dim] layout, so tied weights stay one parameter); the loss heads of
-:mod:`lmforge.losses.chunked_loss` complete the softmax across the ranks and never gather logits.
+:mod:`lmforge.losses.chunked_loss` complete each chunk's softmax across the ranks
+(:mod:`lmforge.losses.vocab_parallel_loss`) and never gather logits.
 
 With ``sequence_parallel`` the residual stream between the sublayers is sharded over the sequence
 (``Shard(1)``): norms run on ``T / tp`` tokens per rank, an all-gather brings the full sequence to each
@@ -162,7 +163,7 @@ def apply_tp(model: Transformer, tp_mesh: Any, *, sequence_parallel: bool = True
     stream: Placement = Shard(1) if sequence_parallel else Replicate()
     ends = {
         "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
-        # the head gathers the sequence itself (lmforge.losses.vocab_parallel_loss): keep the DTensor
+        # the loss head gathers the sequence itself (lmforge.losses.chunked_loss): keep the DTensor
         "final_norm": SequenceParallel(use_local_output=False) if sequence_parallel else _ReplicatedCompute(),
         "output": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
     }
