@@ -66,7 +66,8 @@ def test_partial_rollout_refusals():
 
     cases = {("--grpo.max_staleness=2",): "grpo.max_staleness bounds the lag of rollouts sampled ahead",
              ("--grpo.partial_rollouts=true", "--grpo.async_steps=1"): "needs grpo.async_steps >= 2",
-             ("--grpo.partial_rollouts=true", "--grpo.async_steps=2", "--grpo.engine=vllm"): "use grpo.engine=lmforge",
+             ("--grpo.partial_rollouts=true", "--grpo.async_steps=2", "--grpo.engine=other"):
+                 "engine 'other' cannot continue a generation",
              ("--grpo.partial_rollouts=true", "--grpo.async_steps=2", "--grpo.environment=gsm8k_calculator"):
                  "partial_rollouts with grpo.environment",
              ("--grpo.partial_rollouts=true", "--grpo.async_steps=2", "--grpo.router_replay=true"):
@@ -75,6 +76,9 @@ def test_partial_rollout_refusals():
     for args, line in cases.items():
         with pytest.raises(Exception, match=line.replace("(", r"\(").replace(")", r"\)")):
             load_config(GRPOConfig, None, list(args))
+    # vLLM continues a row as a completion request of its token ids: accepted (tests/test_vllm_engine.py runs it)
+    cfg = load_config(GRPOConfig, None, ["--grpo.partial_rollouts=true", "--grpo.async_steps=2", "--grpo.engine=vllm"])
+    assert cfg.grpo.partial_rollouts and cfg.grpo.engine == "vllm"
 
 
 def test_a_round_continues_under_new_weights_with_each_tokens_own_logprob():
@@ -112,3 +116,36 @@ def test_a_round_continues_under_new_weights_with_each_tokens_own_logprob():
     for row, o, n in zip(rnd.logprobs, old_lp, new_lp):
         assert row[:4] == pytest.approx(o[:4], abs=1e-5) and row[4:] == pytest.approx(n[4:], abs=1e-5)
         assert row[4:] != pytest.approx(o[4:], abs=1e-3)  # the weights did change what the tokens weigh
+
+
+def test_rows_the_engine_cut_short_are_not_continued():
+    """A row that got fewer tokens than its segment asked for without a stop token (vLLM at its
+    max_model_len) has ended: the next segment does not ask for it again. Full rows and rows that hit a
+    stop token are told apart as before."""
+    from lmforge.rl.engines.base import Completion, SamplingSettings
+    from lmforge.rl.partial_rollouts import PartialRound, advance_round
+
+    class Scripted:  # row r of the first call gets lengths[r] tokens; stop id 2 ends row 1
+        version = 0
+        calls: list[list[list[int]]] = []
+
+        def generate(self, prompts, sampling, *, seed, logprobs=False):
+            self.calls.append([list(p) for p in prompts])
+            lengths = [sampling.max_new_tokens, 2, 1, sampling.max_new_tokens] if len(self.calls) == 1 else \
+                [sampling.max_new_tokens] * len(prompts)
+            out = []
+            for p, n in zip(prompts, lengths):
+                ids = [7] * n if len(out) != 1 or len(self.calls) > 1 else [7, 2]
+                out.append(Completion(ids, [-0.5] * len(ids)))
+            return out
+
+    engine = Scripted()
+    rnd = PartialRound([0, 1], [{}, {}], [[5], [6]], group_size=2)
+    sampling = SamplingSettings(8, 1.0, stop_ids=(2,))
+    advance_round(engine, rnd, sampling, 2, 8, lambda position, segment: 0)
+    assert rnd.done == [False, True, True, False]  # row 1: its stop token; row 2: cut short at 1 of 4
+    engine.version = 1
+    advance_round(engine, rnd, sampling, 2, 8, lambda position, segment: 0)
+    assert engine.calls[1] == [[5] + [7] * 4, [6] + [7] * 4]  # rows 0 and 3 only, prompt + their tokens
+    assert [len(c) for c in rnd.completion_ids] == [8, 2, 1, 8] and all(rnd.done)
+    assert rnd.token_versions[0] == [0] * 4 + [1] * 4 and rnd.token_versions[2] == [0]

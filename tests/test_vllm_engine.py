@@ -8,6 +8,10 @@ marked ``vllm`` and left out of the default run (minutes: each starts vLLM engin
 * Weight sync: after every weight of the policy is changed and synced, vLLM's log-probs of the tokens it
   samples equal lmforge's fp32 teacher-forced ones (to 1e-3), in-process and through the server, and
   differ from the old weights' by far more (so a sync that misses a tensor fails).
+* Partial rollouts: a round continued under new weights as completion requests of prompt + tokens so far
+  keeps, per token, the version and the teacher-forced log-prob of the weights that sampled it (a
+  continuation that reused prefix-cached keys and values of the old weights fails), in-process and
+  through two API servers; and a GRPO run through them logs the per-token lag partial rollouts give.
 * GRPO: the same run with ``grpo.engine=lmforge``, ``vllm`` (colocated, in vLLM's environment) and ``vllm``
   (a server lmforge starts) gives rewards within sampling noise of each other, and vLLM's sampling
   log-probs agree with the trainer's (``grpo/rollout_logprob_gap``) in fp32.
@@ -233,3 +237,51 @@ def test_grpo_on_two_vllm_api_servers_with_memory_sync(api_servers, smollm2_dir,
     assert abs(means["served"] - means["own"]) < 0.12, means
     assert all(r["grpo/rollout_logprob_gap"] < 1e-3 for r in served)
     assert all(r["rollout/sync_bytes"] == 4 * 134515008 and r["rollout/sync_seconds"] > 0 for r in served)
+
+
+def _partial_check(python: str, smollm2_dir: Path, sync: Path, targets: list[str], log: Path, env: dict) -> dict:
+    with log.open("w") as f:
+        rc = subprocess.run([python, str(REPO / "tests/_vllm_partial_check.py"), str(smollm2_dir), str(TOKENIZER),
+                             str(sync), *targets], env=_env() | env, stdout=f, stderr=subprocess.STDOUT,
+                            timeout=900).returncode
+    out = log.read_text(errors="replace")
+    assert rc == 0, out[-3000:]
+    r = json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("{")))
+    assert max(r["prompt_lengths"]) > 128, r  # a KV block of it is prefix-cached across the sync
+    assert r["continued"] > 0 and r["all_done"] and r["versions_ok"] and r["finished_rows_untouched"], r
+    assert r["gap_first_old"] < 1e-3 and r["gap_second_new"] < 1e-3, r  # each token: its own segment's weights
+    assert r["gap_second_old"] > 0.05, r  # the second segment was not sampled by the old weights
+    return r
+
+
+@needs_vllm
+def test_partial_rollout_continues_under_new_weights_on_vllm_api_servers(api_servers, smollm2_dir, tmp_path):
+    urls, sync = api_servers
+    _partial_check(sys.executable, smollm2_dir, sync, urls, tmp_path / "log", {"LMFORGE_SERVER_SECRET": SECRET})
+
+
+@needs_vllm
+def test_partial_rollout_continues_under_new_weights_in_a_colocated_vllm(smollm2_dir, tmp_path):
+    (tmp_path / "sync").mkdir()
+    _partial_check(str(VLLM_PYTHON), smollm2_dir, tmp_path / "sync", ["colocate"], tmp_path / "log",
+                   {"VLLM_CPU_KVCACHE_SPACE": "1"})
+
+
+@needs_vllm
+def test_grpo_partial_rollouts_on_two_vllm_api_servers(api_servers, smollm2_dir, tmp_path):
+    """async_steps=2 with partial rollouts through vLLM's servers (memory sync): the first rollout is the
+    starting weights' whole, and once the schedule is full a completion's first segment lags 2 updates and
+    its second 1, so the per-token lag has max 2 and a mean strictly between 1 and 2."""
+    urls, _ = api_servers
+    os.environ["LMFORGE_SERVER_SECRET"] = SECRET
+    try:
+        recs = _grpo(sys.executable, smollm2_dir, tmp_path / "partial", **{
+            "training.steps": 3, "training.global_batch_size": 32, "training.micro_batch_size": 8,
+            "grpo.engine": "vllm", "grpo.vllm_mode": "server", "grpo.vllm_url": ",".join(urls),
+            "grpo.weight_sync": "memory", "grpo.async_steps": 2, "grpo.partial_rollouts": "true"})
+    finally:
+        del os.environ["LMFORGE_SERVER_SECRET"]
+    assert [r["rollout/token_staleness_max"] for r in recs] == [0.0, 1.0, 2.0]
+    assert 1.0 < recs[2]["rollout/token_staleness_mean"] < 2.0, recs[2]
+    assert recs[0]["grpo/rollout_logprob_gap"] < 1e-3  # sampled by the weights being trained, in fp32
+    assert all(r["rollout/sync_bytes"] == 4 * 134515008 and r["reward/std"] > 0.05 for r in recs)

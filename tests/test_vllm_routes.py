@@ -24,10 +24,15 @@ SECRET = "routes-secret-of-16-chars+"
 class Engine:
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple]] = []
+        self.reset_ok = True
 
     async def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         self.calls.append((method, args))
         return [{"seconds": 0.5, "bytes": 123}] if method == "lmforge_receive_weights" else [0.25]
+
+    async def reset_prefix_cache(self) -> bool:
+        self.calls.append(("reset_prefix_cache", ()))
+        return self.reset_ok
 
 
 class App:
@@ -117,7 +122,11 @@ def test_weights_load_only_from_the_weights_directory(door, tmp_path):
         assert status == 400 and "--weights-dir" in reply["error"], path
     assert app.state.engine_client.calls == []
     assert call(mw, app, "POST", "/lmforge/load_weights", {"path": str(good)}) == (200, {"seconds": 0.25})
-    assert app.state.engine_client.calls == [("lmforge_load_weights", (str(good),))]
+    # the old weights' cached keys and values are forgotten after every load
+    assert app.state.engine_client.calls == [("lmforge_load_weights", (str(good),)), ("reset_prefix_cache", ())]
+    app.state.engine_client.reset_ok = False  # vLLM refuses the reset: the load fails (the server is dropped)
+    status, reply = call(mw, app, "POST", "/lmforge/load_weights", {"path": str(good)})
+    assert status == 500 and "the engine failed" in reply["error"]
     mw, app = door(weights=False)
     status, reply = call(mw, app, "POST", "/lmforge/load_weights", {"path": str(good)})
     assert status == 403 and app.state.engine_client.calls == []
@@ -130,7 +139,8 @@ def test_transfer_endpoints_reach_the_worker_with_checked_arguments(door):
         assert call(mw, app, "POST", "/lmforge/init_transfer", bad)[0] == 400
     assert call(mw, app, "POST", "/lmforge/init_transfer", {"host": "10.0.0.1", "port": 29500, "world_size": 2})[0] == 200
     assert call(mw, app, "POST", "/lmforge/receive_weights", {}) == (200, {"seconds": 0.5, "bytes": 123})
-    assert [c[0] for c in app.state.engine_client.calls] == ["lmforge_init_transfer", "lmforge_receive_weights"]
+    assert [c[0] for c in app.state.engine_client.calls] == ["lmforge_init_transfer", "lmforge_receive_weights",
+                                                             "reset_prefix_cache"]
     assert app.state.engine_client.calls[0][1][:4] == ("10.0.0.1", 29500, 2, 1)
 
 

@@ -88,8 +88,8 @@ def segment_tokens(max_new_tokens: int, segments: int) -> int:
 def advance_round(engine: RolloutEngine, rnd: PartialRound, sampling: SamplingSettings, segments: int,
                   rows_per_call: int, seed_for: Callable[[int, int], int]) -> None:
     """Run the next segment of ``rnd`` with the engine's current weights: every unfinished row gets up to
-    one segment of new tokens (prompt + its tokens so far re-prefilled), with their log-probs and the
-    engine's version. ``seed_for(position, segment)`` seeds each generate call from the position of its
+    one segment of new tokens (prompt + its tokens so far re-prefilled; for vLLM one completion request of
+    token ids with ``max_tokens`` = the segment), with their log-probs and the engine's version. ``seed_for(position, segment)`` seeds each generate call from the position of its
     first row's prompt."""
     t0 = time.perf_counter()
     G, N = rnd.group_size, sampling.max_new_tokens
@@ -107,7 +107,10 @@ def advance_round(engine: RolloutEngine, rnd: PartialRound, sampling: SamplingSe
                 rnd.completion_ids[i] += c.token_ids
                 rnd.logprobs[i] += list(c.logprobs or [])
                 rnd.token_versions[i] += [engine.version] * len(c.token_ids)
-                rnd.done[i] = len(rnd.completion_ids[i]) >= N or bool(c.token_ids and c.token_ids[-1] in stops)
+                # a row is not continued once it ended: a stop token, max_new_tokens, or fewer tokens than asked
+                # (an engine that cut it short, e.g. vLLM at its max_model_len, would cut it again)
+                rnd.done[i] = (len(rnd.completion_ids[i]) >= N or len(c.token_ids) < n
+                               or bool(c.token_ids and c.token_ids[-1] in stops))
     rnd.segments += 1
     rnd.gen_seconds += time.perf_counter() - t0
 

@@ -49,7 +49,8 @@ class EngineKeys(Section):
     decoded in k segments of ``ceil(max_new_tokens / k)`` tokens, one segment of every round in flight per
     update; at an update the rounds stop after their segment and continue under the new weights (prompt
     + tokens so far prefilled again), every token keeping its weights' version and log-prob for
-    ``tis_cap``. lmforge's engine, single-turn; docs/rollout_engines.md."""
+    ``tis_cap``. lmforge's engine or vLLM's (a segment is one completion request of token ids), single-turn;
+    docs/rollout_engines.md."""
     max_staleness: int = Field(0, ge=0)
     """With ``async_steps``: completion tokens sampled by weights more than this many optimizer steps older
     than the policy a rollout is first trained with are masked out of the loss (not regenerated), counted
@@ -100,13 +101,15 @@ class EngineKeys(Section):
         return self
 
     def _check_partial(self) -> None:
-        """Partial rollouts need rounds in flight to interrupt and a single-turn lmforge engine."""
+        """Partial rollouts need rounds in flight to interrupt and a single-turn engine that takes token-id
+        prompts and reports each token's log-prob (lmforge's or vLLM's: a segment is a completion request
+        whose prompt is the prompt plus the tokens so far)."""
         if self.async_steps < 2:
             raise ValueError(f"grpo.partial_rollouts needs grpo.async_steps >= 2 (got {self.async_steps}): with fewer, "
                              "the only round in flight at an update is the one that update trains on")
-        if self.engine != "lmforge":
+        if self.engine not in ("lmforge", "vllm"):
             raise ValueError(f"grpo.partial_rollouts: engine {self.engine!r} cannot continue a generation under new "
-                             "weights here; use grpo.engine=lmforge, or grpo.partial_rollouts=false")
+                             "weights here; use grpo.engine=lmforge or vllm, or grpo.partial_rollouts=false")
         if self.environment:
             raise ValueError("grpo.partial_rollouts with grpo.environment is not supported: an episode's turns are "
                              "not split into segments")

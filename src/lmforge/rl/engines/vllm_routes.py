@@ -141,6 +141,7 @@ class LmforgeRoutes:
             if path == "/lmforge/load_weights":
                 target = weights_path(req, self.weights_dir, self.secret)
                 seconds = max(await engine.collective_rpc("lmforge_load_weights", args=(target,)))
+                await _forget_cached_prefixes(engine)
                 return await _reply(send, 200, {"seconds": float(seconds)})
             if path == "/lmforge/init_transfer":
                 host, port, world = req.get("host"), req.get("port"), req.get("world_size")
@@ -151,6 +152,7 @@ class LmforgeRoutes:
                 await engine.collective_rpc("lmforge_init_transfer", args=(host, port, 2, 1, timeout))
                 return await _reply(send, 200, {"ok": True})
             done = await engine.collective_rpc("lmforge_receive_weights")
+            await _forget_cached_prefixes(engine)
             return await _reply(send, 200, {"seconds": max(float(d["seconds"]) for d in done),
                                             "bytes": int(done[0]["bytes"])})
         except RequestError:
@@ -158,6 +160,15 @@ class LmforgeRoutes:
         except Exception as e:  # noqa: BLE001 - the engine's failure: one line to the client
             print(f"lmforge routes: {path} failed: {type(e).__name__}: {e}", flush=True)
             return await _reply(send, 500, {"error": f"the engine failed ({type(e).__name__}); see the server's log"})
+
+
+async def _forget_cached_prefixes(engine: Any) -> None:
+    """After a weight load: vLLM's prefix cache holds keys and values computed by the old weights, and a
+    request sharing a cached block with an earlier one (a prompt sampled again, a partial rollout's
+    continuation) would reuse them. The reload does not clear it; this does, or fails the load (vLLM refuses
+    while requests are running), so no request samples from old weights' blocks after a load."""
+    if await engine.reset_prefix_cache() is False:
+        raise RuntimeError("vLLM did not reset its prefix cache after the weight load (requests were running)")
 
 
 def _replay(raw: bytes, original: Receive) -> Receive:

@@ -79,7 +79,12 @@ class VllmRunner:
         return result
 
     def load_weights(self, path: str) -> float:
-        return float(max(self.llm.collective_rpc("lmforge_load_weights", args=(str(path),))))
+        """Reload the weights in place, then empty the prefix cache (its blocks hold the old weights' keys and
+        values, which a later request sharing a block would reuse: vLLM's reload does not clear them)."""
+        seconds = float(max(self.llm.collective_rpc("lmforge_load_weights", args=(str(path),))))
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM did not reset its prefix cache after the weight load (requests were running)")
+        return seconds
 
     def close(self) -> None:
         """Stop vLLM's engine processes now, not whenever the interpreter gets to it."""
