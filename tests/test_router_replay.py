@@ -162,7 +162,7 @@ def test_router_replay_refusals_are_one_line():
     from lmforge.errors import UserError
     from lmforge.recipes.grpo import GRPOConfig
 
-    with pytest.raises(UserError, match="vLLM does not report them") as e:
+    with pytest.raises(UserError, match="engine .vllm. does not report them") as e:
         load_config(GRPOConfig, None, ["--grpo.router_replay=true", "--grpo.engine=vllm"])
     assert "\n" not in str(e.value)
     with pytest.raises(UserError, match="router_replay with grpo.environment"):

@@ -174,10 +174,12 @@ def check_expert_parallel_engine(cfg: GRPOConfig) -> None:
     """``parallel.ep`` only with lmforge's engine sampling from the live policy: its expert-parallel modules,
     every rank decoding in lockstep (the MoE layers' all-to-alls are collectives). No other engine has run
     with the experts split over ranks, and sampling ahead (``async_steps``) needs whole weights per rank."""
+    from lmforge.rl.engines.kinds import engine_kind
+
     ep, g = cfg.parallel.ep, cfg.grpo
-    if ep > 1 and g.engine != "lmforge":
-        raise UserError(f"parallel.ep={ep} with grpo.engine={g.engine} is not supported: "
-                        "GRPO runs expert parallelism with grpo.engine=lmforge only")
+    if ep > 1 and not engine_kind(g.engine).live_weights:
+        raise UserError(f"parallel.ep={ep} with grpo.engine={g.engine} is not supported: under expert parallelism "
+                        "GRPO samples from the live policy's own modules (grpo.engine=lmforge)")
     if ep > 1 and g.async_steps:
         raise UserError(f"parallel.ep={ep} with grpo.async_steps is not supported: lmforge's engine samples ahead "
                         "from a whole copy of the weights on every rank, and expert parallelism splits the experts")

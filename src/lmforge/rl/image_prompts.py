@@ -73,13 +73,15 @@ def attach_images(batch: Any, rows: Sequence[PromptImages | None]) -> None:
 def check_image_prompts(model_args: Any, tokenizer: Any, g: Any,
                         prompts: Sequence[dict[str, Any]]) -> ImageEncoding | None:
     """The policy's image encoding when some training prompt has images, None for a text run; one line for
-    what does not take image prompts: a text model, another engine than lmforge's (vLLM is sent token ids
-    only), partial rollouts, environments and router replay (their rounds carry no pixels)."""
+    what does not take image prompts: a text model, an engine that takes no images (vLLM is sent token
+    ids only), partial rollouts, environments and router replay (their rounds carry no pixels)."""
     if not any(is_image_prompt(r.get(g.prompt_field)) for r in prompts):
         return None
     from lmforge.data.image_tokens import image_encoding_for
 
-    refused = [(g.engine != "lmforge", f"grpo.engine={g.engine}"),
+    from lmforge.rl.engines.kinds import engine_kind
+
+    refused = [(not engine_kind(g.engine).takes_images, f"grpo.engine={g.engine}"),
                (bool(g.async_steps and g.partial_rollouts), "grpo.partial_rollouts"),
                (bool(g.environment), "grpo.environment"), (bool(g.router_replay), "grpo.router_replay")]
     for bad, what in refused:

@@ -1,16 +1,17 @@
-"""The engine a GRPO run samples with (``grpo.engine``), built from the run's policy."""
+"""The engine a GRPO run samples with (``grpo.engine``), built from the run's policy (the engines and
+their capabilities are listed in :mod:`lmforge.rl.engines.kinds`)."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
 from lmforge.errors import UserError
 from lmforge.rl.engines.base import RolloutEngine
+from lmforge.rl.engines.kinds import ENGINES, EngineKind, engine_kind, resolve  # noqa: F401 (re-exported)
 from lmforge.rl.engines.lmforge_engine import LmforgeEngine
 from lmforge.rl.engines.snapshot import WeightSnapshots, default_sync_dir, full_cpu_state
 from lmforge.runtime import Runtime
@@ -37,25 +38,13 @@ def write_model_dir(rt: Runtime, out: Path) -> None:
         dist.barrier()
 
 
-@dataclass(frozen=True)
-class EngineKind:
-    """A rollout engine ``grpo.engine`` can name: how to build it, and what the rest of GRPO may rely on."""
-
-    name: str
-    build: Callable[[Runtime, Any, Any, bool], RolloutEngine]
-    """``build(rt, grpo_section, autocast, own_copy)``."""
-    live_weights: bool
-    """Samples from the trainer's own modules (no weight sync; its log-probs are the policy's own), so it
-    needs whole weights on every rank to sample ahead of training (``grpo.async_steps``)."""
-
-
-def _lmforge(rt: Runtime, g: Any, autocast: Any, own_copy: bool) -> RolloutEngine:
+def build_lmforge_engine(rt: Runtime, g: Any, autocast: Any, own_copy: bool) -> RolloutEngine:
     return LmforgeEngine(pad_id=rt.model.tokenizer.pad_id, autocast=autocast, copy_weights=own_copy,
                          lockstep=rt.world.dist.world_size > 1 and not own_copy,
                          chunk_tokens=rt.cfg.training.loss_chunk_tokens, record_routes=g.router_replay)
 
 
-def _vllm(rt: Runtime, g: Any, autocast: Any, own_copy: bool) -> RolloutEngine:
+def build_vllm_engine(rt: Runtime, g: Any, autocast: Any, own_copy: bool) -> RolloutEngine:
     dtype = rollout_dtype(rt, g)
     seed = rt.cfg.training.seed + 7919 * rt.world.dist.rank
     where = [str(g.vllm_sync_dir or (default_sync_dir() if rt.world.dist.is_main else ""))]
@@ -69,30 +58,9 @@ def _vllm(rt: Runtime, g: Any, autocast: Any, own_copy: bool) -> RolloutEngine:
         raise
 
 
-ENGINES: dict[str, EngineKind] = {
-    "lmforge": EngineKind("lmforge", _lmforge, live_weights=True),
-    "vllm": EngineKind("vllm", _vllm, live_weights=False),
-}
-"""Every engine ``grpo.engine`` can name."""
-
-
-def engine_kind(name: str) -> EngineKind:
-    """The engine ``grpo.engine`` names: a built-in one, or an :class:`EngineKind` that an installed
-    package offers through the ``lmforge.engines`` entry point (:mod:`lmforge.plugins`)."""
-    from lmforge.plugins import load_entry_points
-
-    for ep, kind in load_entry_points("lmforge.engines"):
-        if not isinstance(kind, EngineKind):
-            raise UserError(f"plugin {ep.name} = {ep.value} of lmforge.engines is not an EngineKind")
-        ENGINES.setdefault(kind.name, kind)
-    if name not in ENGINES:
-        raise UserError(f"grpo.engine={name!r}: unknown rollout engine; known: {', '.join(ENGINES)}")
-    return ENGINES[name]
-
-
 def make_engine(rt: Runtime, g: Any, *, autocast: Any, own_copy: bool) -> RolloutEngine:
     """``own_copy``: the engine must not sample from the trainer's parameters as they change (async)."""
-    return engine_kind(g.engine).build(rt, g, autocast, own_copy)
+    return resolve(engine_kind(g.engine).build)(rt, g, autocast, own_copy)
 
 
 def _vllm_engine(rt: Runtime, g: Any, snapshots: WeightSnapshots, dtype: str, seed: int) -> RolloutEngine:

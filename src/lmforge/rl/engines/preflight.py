@@ -20,19 +20,24 @@ from typing import Any
 
 from lmforge.errors import UserError
 
-__all__ = ["check_engine_settings", "check_sync_dir", "check_server", "check_interpreter"]
+__all__ = ["check_engine_settings", "check_vllm_settings", "check_sync_dir", "check_server", "check_interpreter"]
 
 PROBE_TIMEOUT_S = 10.0
 _FINDS_VLLM = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 3)"
 
 
 def check_engine_settings(g: Any) -> None:
-    """Every engine setting of ``g`` (a run's ``[grpo]`` section) that can be checked without starting it."""
-    from lmforge.rl.engines.factory import engine_kind
+    """Every engine setting of ``g`` (a run's ``[grpo]`` section) that can be checked without starting it:
+    the engine's name, then its own pre-flight (:attr:`~lmforge.rl.engines.kinds.EngineKind.preflight`)."""
+    from lmforge.rl.engines.kinds import engine_kind, resolve
 
-    engine_kind(g.engine)  # an unknown name is one line here, before anything is written
-    if g.engine != "vllm":
-        return
+    kind = engine_kind(g.engine)  # an unknown name is one line here, before anything is written
+    if kind.preflight is not None:
+        resolve(kind.preflight)(g)
+
+
+def check_vllm_settings(g: Any) -> None:
+    """vLLM's pre-flight: installed where it will run, its sync directory, its servers."""
     from lmforge.rl.engines.vllm_engine import INSTALL, python_for_server
 
     if g.vllm_sync_dir:

