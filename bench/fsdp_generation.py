@@ -23,7 +23,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, markdown_table, median  # noqa: E402
 
-from lmforge.distributed import full_parameters, init_distributed  # noqa: E402
+from lmforge.distributed import full_parameters  # noqa: E402
+from lmforge.runtime.world import init_distributed  # noqa: E402
 from lmforge.parallel.plans import data_parallel  # noqa: E402
 from lmforge.models.generate import generate  # noqa: E402
 from lmforge.models.args import model_args_for  # noqa: E402

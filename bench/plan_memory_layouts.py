@@ -41,13 +41,13 @@ def worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from lmforge import distributed as dist_utils
+    from lmforge.runtime.world import init_distributed
     from lmforge.models.args import model_args_for
     from lmforge.models.tokenizer import ByteTokenizer
     from lmforge.planning.layout_probe import measure_layout_step
 
     torch.set_num_threads(1)
-    dist_utils.init_distributed("cpu")
+    init_distributed("cpu")
     layout = parse_layout(a.worker)
     vocab = ByteTokenizer().vocab_size
     for c in configs(a, layout.pp):

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from lmforge import distributed as dist_utils
+from lmforge.runtime.world import init_distributed
 from lmforge.data.packing import IGNORE_INDEX, Batch
 from lmforge.models.layers import blockwise_attention as blockwise
 from lmforge.models.args import ModelArgs
@@ -128,7 +129,7 @@ def part2(mesh, errors: dict[str, float]) -> None:
 
 def main() -> None:
     torch.manual_seed(0)
-    info = dist_utils.init_distributed("cpu")
+    info = init_distributed("cpu")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))
     errors: dict[str, float] = {}
     part1(LLAMA, packed_batch(2, seed=1), mesh["cp"], "packed", errors)

@@ -5,6 +5,7 @@ import sys
 import torch
 
 from lmforge import distributed as dist_utils
+from lmforge.runtime.world import init_distributed
 from lmforge.models.model import Transformer
 from lmforge.objectives.next_token import cross_entropy_loss
 from lmforge.parallel.plans import data_parallel
@@ -13,7 +14,7 @@ from lmforge.training.train_step import global_target_count, gradient_computatio
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _helpers import STEP_MODEL_ARGS, make_batch, split_batch  # noqa: E402
 
-info = dist_utils.init_distributed("cpu")
+info = init_distributed("cpu")
 model = Transformer(STEP_MODEL_ARGS)
 model.init_weights(seed=0)
 ddp = data_parallel(model, "ddp", info.device)

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lmforge.models.configs import MLPConfig, MoEConfig, RouterConfig
 from lmforge import distributed as dist_utils
+from lmforge.runtime.world import init_distributed
 from lmforge.data.packing import Batch
 from lmforge.models.layers.moe import MoEFeedForward
 from lmforge.models.model import ModelArgs, Transformer
@@ -195,7 +196,7 @@ def model_check(mesh, seed: int) -> None:
 
 
 def main() -> None:
-    info = dist_utils.init_distributed("cpu")
+    info = init_distributed("cpu")
     world, rank = info.world_size, info.rank
     pairs = init_device_mesh("cpu", (world // 2, 1, 2), mesh_dim_names=("group", "dp_shard_mod_ep", "ep"))
     layer_checks(pairs["ep"], pairs.get_local_rank("group"))

@@ -13,11 +13,12 @@ import torch
 
 import lmforge.models.generate as gen
 from lmforge import distributed as dist_utils
+from lmforge.runtime.world import init_distributed
 from lmforge.models.model import ModelArgs, Transformer
 
 NEW = 24
 
-info = dist_utils.init_distributed("cpu")
+info = init_distributed("cpu")
 model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=101, max_seq_len=128))
 model.init_weights(seed=0)
 with torch.no_grad():

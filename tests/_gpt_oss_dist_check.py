@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import _cp_check
 import _ep_check
 from lmforge import distributed as dist_utils
+from lmforge.runtime.world import init_distributed
 from lmforge.models.gpt_oss import GptOssArgs
 from lmforge.models.model import Transformer
 
@@ -46,7 +47,7 @@ class RandomSinksAndBiases(Transformer):
 
 def main() -> None:
     torch.manual_seed(0)
-    info = dist_utils.init_distributed("cpu")
+    info = init_distributed("cpu")
     _cp_check.Transformer = RandomSinksAndBiases
     _ep_check.Transformer = RandomSinksAndBiases
     _ep_check.TINY_MOE = EP_ARGS

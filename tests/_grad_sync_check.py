@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from lmforge import distributed as dist_utils
+from lmforge.runtime.world import init_distributed
 from lmforge.models.model import Transformer
 from lmforge.objectives.next_token import cross_entropy_loss
 from lmforge.parallel.plans import data_parallel
@@ -31,7 +32,7 @@ for name in ("reduce_scatter_tensor", "reduce_scatter_single"):  # FSDP2 calls o
     if hasattr(dist, name):
         setattr(dist, name, counted(getattr(dist, name)))
 
-info = dist_utils.init_distributed("cpu")
+info = init_distributed("cpu")
 model = Transformer(STEP_MODEL_ARGS)
 model.init_weights(seed=0)
 wrapped = data_parallel(model, mode, info.device)

@@ -8,13 +8,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-from lmforge import distributed as dist_utils
+from lmforge.runtime.world import init_distributed
 from lmforge.models.args import model_args_for
 from lmforge.planning.layout_probe import measure_layout_step
 from lmforge.parallel.dims import ParallelDims
 
 torch.set_num_threads(1)
-dist_utils.init_distributed("cpu")
+init_distributed("cpu")
 args = model_args_for("debug", 320, **json.loads(sys.argv[2]))
 shape = json.loads(sys.argv[3])
 out = {}

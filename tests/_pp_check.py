@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from lmforge import distributed as dist_utils
+from lmforge.runtime.world import init_distributed
 from lmforge.data.packing import IGNORE_INDEX, Batch
 from lmforge.models.model import ModelArgs, Transformer
 from lmforge.objectives.next_token import cross_entropy_loss
@@ -30,7 +31,7 @@ from lmforge.training.train_step import global_target_count, gradient_computatio
 
 ARGS = ModelArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32)
 out = sys.argv[1]
-info = dist_utils.init_distributed("cpu")
+info = init_distributed("cpu")
 world = info.world_size
 mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
 pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp_shard")

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from lmforge import distributed as dist_utils
+from lmforge.runtime.world import init_distributed
 from lmforge.data.packing import collate
 from lmforge.parallel.plans import data_parallel
 
@@ -14,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _pairs import Reference, grads_and_values, row_sample, tiny_model  # noqa: E402
 from test_preference_methods import method_batch, method_objective  # noqa: E402
 
-info = dist_utils.init_distributed("cpu")
+info = init_distributed("cpu")
 out = {}
 work = Path(sys.argv[1]).parent / f"rank{info.rank}"
 work.mkdir(exist_ok=True)

@@ -8,6 +8,7 @@ import sys
 import torch
 
 from lmforge import distributed as dist_utils
+from lmforge.runtime.world import init_distributed
 from lmforge.data.tasks import TaskExample
 from lmforge.evaluation.tasks import task_accuracy
 from lmforge.models.args import model_args_for
@@ -16,7 +17,7 @@ from lmforge.models.tokenizer import ByteTokenizer
 from lmforge.parallel.plans import data_parallel
 
 mode, examples_file, out = sys.argv[1], sys.argv[2], sys.argv[3]
-info = dist_utils.init_distributed("cpu")
+info = init_distributed("cpu")
 torch.set_num_threads(1)
 tok = ByteTokenizer()
 model = Transformer(model_args_for("debug", tok.vocab_size, dim=64, n_layers=2))

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from lmforge import distributed as dist_utils
+from lmforge.runtime.world import init_distributed
 from lmforge.data.packing import IGNORE_INDEX, Batch
 from lmforge.errors import UserError
 from lmforge.models.args import ModelArgs
@@ -214,7 +215,7 @@ def check_2d(mesh: object) -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
-    info = dist_utils.init_distributed("cpu")
+    info = init_distributed("cpu")
     if sys.argv[1] == "tp":
         mesh = init_device_mesh("cpu", (info.world_size,), mesh_dim_names=("tp",))
         check_kernel(mesh)

@@ -1,20 +1,18 @@
-"""Process groups, devices and collectives under torchrun or alone (the model's layout over the ranks is
-:mod:`lmforge.parallel`)."""
+"""What a process knows of the others under torchrun or alone (its rank, device, share of the batch and reduce
+group) and the collectives lmforge takes over them. The process group itself is joined by the world phase
+(:func:`lmforge.runtime.world.init_distributed`); the model's layout over the ranks is :mod:`lmforge.parallel`."""
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lmforge.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -73,56 +71,6 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def init_distributed(device: str = "auto", timeout_s: float = 300.0) -> DistInfo:
-    """Join the torchrun process group if launched by torchrun; pick the device.
-
-    gloo on CPU, NCCL on CUDA (bound to this rank's GPU). Under torchrun's elastic agent the
-    process group is built on a store that is safe to reuse after a restart (see
-    :func:`_restart_safe_store`).
-    """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
-    if use_cuda and not torch.cuda.is_available():
-        why = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
-        raise UserError(f"training.device=cuda but CUDA is not available ({why}); use training.device=auto or cpu")
-    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(dev)
-    if world > 1 and not dist.is_initialized():
-        backend = "nccl" if use_cuda else "gloo"
-        kwargs: dict = {"timeout": timedelta(seconds=timeout_s)}
-        if use_cuda:
-            kwargs["device_id"] = dev  # NCCL communicators bound to this GPU (no guessing in barrier)
-        store = _restart_safe_store(world, timeout_s)
-        if store is not None:
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kwargs)
-        else:
-            dist.init_process_group(backend, **kwargs)
-    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev)
-
-
-def _restart_safe_store(world: int, timeout_s: float) -> dist.Store | None:
-    """A store for ``init_process_group`` that a restarted worker group can use, or None (use env://).
-
-    By default torchrun's agent shares its rendezvous TCPStore with the workers, and that store keeps
-    the keys the failed attempt wrote: a restarted group then reads the dead workers' addresses and
-    fails in gloo's connectFullMesh ("Connection refused") or hangs. Each attempt therefore works
-    under its own key prefix, ``lmforge_attempt_<TORCHELASTIC_RESTART_COUNT>``. The restart count is
-    counted by each node's agent; on one machine (one agent) it always agrees across ranks. Across
-    machines, agents that restarted a different number of times (a node that joined later) would
-    disagree, so multi-machine elastic jobs should launch with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``:
-    the agent then hands out a fresh store per rendezvous round and this function steps aside.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in os.environ:
-        return None
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                         is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
-    return dist.PrefixStore(f"lmforge_attempt_{restart}", base)
 
 
 def shutdown() -> None:
