@@ -39,16 +39,10 @@ def assert_curves_match(got: dict[int, tuple[float, float]], want: dict[int, tup
 
 
 @pytest.fixture(scope="module")
-def reference_run(tmp_path_factory, corpus) -> Path:
-    run = tmp_path_factory.mktemp("layouts") / "reference"
-    proc = run_lmforge("pretrain", *tiny_run_args(corpus, training_micro_batch_size=8), f"--run.dir={run}")
-    assert proc.returncode == 0, tail(proc)
-    return run
-
-
-@pytest.fixture(scope="module")
-def reference(reference_run) -> dict[int, tuple[float, float]]:
-    return curves(reference_run)
+def reference(reference_curve_run) -> dict[int, tuple[float, float]]:
+    """The session's uninterrupted one-process run (conftest.py; the distributed and elastic tests
+    compare with the same run, so a worker trains it once)."""
+    return curves(reference_curve_run)
 
 
 def exported_weights(run: Path, out: Path) -> dict:
@@ -58,6 +52,12 @@ def exported_weights(run: Path, out: Path) -> dict:
 
     assert lmforge_in_process("export", "--hf", str(out), str(run)) == 0
     return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.fixture(scope="module")
+def reference_weights(tmp_path_factory, reference_curve_run) -> dict:
+    """The reference run's export, read-only: made once for the layouts that compare with it."""
+    return exported_weights(reference_curve_run, tmp_path_factory.mktemp("layouts") / "reference_hf")
 
 
 def train(run: Path, corpus: Path, nproc: int, layout: dict, *extra: str, half: bool = False, **overrides) -> None:
@@ -87,12 +87,12 @@ def check_layout_then_resume(run: Path, corpus: Path, reference, first, then, *e
     ((4, {"pp": 2, "dp_shard": 2}), (2, {"tp": 2})),
     ((4, {"pp": 2, "tp": 2}), (2, {"cp": 2})),
 ], ids=["cp2xdp_shard2-then-one-process", "tp2xdp_shard2-then-pp2", "pp2xdp_shard2-then-tp2", "pp2xtp2-then-cp2"])
-def test_layout_matches_one_process_and_continues_in_another(tmp_path, corpus, reference, reference_run, first, then):
+def test_layout_matches_one_process_and_continues_in_another(tmp_path, corpus, reference, request, first, then):
     check_layout_then_resume(tmp_path / "run", corpus, reference, first, then)
     if then[1]:  # the final checkpoint was saved split over the second layout: export reads it whole
         import torch
 
-        got, want = exported_weights(tmp_path / "run", tmp_path / "hf"), exported_weights(reference_run, tmp_path / "ref")
+        got, want = exported_weights(tmp_path / "run", tmp_path / "hf"), request.getfixturevalue("reference_weights")
         assert got.keys() == want.keys()
         for k in want:  # 8 AdamW steps amplify last-bit gradient differences where v is tiny: ~1e-4 of the scale
             scale = float(want[k].abs().max())
