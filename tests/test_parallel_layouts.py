@@ -7,7 +7,8 @@ continues in a different layout for steps 5-8; every step's loss and pre-clip gr
 the uninterrupted single-process run's (fp32, 1e-5 relative: sums in another order round differently in
 the last bits only). The module-level checks of each dimension (gradients of every parameter against
 one process) are in test_tensor_parallel.py, test_context_parallel.py, test_pipeline_parallel.py and
-test_expert_parallel.py.
+test_expert_parallel.py. One-process runs go through the CLI's entry point in the test process
+(``lmforge_in_process``), torchrun's through the real CLI.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import STEPS, TOKENS_PER_STEP, run_lmforge, tail, tiny_run_args, torchrun
+from _helpers import STEPS, TOKENS_PER_STEP, lmforge_in_process, tail, tiny_run_args, torchrun
 from lmforge.metrics.records import read_records
 
 HALF = STEPS // 2
@@ -48,8 +49,6 @@ def reference(reference_curve_run) -> dict[int, tuple[float, float]]:
 def exported_weights(run: Path, out: Path) -> dict:
     from safetensors.torch import load_file
 
-    from _helpers import lmforge_in_process
-
     assert lmforge_in_process("export", "--hf", str(out), str(run)) == 0
     return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
 
@@ -64,7 +63,10 @@ def train(run: Path, corpus: Path, nproc: int, layout: dict, *extra: str, half: 
     budget = {"training_max_tokens": HALF * TOKENS_PER_STEP} if half else {}
     args = ("pretrain", *tiny_run_args(corpus, training_micro_batch_size=2, **budget, **overrides,
                                        **{f"parallel_{k}": v for k, v in layout.items()}), *extra, f"--run.dir={run}")
-    proc = run_lmforge(*args) if nproc == 1 else torchrun(*args, nproc=nproc)
+    if nproc == 1:  # one process: the CLI's entry point in this one (a subprocess would only add imports)
+        assert lmforge_in_process(*args) == 0
+        return
+    proc = torchrun(*args, nproc=nproc)
     assert proc.returncode == 0, tail(proc)
 
 
@@ -111,8 +113,8 @@ def test_expert_parallel_moe_matches_one_process_and_continues_on_one(tmp_path, 
     moe = dict(model_size=None, model_n_layers=None, model_dim=None, model_n_heads=None, model_n_kv_heads=None)
     extra = (f"--model.from_hf={start}", "--training.router_aux_loss_coef=0")
     ref = tmp_path / "reference"
-    proc = run_lmforge("pretrain", *tiny_run_args(corpus, training_micro_batch_size=8, **moe), *extra, f"--run.dir={ref}")
-    assert proc.returncode == 0, tail(proc)
+    assert lmforge_in_process("pretrain", *tiny_run_args(corpus, training_micro_batch_size=8, **moe), *extra,
+                              f"--run.dir={ref}") == 0
     check_layout_then_resume(tmp_path / "run", corpus, curves(ref), (4, {"ep": 2, "mode": "fsdp"}), (1, {}), *extra,
                              rel=1e-4, **moe)
 
@@ -123,8 +125,7 @@ def test_sft_with_tensor_and_context_parallel_together_matches_one_process(tmp_p
     chats = Path(__file__).resolve().parent / "fixtures" / "data" / "fastchat_identity_multiturn.jsonl"
     sft = dict(data_seq_len=64, data_prefetch=0)
     ref, run = tmp_path / "reference", tmp_path / "run"
-    proc = run_lmforge("sft", *tiny_run_args(chats, training_micro_batch_size=8, **sft), f"--run.dir={ref}")
-    assert proc.returncode == 0, tail(proc)
+    assert lmforge_in_process("sft", *tiny_run_args(chats, training_micro_batch_size=8, **sft), f"--run.dir={ref}") == 0
     proc = torchrun("sft", *tiny_run_args(chats, training_micro_batch_size=2, parallel_tp=2, parallel_cp=2, **sft),
                     f"--run.dir={run}", nproc=4)
     assert proc.returncode == 0, tail(proc)
