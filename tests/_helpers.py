@@ -132,8 +132,9 @@ def run_lmforge(*args: str | Path, timeout: float = 240, cwd: Path = REPO,
 def lmforge_in_process(*args: str | Path, cwd: Path = REPO) -> int:
     """Run ``lmforge ARGS`` in this process (``lmforge.cli.main``) as :func:`run_lmforge` would in a
     subprocess: in ``cwd``, without fault injection; the exit status is returned and what it prints
-    is read with pytest's ``capfd``. For runs that stop in config loading or start-up checks (a
-    subprocess costs seconds of imports): the run locks the call took are released on return, as
+    is read with pytest's ``capfd``. For runs that stop in config loading or start-up checks, and
+    for short one-process runs and exports that need no process of their own (a subprocess costs
+    seconds of imports): the run locks the call took are released on return, as
     the end of a process releases them. The test's autouse fixture restores the thread count and RNG
     states the run set (conftest.py)."""
     from lmforge.checkpoint import runlock

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from _helpers import (Reference, grad_norms, losses, lmforge_cmd, run_in_terminal, run_lmforge, small_corpus, tail,
+from _helpers import (Reference, grad_norms, losses, lmforge_cmd, lmforge_in_process, run_in_terminal, small_corpus,
                       tiny_run_args, write_corpus, write_fault_runner)
 
 # Raw data files of test runs are prepared into token shards in a cache: one per test session, not the
@@ -95,10 +95,10 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def reference_curve_run(tmp_path_factory, corpus) -> Path:
     """One process, the whole global batch in one microbatch, no interruption: the run whose losses and
-    gradient norms the distributed and elastic runs must reproduce."""
+    gradient norms the distributed and elastic runs must reproduce. Through the CLI's entry point in this
+    process: a subprocess would only add its imports."""
     run = tmp_path_factory.mktemp("reference_losses") / "run"
-    proc = run_lmforge("pretrain", *tiny_run_args(corpus, training_micro_batch_size=8), f"--run.dir={run}")
-    assert proc.returncode == 0, tail(proc)
+    assert lmforge_in_process("pretrain", *tiny_run_args(corpus, training_micro_batch_size=8), f"--run.dir={run}") == 0
     return run
 
 

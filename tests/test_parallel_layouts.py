@@ -7,7 +7,8 @@ continues in a different layout for steps 5-8; every step's loss and pre-clip gr
 the uninterrupted single-process run's (fp32, 1e-5 relative: sums in another order round differently in
 the last bits only). The module-level checks of each dimension (gradients of every parameter against
 one process) are in test_tensor_parallel.py, test_context_parallel.py, test_pipeline_parallel.py and
-test_expert_parallel.py.
+test_expert_parallel.py. One-process runs go through the CLI's entry point in the test process
+(``lmforge_in_process``), torchrun's through the real CLI.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import STEPS, TOKENS_PER_STEP, run_lmforge, tail, tiny_run_args, torchrun
+from _helpers import STEPS, TOKENS_PER_STEP, lmforge_in_process, tail, tiny_run_args, torchrun
 from lmforge.metrics.records import read_records
 
 HALF = STEPS // 2
@@ -39,32 +40,33 @@ def assert_curves_match(got: dict[int, tuple[float, float]], want: dict[int, tup
 
 
 @pytest.fixture(scope="module")
-def reference_run(tmp_path_factory, corpus) -> Path:
-    run = tmp_path_factory.mktemp("layouts") / "reference"
-    proc = run_lmforge("pretrain", *tiny_run_args(corpus, training_micro_batch_size=8), f"--run.dir={run}")
-    assert proc.returncode == 0, tail(proc)
-    return run
-
-
-@pytest.fixture(scope="module")
-def reference(reference_run) -> dict[int, tuple[float, float]]:
-    return curves(reference_run)
+def reference(reference_curve_run) -> dict[int, tuple[float, float]]:
+    """The session's uninterrupted one-process run (conftest.py; the distributed and elastic tests
+    compare with the same run, so a worker trains it once)."""
+    return curves(reference_curve_run)
 
 
 def exported_weights(run: Path, out: Path) -> dict:
     from safetensors.torch import load_file
 
-    from _helpers import lmforge_in_process
-
     assert lmforge_in_process("export", "--hf", str(out), str(run)) == 0
     return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.fixture(scope="module")
+def reference_weights(tmp_path_factory, reference_curve_run) -> dict:
+    """The reference run's export, read-only: made once for the layouts that compare with it."""
+    return exported_weights(reference_curve_run, tmp_path_factory.mktemp("layouts") / "reference_hf")
 
 
 def train(run: Path, corpus: Path, nproc: int, layout: dict, *extra: str, half: bool = False, **overrides) -> None:
     budget = {"training_max_tokens": HALF * TOKENS_PER_STEP} if half else {}
     args = ("pretrain", *tiny_run_args(corpus, training_micro_batch_size=2, **budget, **overrides,
                                        **{f"parallel_{k}": v for k, v in layout.items()}), *extra, f"--run.dir={run}")
-    proc = run_lmforge(*args) if nproc == 1 else torchrun(*args, nproc=nproc)
+    if nproc == 1:  # one process: the CLI's entry point in this one (a subprocess would only add imports)
+        assert lmforge_in_process(*args) == 0
+        return
+    proc = torchrun(*args, nproc=nproc)
     assert proc.returncode == 0, tail(proc)
 
 
@@ -87,12 +89,12 @@ def check_layout_then_resume(run: Path, corpus: Path, reference, first, then, *e
     ((4, {"pp": 2, "dp_shard": 2}), (2, {"tp": 2})),
     ((4, {"pp": 2, "tp": 2}), (2, {"cp": 2})),
 ], ids=["cp2xdp_shard2-then-one-process", "tp2xdp_shard2-then-pp2", "pp2xdp_shard2-then-tp2", "pp2xtp2-then-cp2"])
-def test_layout_matches_one_process_and_continues_in_another(tmp_path, corpus, reference, reference_run, first, then):
+def test_layout_matches_one_process_and_continues_in_another(tmp_path, corpus, reference, request, first, then):
     check_layout_then_resume(tmp_path / "run", corpus, reference, first, then)
     if then[1]:  # the final checkpoint was saved split over the second layout: export reads it whole
         import torch
 
-        got, want = exported_weights(tmp_path / "run", tmp_path / "hf"), exported_weights(reference_run, tmp_path / "ref")
+        got, want = exported_weights(tmp_path / "run", tmp_path / "hf"), request.getfixturevalue("reference_weights")
         assert got.keys() == want.keys()
         for k in want:  # 8 AdamW steps amplify last-bit gradient differences where v is tiny: ~1e-4 of the scale
             scale = float(want[k].abs().max())
@@ -111,8 +113,8 @@ def test_expert_parallel_moe_matches_one_process_and_continues_on_one(tmp_path, 
     moe = dict(model_size=None, model_n_layers=None, model_dim=None, model_n_heads=None, model_n_kv_heads=None)
     extra = (f"--model.from_hf={start}", "--training.router_aux_loss_coef=0")
     ref = tmp_path / "reference"
-    proc = run_lmforge("pretrain", *tiny_run_args(corpus, training_micro_batch_size=8, **moe), *extra, f"--run.dir={ref}")
-    assert proc.returncode == 0, tail(proc)
+    assert lmforge_in_process("pretrain", *tiny_run_args(corpus, training_micro_batch_size=8, **moe), *extra,
+                              f"--run.dir={ref}") == 0
     check_layout_then_resume(tmp_path / "run", corpus, curves(ref), (4, {"ep": 2, "mode": "fsdp"}), (1, {}), *extra,
                              rel=1e-4, **moe)
 
@@ -123,8 +125,7 @@ def test_sft_with_tensor_and_context_parallel_together_matches_one_process(tmp_p
     chats = Path(__file__).resolve().parent / "fixtures" / "data" / "fastchat_identity_multiturn.jsonl"
     sft = dict(data_seq_len=64, data_prefetch=0)
     ref, run = tmp_path / "reference", tmp_path / "run"
-    proc = run_lmforge("sft", *tiny_run_args(chats, training_micro_batch_size=8, **sft), f"--run.dir={ref}")
-    assert proc.returncode == 0, tail(proc)
+    assert lmforge_in_process("sft", *tiny_run_args(chats, training_micro_batch_size=8, **sft), f"--run.dir={ref}") == 0
     proc = torchrun("sft", *tiny_run_args(chats, training_micro_batch_size=2, parallel_tp=2, parallel_cp=2, **sft),
                     f"--run.dir={run}", nproc=4)
     assert proc.returncode == 0, tail(proc)

@@ -3,10 +3,11 @@
 
 Each family is a tiny random model built by ``transformers`` with the family's real tokenizer files
 (``tests/fixtures/tokenizers``, published vocabularies of 32k-152k tokens) and generation config. The
-run goes through the real CLI: ``lmforge sft --model.from_hf`` on multi-turn chats for two steps, then
-``lmforge export --hf``. ``transformers`` must load the export as the same class, give the same logits
-as lmforge on a chat prompt built by its own ``apply_chat_template``, the same greedy tokens as
-lmforge's generator, and the same stop tokens.
+run goes through the real CLI's entry point (``lmforge.cli.main``, in the test process): ``lmforge
+sft --model.from_hf`` on multi-turn chats for two steps, then ``lmforge export --hf``.
+``transformers`` must load the export as the same class, give the same logits as lmforge on a chat
+prompt built by its own ``apply_chat_template``, the same greedy tokens as lmforge's generator, and
+the same stop tokens.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import finish, start_lmforge, tiny_run_args
+from _helpers import lmforge_in_process, tiny_run_args
 from _hf_models import FAMILIES, hf_start as _hf_start
 
 transformers = pytest.importorskip("transformers")
@@ -29,23 +30,18 @@ CONVERSATION = [{"role": "user", "content": "Who are you?"}, {"role": "assistant
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Every family fine-tuned for two steps and exported (the CLI runs concurrently)."""
+    """Every family fine-tuned for two steps, then exported, one after another through the CLI's entry
+    point in this process (``lmforge_in_process``): fourteen subprocesses would each only add the
+    imports of torch and transformers."""
     base = tmp_path_factory.mktemp("real_models")
-    procs = {}
     for family in FAMILIES:
         start = _hf_start(family, base / family / "hf_start")
         args = tiny_run_args(CHATS, model_size=None, model_n_layers=None, model_dim=None, model_n_heads=None,
                              model_n_kv_heads=None, data_seq_len=128, training_steps=2, training_global_batch_size=4,
                              training_micro_batch_size=2, tasks_eval_examples=0)
-        procs[family] = start_lmforge("sft", *args, f"--model.from_hf={start}", f"--run.dir={base / family / 'run'}")
-    for family, proc in procs.items():
-        rc, out, err = finish(proc, timeout=400)
-        assert rc == 0, (family, out[-2000:], err[-3000:])
-    exports = {family: start_lmforge("export", base / family / "run", "--hf", base / family / "hf_out")
-               for family in FAMILIES}
-    for family, proc in exports.items():
-        rc, out, err = finish(proc, timeout=200)
-        assert rc == 0, (family, err[-3000:])
+        run = base / family / "run"
+        assert lmforge_in_process("sft", *args, f"--model.from_hf={start}", f"--run.dir={run}") == 0, family
+        assert lmforge_in_process("export", run, "--hf", base / family / "hf_out") == 0, family
     return base
 
 
