@@ -68,7 +68,8 @@ from lmforge.metrics.logger import MetricLogger  # noqa: E402
 from lmforge.metrics.records import read_records  # noqa: E402
 from lmforge.data.corpus import embedded_corpus  # noqa: E402
 from lmforge.data.packing import PackedTokenDataset, collate  # noqa: E402
-from lmforge.models.flops import default_peak_shapes, flops_per_token, measure_matmul_peak, peak_flops_per_device  # noqa: E402
+from lmforge.models.flops import flops_per_token  # noqa: E402
+from lmforge.runtime.precision import default_peak_shapes, measure_matmul_peak, peak_flops_per_device  # noqa: E402
 from lmforge.models.model import ModelArgs, Transformer, model_args_for  # noqa: E402
 from lmforge.models.tokenizer import load_tokenizer  # noqa: E402
 
