@@ -78,3 +78,36 @@ def test_async_lora_grpo_logs_adapter_bytes_per_sync(tmp_path):
     train = {r["step"]: r for r in recs if r["kind"] == "train"}
     sizes = [train[s]["rollout/sync_bytes"] for s in (1, 2, 3)]
     assert sizes[1] == sizes[2] and 0 < sizes[1] < sizes[0] / 10, sizes
+
+
+def test_vllm_starts_on_the_unmerged_base_and_adapter_only_sync_falls_back_where_vllm_cannot_serve():
+    from types import SimpleNamespace
+
+    from lmforge.config import LoraSection
+    from lmforge.models.lora import adapter_weights, base_state
+    from lmforge.rl.engines.lora_sync import adapter_sync_plan
+
+    model = lora_model()
+    with torch.no_grad():  # trained adapters: a merged base would differ from the plain one
+        for a, b in adapter_weights(model).values():
+            b.normal_(0, 0.1)
+    torch.manual_seed(0)
+    plain = Transformer(ARGS).state_dict()
+    base = base_state(model)
+    assert base.keys() == plain.keys() and all(torch.equal(base[k], v) for k, v in plain.items())
+
+    colocated = SimpleNamespace(engine="vllm", vllm_mode="colocate")
+    on = dict(enabled=True, rank=4)
+    assert adapter_sync_plan(LoraSection(**on), colocated, ARGS)[0] == 8  # vLLM's smallest max_lora_rank >= 4
+    assert adapter_sync_plan(LoraSection(enabled=True, rank=16), colocated, ARGS)[0] == 16
+    assert adapter_sync_plan(LoraSection(), colocated, ARGS) == (0, "")
+    assert adapter_sync_plan(LoraSection(**on), SimpleNamespace(engine="lmforge", vllm_mode="colocate"), ARGS) == (0, "")
+    for lora, g, args, why in [
+        (LoraSection(**on, quantize="nf4"), colocated, ARGS, "QLoRA"),
+        (LoraSection(**on), SimpleNamespace(engine="vllm", vllm_mode="server"), ARGS, "colocate"),
+        (LoraSection(enabled=True, rank=1024), colocated, ARGS, "max_lora_rank"),
+        (LoraSection(**on), colocated, ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
+                                                 n_experts=4, n_experts_per_token=2), "experts"),
+    ]:
+        rank, note = adapter_sync_plan(lora, g, args)
+        assert rank == 0 and note.startswith("merged full weights") and why in note, note

@@ -8,6 +8,8 @@ marked ``vllm`` and left out of the default run (minutes: each starts vLLM engin
 * Weight sync: after every weight of the policy is changed and synced, vLLM's log-probs of the tokens it
   samples equal lmforge's fp32 teacher-forced ones (to 1e-3), in-process and through the server, and
   differ from the old weights' by far more (so a sync that misses a tensor fails).
+* LoRA: a policy's adapters alone synced into vLLM's LoRA (a PEFT directory per sync) give vLLM's
+  log-probs equal to lmforge's under the adapters, different from the base's and the previous adapters'.
 * Partial rollouts: a round continued under new weights as completion requests of prompt + tokens so far
   keeps, per token, the version and the teacher-forced log-prob of the weights that sampled it (a
   continuation that reused prefix-cached keys and values of the old weights fails), in-process and
@@ -75,6 +77,21 @@ def test_weight_sync_reaches_every_tensor(smollm2_dir, mode, tmp_path):
     assert r["tokens"] > 20
     assert r["gap_start"] < 1e-3 and r["gap_synced"] < 1e-3, r  # fp32 engine vs fp32 trainer, same weights
     assert r["gap_stale"] > 0.05, r  # the weights did change: a sync that loaded nothing would fail above
+
+
+@needs_vllm
+def test_lora_policy_syncs_only_its_adapters_into_vllm(smollm2_dir, tmp_path):
+    """Adapter-only sync (colocated, vLLM's LoRA): the engine serves the latest adapters on the base it
+    started on, and each sync moves only the adapter tensors' bytes."""
+    rc, out = _run([str(VLLM_PYTHON), str(REPO / "tests/_vllm_lora_check.py"), str(smollm2_dir), str(TOKENIZER),
+                    "adapters", "2"], tmp_path / "log", 600)
+    assert rc == 0, out[-3000:]
+    r = json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("{")))
+    assert r["tokens"] > 20
+    assert r["gap_adapted"] < 1e-3, r  # fp32 engine vs fp32 trainer, the same adapters
+    assert r["gap_base"] > 0.05 and r["gap_previous"] > 0.05, r  # applied, and replaced at the second sync
+    assert r["sync_bytes"] == r["adapter_bytes"], r
+    assert r["snapshots_left"] == ["adapter-00000002"], r  # the older adapter's directory is gone
 
 
 def _grpo(python: str, model: Path, run_dir: Path, **flags: object) -> list[dict]:

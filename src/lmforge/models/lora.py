@@ -158,6 +158,18 @@ def _merge_parameter_adapters(outer: nn.Module) -> nn.Module:
     return base
 
 
+def base_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The frozen base's weights on the CPU under their plain names, adapters left out (not merged): what an
+    engine that applies the adapters itself (vLLM's LoRA) starts on."""
+    out = {}
+    for name, t in model.state_dict().items():
+        parts = name.split(".")
+        if any(p.startswith("lora_") for p in parts):
+            continue
+        out[".".join(p for p in parts if p != "base_layer")] = t.detach().cpu()
+    return out
+
+
 def adapter_weights(model: nn.Module) -> dict[str, tuple[Any, Any]]:
     """``{module name: (A [r, in], B [out, r])}`` of every adapted layer, wrapper prefixes removed."""
     from peft.tuners.tuners_utils import BaseTunerLayer

@@ -31,7 +31,7 @@ from lmforge.rl.judge import DEFAULT_RUBRIC
 if TYPE_CHECKING:  # recipe modules import no torch until a run starts (lmforge --help stays fast)
     from lmforge.objectives.grpo import GRPOObjective
     from lmforge.rl.rewards import WeightedReward
-    from lmforge.runtime import Runtime
+    from lmforge.runtime import RecipeServices, Runtime
     from lmforge.training.loop import Job
 
 
@@ -229,6 +229,18 @@ class GRPO(Recipe):
             probe_rewards(rewards, train[0], g.prompt_field)
         check_engine_settings(g)  # last: it may ask a server or an interpreter, once everything else holds
         return GRPOInputs(rewards, train, test)
+
+    def services(self, cfg: GRPOConfig, inputs: GRPOInputs) -> "RecipeServices":
+        """The setup line's ``lora_sync`` entry (a LoRA policy sampled by vLLM): adapters only, or merged
+        full weights and why (:mod:`lmforge.rl.engines.lora_sync`)."""
+        from lmforge.rl.engines.lora_sync import adapter_sync_plan
+        from lmforge.runtime import RecipeServices
+
+        def notes(args: Any) -> dict[str, str]:
+            note = adapter_sync_plan(cfg.lora, cfg.grpo, args)[1]
+            return {"lora_sync": note} if note else {}
+
+        return RecipeServices(setup_notes=notes)
 
     @staticmethod
     def objective(cfg: GRPOConfig) -> GRPOObjective:

@@ -22,13 +22,16 @@ def rollout_dtype(rt: Runtime, g: Any) -> str:
     return rt.model.dtype if g.rollout_dtype == "auto" else g.rollout_dtype
 
 
-def write_model_dir(rt: Runtime, out: Path) -> None:
-    """A Hugging Face directory of the current policy for an engine to start on (main rank writes)."""
+def write_model_dir(rt: Runtime, out: Path, base_only: bool = False) -> None:
+    """A Hugging Face directory of the current policy for an engine to start on (main rank writes);
+    ``base_only``: a LoRA policy's base without its adapters (the engine applies those itself)."""
     from lmforge.data.chat import stop_token_ids
     from lmforge.exporters import write_tokenizer_files
     from lmforge.models.hf import save_hf_model
+    from lmforge.models.lora import base_state
 
-    state = full_cpu_state(rt.model.raw)  # a collective under FSDP2: every rank
+    # full_cpu_state is a collective under FSDP2: every rank (adapter-only sync runs without FSDP2)
+    state = base_state(rt.model.raw) if base_only else full_cpu_state(rt.model.raw)
     if rt.world.dist.is_main:
         stops = stop_token_ids(rt.model.tokenizer)
         save_hf_model(state, rt.model.args, out, bos_token_id=rt.model.tokenizer.bos_id, pad_token_id=rt.model.tokenizer.pad_id,
@@ -111,8 +114,11 @@ def _started_engine(rt: Runtime, g: Any, snapshots: WeightSnapshots, dtype: str,
     from lmforge.rl.engines import vllm_engine
     from lmforge.rl.engines.openai_backend import VllmApiBackend, start_server
 
+    from lmforge.rl.engines.lora_sync import adapter_sync_plan
+
     max_len = rt.model.args.max_seq_len
-    write_model_dir(rt, model_dir)
+    lora_rank = adapter_sync_plan(rt.cfg.lora, g, rt.model.args)[0]
+    write_model_dir(rt, model_dir, base_only=bool(lora_rank))
     if g.vllm_mode == "server":
         backend = None
         if rt.world.dist.is_main:
@@ -125,5 +131,6 @@ def _started_engine(rt: Runtime, g: Any, snapshots: WeightSnapshots, dtype: str,
         backend = backend or VllmApiBackend(str(url[0][0]), secret=url[0][1])
         return _served(rt, g, snapshots, dtype, [backend])
     runner = vllm_engine.colocated_runner(model_dir, dtype=dtype, seed=seed, max_model_len=max_len,
-                                          gpu_memory_utilization=g.vllm_gpu_memory_utilization)
-    return vllm_engine.VllmEngine(runner, snapshots, loads=True, shared=False)
+                                          gpu_memory_utilization=g.vllm_gpu_memory_utilization, max_lora_rank=lora_rank)
+    adapters = (rt.cfg.lora.model_dump(), str(model_dir.resolve())) if lora_rank else None
+    return vllm_engine.VllmEngine(runner, snapshots, loads=True, shared=False, adapters=adapters)

@@ -1,5 +1,5 @@
 """Policy weights as files vLLM reads: a whole Hugging Face model directory to start an engine on, and a
-safetensors snapshot per weight sync.
+safetensors snapshot per weight sync (or, for a LoRA policy, a PEFT adapter directory: :mod:`.lora_sync`).
 
 Snapshots are written next to each other under one directory (``/dev/shm`` by default: a file there is
 shared memory, so a sync is one copy out of the trainer and one memory-mapped read in the engine), under
@@ -70,10 +70,25 @@ class WeightSnapshots:
         os.replace(tmp, path)
         return path
 
+    def write_adapter(self, model: nn.Module, version: int, lora: dict, base_name: str) -> Path:
+        """The adapters of ``model`` alone as a PEFT directory (Hugging Face module names, for vLLM's LoRA;
+        ``base_name``: the model directory the engine started on); returns its path. Only the writing rank
+        writes."""
+        from lmforge.exporters.run_export import write_peft_adapter
+
+        path = self.dir / f"adapter-{version:08d}"
+        if not self.writes:
+            return path
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=self.dir))
+        write_peft_adapter(model, lora, base_name, tmp)
+        shutil.rmtree(path, ignore_errors=True)  # a resumed run may sync a version again
+        os.replace(tmp, path)
+        return path
+
     def loaded(self, path: Path) -> None:
         """The engine has loaded ``path``: the snapshot before it can go."""
         if self.current is not None and self.current != path:
-            self.current.unlink(missing_ok=True)
+            _remove(self.current)
         self.current = path
 
     def close(self) -> None:
@@ -82,4 +97,12 @@ class WeightSnapshots:
         if self.owned:
             shutil.rmtree(self.dir, ignore_errors=True)
         elif self.current is not None:
-            self.current.unlink(missing_ok=True)
+            _remove(self.current)
+
+
+def _remove(path: Path) -> None:
+    """A snapshot: a safetensors file, or an adapter's directory."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

@@ -1,7 +1,7 @@
 """The vLLM engine: colocated (a ``vllm.LLM`` in the trainer's process) or servers (HTTP).
 
 Weight sync writes a safetensors snapshot of the policy (:mod:`.snapshot`) and has the engine reload it
-in place (:mod:`.vllm_worker`), or sends the weights to servers over a process group
+in place (:mod:`.vllm_worker`), or for a LoRA policy colocated only its adapters (:mod:`.lora_sync`), or sends the weights to servers over a process group
 (``grpo.weight_sync = "memory"``: :mod:`.weight_transfer`); on several ranks every rank takes part in
 gathering the weights, then each colocated engine loads them, or rank 0 alone syncs the servers (the
 others wait at a barrier so no rank samples from the old weights). Servers are reached through
@@ -169,10 +169,13 @@ class VllmEngine:
     name = "vllm"
 
     def __init__(self, backend: Any, snapshots: WeightSnapshots, *, loads: bool, shared: bool,
-                 memory_dtype: Any = None) -> None:
-        """``memory_dtype``: sync in memory (:mod:`.weight_transfer`), the weights cast to it; None: by file."""
+                 memory_dtype: Any = None, adapters: tuple[dict, str] | None = None) -> None:
+        """``memory_dtype``: sync in memory (:mod:`.weight_transfer`), the weights cast to it; None: by file.
+        ``adapters``: ``(lora section as a dict, base model directory)``: sync the LoRA adapters alone, as
+        PEFT directories the backend loads (:mod:`.lora_sync`; it was started on the base with LoRA on)."""
         self.backend, self.snapshots, self.loads, self.shared = backend, snapshots, loads, shared
         self.memory_dtype = memory_dtype
+        self.adapters = adapters
         self.version = -1
         self.sync_seconds = 0.0
         self.sync_bytes = 0
@@ -188,7 +191,19 @@ class VllmEngine:
         agree = getattr(self.backend, "agree", None)  # a pool of servers: the same ones on every rank
         if agree is not None:
             agree()
-        if self.memory_dtype is not None:
+        if self.adapters is not None:
+            from lmforge.rl.engines.lora_sync import adapter_bytes
+
+            path = self.snapshots.write_adapter(model, version, *self.adapters)
+            if dist.is_initialized():
+                dist.barrier()
+            if self.loads:
+                self.backend.load_adapter(str(path))
+                if dist.is_initialized():  # every rank has read it before it can go
+                    dist.barrier()
+                self.snapshots.loaded(path)
+            self.sync_bytes = adapter_bytes(model)
+        elif self.memory_dtype is not None:
             from lmforge.rl.engines.weight_transfer import hf_buckets
 
             buckets = hf_buckets(model, self.memory_dtype)  # every rank gathers; rank 0 sends
@@ -220,13 +235,13 @@ class VllmEngine:
 
 
 def colocated_runner(model_dir: Path, *, dtype: str, seed: int, max_model_len: int,
-                     gpu_memory_utilization: float) -> Any:
+                     gpu_memory_utilization: float, max_lora_rank: int = 0) -> Any:
     if importlib.util.find_spec("vllm") is None:
         raise UserError(f"grpo.engine=vllm with grpo.vllm_mode=colocate: {INSTALL}")
     from lmforge.rl.engines.vllm_server import VllmRunner
 
     return VllmRunner(str(model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
-                      gpu_memory_utilization=gpu_memory_utilization)
+                      gpu_memory_utilization=gpu_memory_utilization, max_lora_rank=max_lora_rank)
 
 
 def python_for_server(configured: str) -> str:

@@ -41,7 +41,8 @@ WORKER_EXTENSION = "lmforge.rl.engines.vllm_worker.WeightSync"
 
 class VllmRunner:
     def __init__(self, model_dir: str, *, dtype: str = "auto", seed: int = 0, max_model_len: int | None = None,
-                 gpu_memory_utilization: float = 0.3) -> None:
+                 gpu_memory_utilization: float = 0.3, max_lora_rank: int = 0) -> None:
+        """``max_lora_rank``: start with vLLM's LoRA on (one adapter at a time, :meth:`load_adapter`); 0: off."""
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         # vLLM keeps a CPU core for its front end by default: with few cores that slows sampling a lot
         # (bench/vllm_generate.py; docs/rollout_engines.md has the numbers)
@@ -51,6 +52,9 @@ class VllmRunner:
 
         self.is_cpu = current_platform.is_cpu()
         kwargs: dict[str, Any] = {}
+        if max_lora_rank:
+            kwargs |= {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1}
+        self.lora_request: Any = None
         if not self.is_cpu:
             kwargs |= {"gpu_memory_utilization": gpu_memory_utilization}
         self.llm = LLM(model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
@@ -69,7 +73,8 @@ class VllmRunner:
                                   logprobs=0 if logprobs else None, seed=None if self.is_cpu else seed + i)
 
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                                 [params(i) for i in range(len(prompts))], use_tqdm=False)
+                                 [params(i) for i in range(len(prompts))], use_tqdm=False,
+                                 lora_request=self.lora_request)
         result = []
         for o in outs:
             c = o.outputs[0]
@@ -85,6 +90,22 @@ class VllmRunner:
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM did not reset its prefix cache after the weight load (requests were running)")
         return seconds
+
+    def load_adapter(self, path: str) -> float:
+        """Serve the PEFT adapter directory ``path`` from now on, in place of the one before (unloaded): a new
+        ``LoRARequest`` (new name and id, so no cached blocks of the old adapter are reused), read now."""
+        from vllm.lora.request import LoRARequest
+
+        t0 = time.perf_counter()
+        old = self.lora_request
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+        n = old.lora_int_id + 1 if old is not None else 1
+        request = LoRARequest(f"policy-{n}", n, str(path))
+        if not self.llm.llm_engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the LoRA adapter {path}")
+        self.lora_request = request
+        return time.perf_counter() - t0
 
     def close(self) -> None:
         """Stop vLLM's engine processes now, not whenever the interpreter gets to it."""
