@@ -449,16 +449,14 @@ def spec_build(args):
     return model
 
 
-@pytest.fixture(scope="module")
-def chat_start(tmp_path_factory):
-    """A tiny random DeepSeek-V3 saved with a real chat tokenizer (Qwen2.5's fixture)."""
+def write_chat_start(out: Path) -> Path:
+    """A tiny random DeepSeek-V3 saved in ``out`` with a real chat tokenizer (Qwen2.5's fixture)."""
     import shutil
 
     from _chat_fixtures import REAL_TOKENIZERS
 
     tok = REAL_TOKENIZERS / "qwen2.5-instruct"
     real = json.loads((tok / "config.json").read_text())
-    out = tmp_path_factory.mktemp("deepseek_start")
     cfg = hf_config("q_lora_yarn", vocab_size=real["vocab_size"], bos_token_id=real.get("bos_token_id"),
                     eos_token_id=real.get("eos_token_id"), max_position_embeddings=512, pad_token_id=None)
     torch.manual_seed(0)
@@ -467,6 +465,12 @@ def chat_start(tmp_path_factory):
         if f.name != "config.json":
             shutil.copy(f, out / f.name)
     return out
+
+
+@pytest.fixture(scope="module")
+def chat_start(tmp_path_factory):
+    """A tiny random DeepSeek-V3 saved with a real chat tokenizer (Qwen2.5's fixture)."""
+    return write_chat_start(tmp_path_factory.mktemp("deepseek_start"))
 
 
 def _pairs(path):

@@ -4,8 +4,6 @@ softmax top-k router (Qwen3-MoE) and a sigmoid, group-limited one with a correct
 
 from __future__ import annotations
 
-import json
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -24,21 +22,9 @@ def start_dir(family: str, out: Path) -> Path:
         from _hf_models import hf_start
 
         return hf_start(family, out)
-    import torch
+    from test_deepseek_v3 import write_chat_start
 
-    from _chat_fixtures import REAL_TOKENIZERS
-    from test_deepseek_v3 import hf_config
-
-    tok = REAL_TOKENIZERS / "qwen2.5-instruct"
-    real = json.loads((tok / "config.json").read_text())
-    cfg = hf_config("q_lora_yarn", vocab_size=real["vocab_size"], bos_token_id=real.get("bos_token_id"),
-                    eos_token_id=real.get("eos_token_id"), max_position_embeddings=512, pad_token_id=None)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
-    for f in tok.iterdir():
-        if f.name != "config.json":
-            shutil.copy(f, out / f.name)
-    return out
+    return write_chat_start(out)
 
 
 KEYS = ("loss", "grad_norm", "reward/mean", "grpo/route_flips", "grpo/rollout_logprob_gap")
